@@ -1,0 +1,272 @@
+"""Transition-state queue access lock (after DeFiBus), broker side.
+
+During a rebalance two members of a CLUSTERING group can briefly both believe they own a
+queue: the new owner starts pulling while the old owner is still consuming (and has not yet
+committed) what it pulled. Both then see the same messages, which is a main source of
+duplicate deliveries. The access lock lets the broker serialise that hand-over: per
+(group, topic, queue) it remembers which client last pulled (the *holder*), and a pull by any
+other client is refused ("queue is locked by another client": no messages, same next offset;
+the client simply retries) until one of these holds:
+
+* **drained**: everything delivered has been acked (``deliver_offset == ack_offset``) and the
+  deliver offset has not moved for ``stable_checks`` (default 3) consecutive checks, a check
+  being a pull by a non-holder; or
+* **timeout**: the holder has not been seen for ``hold_timeout`` seconds (default 30).
+
+A client that takes a queue over has its requested offset corrected forward to the ack
+offset (never backwards, never to the invalid ``-1``) so that it does not re-read what the
+previous holder already consumed.
+
+Timeouts, and why they differ from DeFiBus
+------------------------------------------
+In DeFiBus the hold timeout is tiny (100 ms) and the holder's access time is refreshed only by
+fresh pulls. A holder whose pull is *suspended* in long polling (up to 15 s on an idle queue)
+therefore looks idle and is displaced while alive, which defeats the lock exactly when it
+matters. Here the broker keeps a live holder's lock fresh through three paths:
+
+* every pull by the holder (:meth:`AccessLockTable.on_pull`);
+* :meth:`AccessLockTable.touch` while the holder's pull is suspended in long polling, and while
+  it drains or commits after a revoke;
+* :meth:`AccessLockTable.touch_client` on every client heartbeat (clients send one every few
+  seconds).
+
+So ``hold_timeout`` is tied to heartbeat behaviour rather than to pull behaviour: the default
+of 30 s spans several missed heartbeats, so a live, connected holder is never displaced by the
+timeout. A crashed holder does not wait for it either: the broker calls
+:meth:`AccessLockTable.release_client` as soon as the client unregisters, its connection
+closes, or its heartbeat expires, and the next pull takes the queue as ``"free"``. The timeout
+only matters for a client that is hung but still connected.
+
+The lock reduces duplicates caused by rebalances; it cannot remove them all (for instance a
+message retried after a consume failure), so consumers still need idempotency.
+
+The class is pure and I/O-free: time is passed in as ``now`` (seconds, any monotonic origin) on
+every call and no clock is read. It is not thread-safe; the broker calls it from one event
+loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["AccessLockTable", "LockDecision"]
+
+TAKEOVER_FREE = "free"
+TAKEOVER_DRAINED = "drained"
+TAKEOVER_TIMEOUT = "timeout"
+
+_Key = tuple[str, str, int]
+
+
+@dataclass(frozen=True)
+class LockDecision:
+    """Outcome of :meth:`AccessLockTable.on_pull`."""
+
+    granted: bool
+    """False: the pull is refused, "queue is locked by another client"."""
+    offset: int
+    """The offset the pull must read from (corrected forward on takeover)."""
+    takeover: str | None
+    """None, "free", "drained" or "timeout": why the caller became the holder."""
+    previous_holder: str | None
+    """Holder before this call (None if the queue was free)."""
+    holder: str
+    """Holder after this call."""
+
+
+@dataclass
+class _Entry:
+    holder: str
+    last_access: float
+    last_deliver_offset: int
+    unchanged_checks: int = 0
+    pending_handover: bool = False
+
+
+def _forward_offset(requested_offset: int, ack_offset: int) -> int:
+    """Offset corrected forward to the ack offset: never backwards, never to -1."""
+    if ack_offset >= 0:
+        return max(requested_offset, ack_offset)
+    return requested_offset
+
+
+class AccessLockTable:
+    """Per (group, topic, queue) access lock held by one client at a time."""
+
+    def __init__(self, hold_timeout: float = 30.0, stable_checks: int = 3) -> None:
+        if not hold_timeout > 0:
+            raise ValueError(f"hold_timeout must be > 0, got {hold_timeout!r}")
+        if stable_checks < 0:
+            raise ValueError(f"stable_checks must be >= 0, got {stable_checks!r}")
+        self.hold_timeout = float(hold_timeout)
+        self.stable_checks = int(stable_checks)
+        self._entries: dict[_Key, _Entry] = {}
+        self._by_client: dict[str, set[_Key]] = {}
+
+    # -- pulls ---------------------------------------------------------------------------
+
+    def on_pull(
+        self,
+        group: str,
+        topic: str,
+        queue_id: int,
+        client_id: str,
+        requested_offset: int,
+        ack_offset: int,
+        deliver_offset: int,
+        now: float,
+    ) -> LockDecision:
+        """Decide whether ``client_id`` may pull the queue, and from which offset.
+
+        ``ack_offset`` is the group's committed offset for the queue (-1 if none) and
+        ``deliver_offset`` the broker's current deliver offset for it.
+        """
+        key = (group, topic, queue_id)
+        entry = self._entries.get(key)
+
+        if entry is None:
+            self._set_holder(key, None, client_id, deliver_offset, now)
+            return LockDecision(
+                granted=True,
+                offset=_forward_offset(requested_offset, ack_offset),
+                takeover=TAKEOVER_FREE,
+                previous_holder=None,
+                holder=client_id,
+            )
+
+        if entry.holder == client_id:
+            entry.last_access = max(entry.last_access, now)
+            if deliver_offset != entry.last_deliver_offset:
+                entry.last_deliver_offset = deliver_offset
+                entry.unchanged_checks = 0
+            return LockDecision(
+                granted=True,
+                offset=requested_offset,
+                takeover=None,
+                previous_holder=client_id,
+                holder=client_id,
+            )
+
+        # Another client holds the queue: this pull is a check.
+        if deliver_offset == entry.last_deliver_offset:
+            entry.unchanged_checks += 1
+        else:
+            entry.last_deliver_offset = deliver_offset
+            entry.unchanged_checks = 0
+
+        previous = entry.holder
+        takeover: str | None = None
+        if deliver_offset == ack_offset and entry.unchanged_checks >= self.stable_checks:
+            takeover = TAKEOVER_DRAINED
+        elif now - entry.last_access >= self.hold_timeout:
+            takeover = TAKEOVER_TIMEOUT
+
+        if takeover is None:
+            entry.pending_handover = True
+            return LockDecision(
+                granted=False,
+                offset=requested_offset,
+                takeover=None,
+                previous_holder=previous,
+                holder=previous,
+            )
+
+        self._set_holder(key, previous, client_id, deliver_offset, now)
+        return LockDecision(
+            granted=True,
+            offset=_forward_offset(requested_offset, ack_offset),
+            takeover=takeover,
+            previous_holder=previous,
+            holder=client_id,
+        )
+
+    # -- liveness ------------------------------------------------------------------------
+
+    def touch(self, group: str, topic: str, queue_id: int, client_id: str, now: float) -> None:
+        """The holder is alive (pull suspended in long polling, draining, committing).
+
+        Refreshes the access time only if ``client_id`` is the holder; otherwise does nothing.
+        """
+        entry = self._entries.get((group, topic, queue_id))
+        if entry is not None and entry.holder == client_id:
+            entry.last_access = max(entry.last_access, now)
+
+    def touch_client(self, client_id: str, now: float) -> None:
+        """Refresh every lock held by ``client_id`` (called on its heartbeat)."""
+        for key in self._by_client.get(client_id, ()):
+            entry = self._entries[key]
+            entry.last_access = max(entry.last_access, now)
+
+    # -- release -------------------------------------------------------------------------
+
+    def release(self, group: str, topic: str, queue_id: int, client_id: str) -> bool:
+        """Release the queue if ``client_id`` holds it; return whether it did."""
+        key = (group, topic, queue_id)
+        entry = self._entries.get(key)
+        if entry is None or entry.holder != client_id:
+            return False
+        del self._entries[key]
+        self._unindex(client_id, key)
+        return True
+
+    def release_client(self, client_id: str) -> list[tuple[str, str, int]]:
+        """Remove every lock of ``client_id`` (unregister, disconnect, heartbeat expiry).
+
+        Returns the removed (group, topic, queue_id) keys, sorted.
+        """
+        keys = self._by_client.pop(client_id, set())
+        for key in keys:
+            del self._entries[key]
+        return sorted(keys)
+
+    # -- inspection ----------------------------------------------------------------------
+
+    def holder(self, group: str, topic: str, queue_id: int) -> str | None:
+        entry = self._entries.get((group, topic, queue_id))
+        return None if entry is None else entry.holder
+
+    def snapshot(self, group: str) -> list[dict]:
+        """Lock state of every locked queue of ``group``, sorted by (topic, queue_id)."""
+        rows = []
+        for (g, topic, queue_id), entry in sorted(self._entries.items()):
+            if g != group:
+                continue
+            rows.append(
+                {
+                    "topic": topic,
+                    "queue_id": queue_id,
+                    "holder": entry.holder,
+                    "last_access": entry.last_access,
+                    "last_deliver_offset": entry.last_deliver_offset,
+                    "unchanged_checks": entry.unchanged_checks,
+                    "pending_handover": entry.pending_handover,
+                }
+            )
+        return rows
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _set_holder(
+        self,
+        key: _Key,
+        previous: str | None,
+        client_id: str,
+        deliver_offset: int,
+        now: float,
+    ) -> None:
+        if previous is not None:
+            self._unindex(previous, key)
+        self._entries[key] = _Entry(
+            holder=client_id, last_access=now, last_deliver_offset=deliver_offset
+        )
+        self._by_client.setdefault(client_id, set()).add(key)
+
+    def _unindex(self, client_id: str, key: _Key) -> None:
+        keys = self._by_client.get(client_id)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._by_client[client_id]

@@ -1,0 +1,39 @@
+"""File headers of commit-log segments and consume-queue index files (pure)."""
+
+from __future__ import annotations
+
+import struct
+
+LOG_MAGIC = b"ONCQLOG\x00"
+INDEX_MAGIC = b"ONCQIDX\x00"
+FORMAT_VERSION = 1
+FILE_HEADER = struct.Struct("<8sHHIq")  # magic, version, reserved, reserved, base
+FILE_HEADER_SIZE = FILE_HEADER.size  # 24
+
+INDEX_ENTRY = struct.Struct("<qIIq")  # position, size, tag hash, store timestamp (ms)
+INDEX_ENTRY_SIZE = INDEX_ENTRY.size  # 24
+
+
+class FileHeaderError(ValueError):
+    pass
+
+
+def encode_file_header(magic: bytes, base: int) -> bytes:
+    return FILE_HEADER.pack(magic, FORMAT_VERSION, 0, 0, base)
+
+
+def decode_file_header(raw: bytes, magic: bytes, expect_base: int) -> None:
+    """Raise FileHeaderError unless ``raw`` is a header of this kind for ``expect_base``."""
+    if len(raw) < FILE_HEADER_SIZE:
+        raise FileHeaderError("file header truncated")
+    got_magic, version, _r1, _r2, base = FILE_HEADER.unpack_from(raw)
+    if got_magic != magic:
+        raise FileHeaderError("bad file magic")
+    if version != FORMAT_VERSION:
+        raise FileHeaderError(f"unsupported file format version {version}")
+    if base != expect_base:
+        raise FileHeaderError(f"file base {base} does not match its name ({expect_base})")
+
+
+def file_name(base: int) -> str:
+    return f"{base:020d}"

@@ -1,0 +1,82 @@
+"""Stable error codes of the onceq wire protocol.
+
+Every response carries a numeric code. ``0`` is success; everything else is an error
+with a stable number, a stable symbolic name and a human-readable message. Codes marked
+retriable are the ones a producer retries (RocketMQ's "service unavailable", "system
+busy", "topic missing on that broker" family).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ErrorCode(IntEnum):
+    OK = 0
+    SYSTEM_ERROR = 1
+    BAD_REQUEST = 2
+    UNKNOWN_REQUEST = 3
+    FRAME_TOO_LARGE = 4
+    UNSUPPORTED_VERSION = 5
+    TOPIC_NOT_EXIST = 10
+    TOPIC_EXISTS = 11
+    INVALID_NAME = 12
+    INVALID_QUEUE = 13
+    MESSAGE_TOO_LARGE = 14
+    INVALID_ARGUMENT = 15
+    GROUP_NOT_EXIST = 16
+    SERVICE_UNAVAILABLE = 30
+    SYSTEM_BUSY = 31
+    FLUSH_TIMEOUT = 32
+    SHUTTING_DOWN = 33
+
+
+RETRIABLE: frozenset[ErrorCode] = frozenset(
+    {
+        ErrorCode.SERVICE_UNAVAILABLE,
+        ErrorCode.SYSTEM_BUSY,
+        ErrorCode.FLUSH_TIMEOUT,
+        ErrorCode.SHUTTING_DOWN,
+    }
+)
+
+DEFAULT_MESSAGES: dict[ErrorCode, str] = {
+    ErrorCode.OK: "ok",
+    ErrorCode.SYSTEM_ERROR: "internal broker error",
+    ErrorCode.BAD_REQUEST: "malformed request",
+    ErrorCode.UNKNOWN_REQUEST: "unknown request code",
+    ErrorCode.FRAME_TOO_LARGE: "frame exceeds the maximum frame size",
+    ErrorCode.UNSUPPORTED_VERSION: "unsupported protocol version",
+    ErrorCode.TOPIC_NOT_EXIST: "topic does not exist",
+    ErrorCode.TOPIC_EXISTS: "topic already exists",
+    ErrorCode.INVALID_NAME: "invalid name",
+    ErrorCode.INVALID_QUEUE: "queue id out of range",
+    ErrorCode.MESSAGE_TOO_LARGE: "message body exceeds the maximum body size",
+    ErrorCode.INVALID_ARGUMENT: "invalid argument",
+    ErrorCode.GROUP_NOT_EXIST: "consumer group does not exist",
+    ErrorCode.SERVICE_UNAVAILABLE: "service unavailable",
+    ErrorCode.SYSTEM_BUSY: "broker busy, try again",
+    ErrorCode.FLUSH_TIMEOUT: "flush to disk timed out",
+    ErrorCode.SHUTTING_DOWN: "broker is shutting down",
+}
+
+
+class OnceqError(Exception):
+    """An error with a stable code. ``retriable`` tells whether repeating may succeed."""
+
+    def __init__(self, code: ErrorCode | int, message: str | None = None) -> None:
+        try:
+            code = ErrorCode(code)
+        except ValueError:
+            code = ErrorCode.SYSTEM_ERROR
+        self.code: ErrorCode = code
+        self.message: str = message or DEFAULT_MESSAGES.get(code, code.name)
+        super().__init__(f"{code.name} ({int(code)}): {self.message}")
+
+    @property
+    def retriable(self) -> bool:
+        return self.code in RETRIABLE
+
+
+class ProtocolError(OnceqError):
+    """The byte stream itself is broken: the connection must be closed."""

@@ -1,0 +1,179 @@
+"""Per-queue consume-queue index: fixed-size entries in files of ``entries_per_file``.
+
+Entry ``k`` of a queue (queue offset ``k``) lives in the file whose base offset is
+``k - k % entries_per_file``. An entry is (commit-log position, size, tag hash, store
+timestamp). The index is derived data: recovery rebuilds it from the commit log.
+"""
+
+from __future__ import annotations
+
+import os
+from bisect import bisect_left
+
+from ..log.segment import (
+    FILE_HEADER_SIZE,
+    INDEX_ENTRY,
+    INDEX_ENTRY_SIZE,
+    INDEX_MAGIC,
+    FileHeaderError,
+    decode_file_header,
+    encode_file_header,
+    file_name,
+)
+
+
+class ConsumeQueue:
+    __slots__ = ("_fds", "dir", "max_offset", "min_offset", "per_file")
+
+    def __init__(self, directory: str, entries_per_file: int) -> None:
+        self.dir = directory
+        self.per_file = entries_per_file
+        self._fds: dict[int, int] = {}  # file base offset -> fd
+        self.min_offset = 0
+        self.max_offset = 0  # next offset to be written
+        os.makedirs(directory, exist_ok=True)
+
+    def load(self) -> None:
+        """Open existing files; drop a torn trailing partial entry; find min/max offsets."""
+        bases = sorted(int(n) for n in os.listdir(self.dir) if n.isdigit() and len(n) == 20)
+        good: list[int] = []
+        for base in bases:
+            path = os.path.join(self.dir, file_name(base))
+            if base % self.per_file or (good and base != good[-1] + self.per_file):
+                os.unlink(path)
+                continue
+            fd = os.open(path, os.O_RDWR)
+            try:
+                decode_file_header(os.pread(fd, FILE_HEADER_SIZE, 0), INDEX_MAGIC, base)
+            except FileHeaderError:
+                os.close(fd)
+                os.unlink(path)
+                continue
+            self._fds[base] = fd
+            good.append(base)
+        # only the last file may be partial; a short earlier file ends the index there
+        for base in good[:-1]:
+            if self._entries_in(base) < self.per_file:
+                self.max_offset = base + self._entries_in(base)
+                self.truncate(self.max_offset)
+                break
+        if not self._fds:
+            self.min_offset = self.max_offset = 0
+            return
+        last = max(self._fds)
+        self.min_offset = min(self._fds)
+        self.max_offset = last + self._entries_in(last)
+        # a queue restarted at k > 0 leaves zero-filled entries before k in its first file
+        self.min_offset = self.first_offset_where(1, 1)
+
+    def _entries_in(self, base: int) -> int:
+        size = os.fstat(self._fds[base]).st_size - FILE_HEADER_SIZE
+        return max(0, size) // INDEX_ENTRY_SIZE
+
+    def reset(self, offset: int) -> None:
+        """Drop every entry and restart the queue at ``offset``."""
+        self.truncate(self.min_offset)
+        self.min_offset = self.max_offset = offset
+
+    # ---------------------------------------------------------------- writes
+    def append(self, entries: bytes, count: int) -> None:
+        """Append ``count`` packed entries starting at ``max_offset``."""
+        offset = self.max_offset
+        view = memoryview(entries)
+        while count:
+            base = offset - offset % self.per_file
+            fd = self._fds.get(base)
+            if fd is None:
+                fd = self._create(base)
+            room = base + self.per_file - offset
+            n = min(room, count)
+            chunk = view[: n * INDEX_ENTRY_SIZE]
+            os.pwrite(fd, chunk, FILE_HEADER_SIZE + (offset - base) * INDEX_ENTRY_SIZE)
+            view = view[n * INDEX_ENTRY_SIZE:]
+            offset += n
+            count -= n
+        self.max_offset = offset
+
+    def _create(self, base: int) -> int:
+        path = os.path.join(self.dir, file_name(base))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.write(fd, encode_file_header(INDEX_MAGIC, base))
+        self._fds[base] = fd
+        return fd
+
+    def truncate(self, offset: int) -> None:
+        """Remove entries at and after ``offset`` (``offset`` <= min_offset empties it)."""
+        if offset <= self.min_offset:
+            for base in list(self._fds):
+                os.close(self._fds.pop(base))
+                os.unlink(os.path.join(self.dir, file_name(base)))
+            self.min_offset = self.max_offset = min(offset, self.min_offset)
+            return
+        keep = offset - offset % self.per_file
+        for base in list(self._fds):
+            if base > keep:
+                os.close(self._fds.pop(base))
+                os.unlink(os.path.join(self.dir, file_name(base)))
+            elif base == keep:
+                os.ftruncate(self._fds[base], FILE_HEADER_SIZE + (offset - base) * INDEX_ENTRY_SIZE)
+        self.max_offset = min(self.max_offset, offset)
+
+    # ---------------------------------------------------------------- reads
+    def read(self, offset: int, count: int) -> bytes:
+        """Packed entries for [offset, offset+count) clipped to the queue's range."""
+        offset = max(offset, self.min_offset)
+        count = min(count, self.max_offset - offset)
+        if count <= 0:
+            return b""
+        base = offset - offset % self.per_file
+        n = min(count, base + self.per_file - offset)
+        return os.pread(
+            self._fds[base], n * INDEX_ENTRY_SIZE,
+            FILE_HEADER_SIZE + (offset - base) * INDEX_ENTRY_SIZE,
+        )
+
+    def entry(self, offset: int) -> tuple[int, int, int, int]:
+        raw = self.read(offset, 1)
+        if len(raw) != INDEX_ENTRY_SIZE:
+            raise KeyError(offset)
+        return INDEX_ENTRY.unpack(raw)
+
+    def first_offset_where(self, pred_index: int, value: int) -> int:
+        """Smallest offset in [min, max) whose entry field ``pred_index`` >= value (else max)."""
+
+        class _View:
+            def __len__(_s) -> int:
+                return self.max_offset - self.min_offset
+
+            def __getitem__(_s, i: int) -> int:
+                return self.entry(self.min_offset + i)[pred_index]
+
+        return self.min_offset + bisect_left(_View(), value)
+
+    # ---------------------------------------------------------------- retention
+    def drop_below_position(self, log_start: int) -> None:
+        """Advance ``min_offset`` past entries whose record was deleted by retention."""
+        if self.max_offset == self.min_offset:
+            return
+        new_min = self.first_offset_where(0, log_start)
+        if new_min <= self.min_offset:
+            return
+        self.min_offset = new_min
+        for base in sorted(self._fds):
+            if base + self.per_file <= new_min and base + self.per_file <= self.max_offset:
+                os.close(self._fds.pop(base))
+                os.unlink(os.path.join(self.dir, file_name(base)))
+
+    def dirty_fds(self) -> list[int]:
+        return list(self._fds.values())
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def destroy(self) -> None:
+        self.close()
+        for n in os.listdir(self.dir):
+            os.unlink(os.path.join(self.dir, n))
+        os.rmdir(self.dir)

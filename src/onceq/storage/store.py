@@ -1,0 +1,409 @@
+"""The message store: commit log + consume queues + topic configs + consumer offsets.
+
+All methods are synchronous and run on the broker's event loop; fsync happens in the
+flush service (``flush.py``) off the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ..log.record import (
+    REC_HEADER_SIZE,
+    RecordError,
+    RecordHead,
+    build_record,
+    part_unique_key_and_tags,
+    tag_hash,
+)
+from ..log.segment import INDEX_ENTRY
+from ..protocol.codes import PullStatus
+from ..protocol.errors import ErrorCode, OnceqError
+from .commitlog import CommitLog
+from .config import StoreConfig
+from .consumequeue import ConsumeQueue
+from .dedup import DedupWindow
+from .metadata import (
+    decode_checkpoint,
+    encode_checkpoint,
+    load_json,
+    save_json,
+    write_atomic,
+)
+
+log = logging.getLogger("onceq.storage")
+
+NAME_RE = re.compile(r"^[A-Za-z0-9_%|.\-]{1,127}$")
+MAX_QUEUES = 1024
+
+
+def check_name(kind: str, name: object) -> str:
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise OnceqError(
+            ErrorCode.INVALID_NAME,
+            f"invalid {kind} name {name!r}: use 1-127 of A-Z a-z 0-9 _ - . % |",
+        )
+    return name
+
+
+@dataclass(slots=True)
+class TopicConfig:
+    name: str
+    queues: int
+    created_position: int  # records before this commit-log position belong to older topics
+    created_ms: int
+
+    def to_json(self) -> dict:
+        return {"queues": self.queues, "created_position": self.created_position,
+                "created_ms": self.created_ms}
+
+
+@dataclass(slots=True)
+class PutResult:
+    queue_id: int
+    offsets: list[int]  # queue offset of each message, in order
+    duplicates: list[int]  # indexes of messages that were already stored (dedup window)
+    end_position: int  # commit-log end after this write (for sync flush)
+
+
+@dataclass(slots=True)
+class GetResult:
+    status: PullStatus
+    payload: bytes
+    count: int
+    next_offset: int
+    min_offset: int
+    max_offset: int
+
+
+class _NeedFullRebuild(Exception):
+    pass
+
+
+class MessageStore:
+    def __init__(self, config: StoreConfig, clock: Callable[[], float] = time.time) -> None:
+        config.validate()
+        self.config = config
+        self.clock = clock
+        root = config.data_dir
+        self._topics_path = os.path.join(root, "topics.json")
+        self._offsets_path = os.path.join(root, "offsets.json")
+        self._checkpoint_path = os.path.join(root, "checkpoint")
+        self._queues_dir = os.path.join(root, "queues")
+        os.makedirs(self._queues_dir, exist_ok=True)
+        self.log = CommitLog(os.path.join(root, "commitlog"), config.segment_size)
+        self.topics: dict[str, TopicConfig] = {}
+        self.queues: dict[tuple[str, int], ConsumeQueue] = {}
+        self.offsets: dict[str, dict[str, dict[str, int]]] = {}
+        self.dedup = DedupWindow(config.dedup_window_s, config.dedup_max_keys)
+        self._offsets_dirty = False
+        self.recovered_records = 0
+
+    # ================================================================ recovery
+    def open(self) -> None:
+        raw_topics = load_json(self._topics_path, {})
+        for name, t in raw_topics.items():
+            self.topics[name] = TopicConfig(
+                name, int(t["queues"]), int(t["created_position"]), int(t["created_ms"])
+            )
+        self.offsets = load_json(self._offsets_path, {})
+        for name, t in self.topics.items():
+            for qid in range(t.queues):
+                self._open_queue(name, qid)
+        self._drop_unknown_queue_dirs()
+        try:
+            with open(self._checkpoint_path, "rb") as f:
+                checkpoint = decode_checkpoint(f.read())
+        except FileNotFoundError:
+            checkpoint = None
+        try:
+            self._recover(checkpoint if checkpoint is not None else 0)
+        except _NeedFullRebuild:
+            log.warning("store: consume queues disagree with the commit log; rebuilding them")
+            self.log.close()
+            self.log = CommitLog(self.log.dir, self.config.segment_size)
+            self.dedup = DedupWindow(self.config.dedup_window_s, self.config.dedup_max_keys)
+            for cq in self.queues.values():
+                cq.reset(0)
+            self._recover(0)
+        self.write_checkpoint()
+
+    def _open_queue(self, topic: str, qid: int) -> ConsumeQueue:
+        cq = ConsumeQueue(
+            os.path.join(self._queues_dir, topic, str(qid)), self.config.index_entries_per_file
+        )
+        cq.load()
+        self.queues[(topic, qid)] = cq
+        return cq
+
+    def _drop_unknown_queue_dirs(self) -> None:
+        for name in os.listdir(self._queues_dir):
+            if name not in self.topics:
+                shutil.rmtree(os.path.join(self._queues_dir, name), ignore_errors=True)
+
+    def _recover(self, checkpoint: int) -> None:
+        """Scan the commit log; index every record at or after ``checkpoint``."""
+        for cq in self.queues.values():
+            cq.truncate(cq.first_offset_where(0, checkpoint))
+        pending: dict[tuple[str, int], list[bytes]] = {}
+        next_off: dict[tuple[str, int], int] = {}
+        window_start = int(self.clock() * 1000) - self.dedup.window_ms
+        topics = self.topics
+        dedup = self.dedup
+        count = 0
+
+        def on_record(h: RecordHead) -> None:
+            nonlocal count
+            count += 1
+            t = topics.get(h.topic)
+            if t is None or h.queue_id >= t.queues or h.position < t.created_position:
+                return  # a deleted topic's record
+            key = (h.topic, h.queue_id)
+            if dedup.enabled and h.store_ts_ms >= window_start and h.unique_key:
+                dedup.add(h.topic, h.unique_key, h.queue_id, h.queue_offset, h.store_ts_ms)
+            if h.position < checkpoint:
+                return
+            cq = self.queues[key]
+            expect = next_off.get(key, cq.max_offset)
+            if h.queue_offset != expect:
+                if cq.min_offset == cq.max_offset and key not in next_off:
+                    cq.reset(h.queue_offset)  # first record of a queue whose head was deleted
+                elif h.queue_offset > expect:
+                    raise _NeedFullRebuild
+                else:
+                    log.warning("store: record at %d repeats offset %d of %s; skipped",
+                                h.position, h.queue_offset, key)
+                    return
+            next_off[key] = h.queue_offset + 1
+            pending.setdefault(key, []).append(
+                INDEX_ENTRY.pack(h.position, h.size, h.tags_hash, h.store_ts_ms)
+            )
+
+        end = self.log.recover(on_record)
+        self.recovered_records = count
+        for key, entries in pending.items():
+            self.queues[key].append(b"".join(entries), len(entries))
+        for cq in self.queues.values():
+            if cq.max_offset > cq.min_offset:
+                cq.truncate(cq.first_offset_where(0, end))  # entries past a truncated tail
+            cq.drop_below_position(self.log.start)
+        dedup.expire(int(self.clock() * 1000))
+        log.info("store: recovered %d records, commit log [%d, %d)", count, self.log.start, end)
+
+    # ================================================================ topics
+    def create_topic(self, name: str, queues: int) -> TopicConfig:
+        check_name("topic", name)
+        if not isinstance(queues, int) or not 1 <= queues <= MAX_QUEUES:
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT, f"queue count must be 1..{MAX_QUEUES}")
+        old = self.topics.get(name)
+        if old is not None:
+            if queues < old.queues:
+                raise OnceqError(
+                    ErrorCode.INVALID_ARGUMENT,
+                    f"topic {name!r} has {old.queues} queues; the count cannot shrink",
+                )
+            t = TopicConfig(name, queues, old.created_position, old.created_ms)
+        else:
+            t = TopicConfig(name, queues, self.log.end, int(self.clock() * 1000))
+        for qid in range(old.queues if old else 0, queues):
+            cq = self._open_queue(name, qid)
+            cq.reset(0)
+        self.topics[name] = t
+        self._save_topics()
+        return t
+
+    def delete_topic(self, name: str) -> None:
+        t = self.get_topic(name)
+        del self.topics[name]
+        self._save_topics()
+        for qid in range(t.queues):
+            self.queues.pop((name, qid)).destroy()
+        shutil.rmtree(os.path.join(self._queues_dir, name), ignore_errors=True)
+        self.dedup.drop_topic(name)
+        for group in self.offsets.values():
+            group.pop(name, None)
+        self._offsets_dirty = True
+
+    def get_topic(self, name: str) -> TopicConfig:
+        t = self.topics.get(name)
+        if t is None:
+            check_name("topic", name)
+            raise OnceqError(ErrorCode.TOPIC_NOT_EXIST, f"topic {name!r} does not exist")
+        return t
+
+    def _save_topics(self) -> None:
+        save_json(self._topics_path, {n: t.to_json() for n, t in self.topics.items()})
+
+    def _queue(self, topic: str, queue_id: int) -> ConsumeQueue:
+        cq = self.queues.get((topic, queue_id))
+        if cq is None:
+            t = self.get_topic(topic)
+            raise OnceqError(
+                ErrorCode.INVALID_QUEUE,
+                f"queue {queue_id!r} out of range for topic {topic!r} ({t.queues} queues)",
+            )
+        return cq
+
+    # ================================================================ writes
+    def put(self, topic: str, queue_id: int, parts: Sequence[bytes | memoryview]) -> PutResult:
+        """Store message parts in one queue; all or nothing on validation errors."""
+        cq = self._queue(topic, queue_id)
+        max_body = self.config.max_body
+        metas = []
+        for part in parts:
+            try:
+                uk, tags, blen = part_unique_key_and_tags(part)
+            except RecordError as exc:
+                raise OnceqError(ErrorCode.BAD_REQUEST, f"malformed message: {exc}") from None
+            if blen > max_body:
+                raise OnceqError(
+                    ErrorCode.MESSAGE_TOO_LARGE,
+                    f"message body of {blen} bytes exceeds the limit of {max_body} bytes",
+                )
+            metas.append((uk, tags))
+        now_ms = int(self.clock() * 1000)
+        dedup = self.dedup
+        use_dedup = dedup.enabled
+        tb = topic.encode()
+        fixed = REC_HEADER_SIZE + len(tb)
+        offsets: list[int] = []
+        dups: list[int] = []
+        entries: list[bytes] = []
+        records: list[bytes] = []
+        log_ = self.log
+        offset = cq.max_offset
+        pack_entry = INDEX_ENTRY.pack
+        seen_tags: dict[bytes, int] = {}
+        for i, part in enumerate(parts):
+            uk, tags = metas[i]
+            if use_dedup and uk:
+                prev = dedup.get(topic, uk)
+                if prev is not None:
+                    dups.append(i)
+                    offsets.append(prev[1])
+                    continue
+                dedup.add(topic, uk, queue_id, offset, now_ms)
+            size = fixed + len(part)
+            pos = log_.reserve(size, records)
+            records.append(build_record(tb, queue_id, offset, pos, now_ms, part))
+            th = seen_tags.get(tags)
+            if th is None:
+                th = seen_tags[tags] = tag_hash(tags)
+            entries.append(pack_entry(pos, size, th, now_ms))
+            offsets.append(offset)
+            offset += 1
+        if records:
+            log_.write(records)
+        if entries:
+            cq.append(b"".join(entries), len(entries))
+            if use_dedup:
+                dedup.expire(now_ms)
+        return PutResult(queue_id, offsets, dups, log_.end)
+
+    # ================================================================ reads
+    def get(
+        self, topic: str, queue_id: int, offset: int, max_msgs: int, max_bytes: int,
+        tag_hashes: frozenset[int] | None = None,
+    ) -> GetResult:
+        cq = self._queue(topic, queue_id)
+        lo, hi = cq.min_offset, cq.max_offset
+        if offset < lo:
+            return GetResult(PullStatus.OFFSET_MOVED, b"", 0, lo, lo, hi)
+        if offset > hi:
+            return GetResult(PullStatus.OFFSET_ILLEGAL, b"", 0, hi, lo, hi)
+        if offset == hi:
+            return GetResult(PullStatus.NO_NEW_MESSAGE, b"", 0, hi, lo, hi)
+        raw = cq.read(offset, max_msgs)
+        log_start = self.log.start
+        ranges: list[list[int]] = []
+        total = 0
+        scanned = 0
+        count = 0
+        for pos, size, th, _ts in INDEX_ENTRY.iter_unpack(raw):
+            if pos < log_start:
+                return GetResult(PullStatus.OFFSET_MOVED, b"", 0, lo, lo, hi)
+            if count and total + size > max_bytes:
+                break
+            scanned += 1
+            if tag_hashes is not None and th not in tag_hashes:
+                continue
+            count += 1
+            total += size
+            if ranges and ranges[-1][0] + ranges[-1][1] == pos:
+                ranges[-1][1] += size
+            else:
+                ranges.append([pos, size])
+        read = self.log.read
+        payload = b"".join(read(p, s) for p, s in ranges)
+        nxt = offset + scanned
+        if count == 0 and nxt == hi:
+            return GetResult(PullStatus.NO_NEW_MESSAGE, b"", 0, hi, lo, hi)
+        return GetResult(PullStatus.FOUND, payload, count, nxt, lo, hi)
+
+    def min_max(self, topic: str, queue_id: int) -> tuple[int, int]:
+        cq = self._queue(topic, queue_id)
+        return cq.min_offset, cq.max_offset
+
+    def search_offset(self, topic: str, queue_id: int, ts_ms: int) -> int:
+        """First offset whose store time is >= ts_ms (max offset when none)."""
+        return self._queue(topic, queue_id).first_offset_where(3, ts_ms)
+
+    # ================================================================ consumer offsets
+    def commit_offset(self, group: str, topic: str, queue_id: int, offset: int) -> None:
+        self._queue(topic, queue_id)
+        check_name("group", group)
+        g = self.offsets.setdefault(group, {}).setdefault(topic, {})
+        g[str(queue_id)] = int(offset)
+        self._offsets_dirty = True
+
+    def get_offset(self, group: str, topic: str, queue_id: int) -> int:
+        """The committed offset, or -1 when the group has none for this queue."""
+        self._queue(topic, queue_id)
+        return self.offsets.get(group, {}).get(topic, {}).get(str(queue_id), -1)
+
+    def save_offsets(self) -> None:
+        if self._offsets_dirty:
+            self._offsets_dirty = False
+            save_json(self._offsets_path, self.offsets)
+
+    # ================================================================ durability
+    def write_checkpoint(self) -> None:
+        """Fsync indexes, then record that everything before the log end is indexed."""
+        end = self.log.end
+        self.log.sync()
+        for cq in self.queues.values():
+            for fd in cq.dirty_fds():
+                os.fsync(fd)
+        write_atomic(self._checkpoint_path, encode_checkpoint(end))
+
+    def run_retention(self) -> int:
+        """Delete whole segments past the age or size limit; return segments deleted."""
+        cfg = self.config
+        now = self.clock()
+        max_age = cfg.retention_hours * 3600
+
+        def keep(seg, total: int) -> bool:
+            if cfg.retention_bytes and total > cfg.retention_bytes:
+                return False
+            return not (max_age and now - os.fstat(seg.fd).st_mtime > max_age)
+
+        before = len(self.log.segments)
+        start = self.log.delete_segments(keep)
+        if len(self.log.segments) != before:
+            for cq in self.queues.values():
+                cq.drop_below_position(start)
+        return before - len(self.log.segments)
+
+    def close(self) -> None:
+        self.write_checkpoint()
+        self.save_offsets()
+        self.log.close()
+        for cq in self.queues.values():
+            cq.close()
+
