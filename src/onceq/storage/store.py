@@ -69,6 +69,7 @@ class PutResult:
     queue_id: int
     offsets: list[int]  # queue offset of each message, in order
     duplicates: list[int]  # indexes of messages that were already stored (dedup window)
+    duplicate_queues: list[int]  # queue id where each duplicate was first stored
     end_position: int  # commit-log end after this write (for sync flush)
 
 
@@ -274,6 +275,7 @@ class MessageStore:
         fixed = REC_HEADER_SIZE + len(tb)
         offsets: list[int] = []
         dups: list[int] = []
+        dup_queues: list[int] = []
         entries: list[bytes] = []
         records: list[bytes] = []
         log_ = self.log
@@ -286,6 +288,7 @@ class MessageStore:
                 prev = dedup.get(topic, uk)
                 if prev is not None:
                     dups.append(i)
+                    dup_queues.append(prev[0])
                     offsets.append(prev[1])
                     continue
                 dedup.add(topic, uk, queue_id, offset, now_ms)
@@ -304,7 +307,7 @@ class MessageStore:
             cq.append(b"".join(entries), len(entries))
             if use_dedup:
                 dedup.expire(now_ms)
-        return PutResult(queue_id, offsets, dups, log_.end)
+        return PutResult(queue_id, offsets, dups, dup_queues, log_.end)
 
     # ================================================================ reads
     def get(
@@ -374,13 +377,22 @@ class MessageStore:
 
     # ================================================================ durability
     def write_checkpoint(self) -> None:
-        """Fsync indexes, then record that everything before the log end is indexed."""
-        end = self.log.end
+        """Fsync log and indexes, then record that everything before the log end is indexed."""
         self.log.sync()
-        for cq in self.queues.values():
-            for fd in cq.dirty_fds():
+        self.checkpoint_at(self.log.end, [fd for cq in self.queues.values()
+                                          for fd in cq.dirty_fds()])
+
+    def checkpoint_at(self, end: int, index_fds: list[int]) -> None:
+        """Fsync ``index_fds`` and record ``end`` as indexed (safe to run off the loop)."""
+        for fd in index_fds:
+            try:
                 os.fsync(fd)
+            except OSError:  # an index file closed meanwhile (topic deleted)
+                pass
         write_atomic(self._checkpoint_path, encode_checkpoint(end))
+
+    def write_offsets_file(self, data: bytes) -> None:
+        write_atomic(self._offsets_path, data)
 
     def run_retention(self) -> int:
         """Delete whole segments past the age or size limit; return segments deleted."""

@@ -1,0 +1,402 @@
+"""The onceq broker: request handlers over the message store, on one asyncio loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import struct
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..log.record import tag_hash
+from ..protocol.codes import PullStatus, PushCode, RequestCode
+from ..protocol.errors import ErrorCode, OnceqError
+from ..protocol.frame import REQUEST, decode_header, max_frame_for_body
+from ..storage.store import MessageStore, check_name
+from .config import BrokerConfig
+from .connection import Connection
+from .flush import Flusher
+from .groups import CLUSTERING, GroupRegistry
+from .longpoll import HeldPull, PullHold
+
+log = logging.getLogger("onceq.broker")
+
+_U32 = struct.Struct("<I")
+Response = tuple[int, dict[str, Any] | None, bytes] | None
+
+
+def split_parts(payload: bytes) -> list[memoryview]:
+    """Split a batch payload of [u32 length][part] items."""
+    view = memoryview(payload)
+    parts = []
+    pos = 0
+    n = len(view)
+    while pos < n:
+        if n - pos < 4:
+            raise OnceqError(ErrorCode.BAD_REQUEST, "truncated message length in batch")
+        size = _U32.unpack_from(view, pos)[0]
+        pos += 4
+        if size > n - pos:
+            raise OnceqError(ErrorCode.BAD_REQUEST, "message length exceeds the batch")
+        parts.append(view[pos:pos + size])
+        pos += size
+    if not parts:
+        raise OnceqError(ErrorCode.BAD_REQUEST, "empty batch")
+    return parts
+
+
+def _int(header: dict[str, Any], name: str, default: int | None = None) -> int:
+    value = header.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise OnceqError(ErrorCode.INVALID_ARGUMENT, f"field {name!r} must be an integer")
+    return value
+
+
+def _str(header: dict[str, Any], name: str) -> str:
+    value = header.get(name)
+    if not isinstance(value, str):
+        raise OnceqError(ErrorCode.INVALID_ARGUMENT, f"field {name!r} must be a string")
+    return value
+
+
+class Broker:
+    def __init__(self, config: BrokerConfig, clock: Callable[[], float] = time.time) -> None:
+        config.validate()
+        self.config = config
+        self.clock = clock
+        self.store = MessageStore(config.store, clock)
+        self.connections: set[Connection] = set()
+        self.groups = GroupRegistry(config.heartbeat_expiry_s, self._on_group_change)
+        self.holds = PullHold(self._retry_pull)
+        self.flusher: Flusher | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
+        self.port = config.port
+        self.handlers: dict[int, Callable[[Connection, int, dict[str, Any], bytes], Response]] = {
+            RequestCode.PING: self.h_ping,
+            RequestCode.SEND: self.h_send,
+            RequestCode.SEND_BATCH: self.h_send,
+            RequestCode.PULL: self.h_pull,
+            RequestCode.QUERY_OFFSETS: self.h_query_offsets,
+            RequestCode.SEARCH_OFFSET: self.h_search_offset,
+            RequestCode.COMMIT_OFFSET: self.h_commit_offset,
+            RequestCode.GET_OFFSET: self.h_get_offset,
+            RequestCode.CREATE_TOPIC: self.h_create_topic,
+            RequestCode.DELETE_TOPIC: self.h_delete_topic,
+            RequestCode.LIST_TOPICS: self.h_list_topics,
+            RequestCode.GET_TOPIC: self.h_get_topic,
+            RequestCode.HEARTBEAT: self.h_heartbeat,
+            RequestCode.UNREGISTER: self.h_unregister,
+            RequestCode.LIST_GROUP_MEMBERS: self.h_list_members,
+            RequestCode.LIST_GROUPS: self.h_list_groups,
+        }
+
+    # ================================================================ lifecycle
+    async def start(self) -> None:
+        t0 = time.perf_counter()
+        self.store.open()
+        log.info("store opened in %.2fs (%d records)", time.perf_counter() - t0,
+                 self.store.recovered_records)
+        cfg = self.config
+        self.flusher = Flusher(self.store, cfg.store.flush, cfg.store.flush_interval_ms)
+        self.flusher.start()
+        loop = asyncio.get_running_loop()
+        max_frame = max_frame_for_body(cfg.store.max_body)
+        self._server = await loop.create_server(
+            lambda: Connection(self, max_frame), cfg.host, cfg.port, reuse_address=True
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._tasks = [
+            loop.create_task(self._every(cfg.store.checkpoint_interval_ms / 1000,
+                                         self._checkpoint)),
+            loop.create_task(self._every(cfg.offsets_save_s, self._save_offsets)),
+            loop.create_task(self._every(cfg.expiry_check_s, self._expire_members)),
+            loop.create_task(self._every(cfg.retention_check_s, self._retention)),
+        ]
+        log.info("broker listening on %s:%d (flush=%s)", cfg.host, self.port, cfg.store.flush)
+
+    async def _every(self, seconds: float, fn: Callable[[], Any]) -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            try:
+                result = fn()
+                if asyncio.iscoroutine(result):
+                    await result
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("periodic task %s failed", getattr(fn, "__name__", fn))
+
+    async def _checkpoint(self) -> None:
+        # fsync of indexes and the checkpoint file run off the loop; the list of fds and the
+        # end position are taken on the loop so they are consistent.
+        store = self.store
+        end = store.log.end
+        if self.flusher is not None:
+            await self.flusher.flush_now()
+        fds = [fd for cq in store.queues.values() for fd in cq.dirty_fds()]
+        await asyncio.get_running_loop().run_in_executor(None, store.checkpoint_at, end, fds)
+
+    async def _save_offsets(self) -> None:
+        if self.store._offsets_dirty:
+            self.store._offsets_dirty = False
+            data = json.dumps(self.store.offsets, sort_keys=True).encode()
+            await asyncio.get_running_loop().run_in_executor(
+                None, self.store.write_offsets_file, data
+            )
+
+    def _expire_members(self) -> None:
+        for group, cid in self.groups.expire(self.clock()):
+            log.info("group %s: member %s expired (no heartbeat)", group, cid)
+
+    def _retention(self) -> None:
+        deleted = self.store.run_retention()
+        if deleted:
+            log.info("retention deleted %d segment(s)", deleted)
+
+    async def stop(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        if self._server is not None:
+            self._server.close()
+        self.holds.release_all()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        if self.flusher is not None:
+            await self.flusher.stop()
+        for conn in list(self.connections):
+            conn.close()
+        self.store.close()
+        log.info("broker stopped")
+
+    # ================================================================ dispatch
+    def dispatch(self, conn: Connection, kind: int, code: int, corr_id: int,
+                 raw_header: bytes, payload: bytes) -> None:
+        if kind != REQUEST:
+            return  # clients send requests only; anything else is ignored
+        try:
+            handler = self.handlers.get(code)
+            if handler is None:
+                raise OnceqError(ErrorCode.UNKNOWN_REQUEST, f"unknown request code {code}")
+            if self._closing:
+                raise OnceqError(ErrorCode.SHUTTING_DOWN)
+            try:
+                header = decode_header(raw_header)
+            except ValueError as exc:
+                raise OnceqError(ErrorCode.BAD_REQUEST, str(exc)) from None
+            result = handler(conn, corr_id, header, payload)
+        except OnceqError as exc:
+            conn.respond(corr_id, int(exc.code), {"message": exc.message})
+            return
+        except Exception as exc:
+            log.exception("request %s failed", code)
+            conn.respond(corr_id, int(ErrorCode.SYSTEM_ERROR), {"message": f"internal: {exc}"})
+            return
+        if result is not None:
+            rcode, rheader, rpayload = result
+            conn.respond(corr_id, rcode, rheader, rpayload)
+
+    def on_disconnect(self, conn: Connection) -> None:
+        self.connections.discard(conn)
+        self.holds.drop_connection(conn)
+        for group, cid in self.groups.drop_connection(conn):
+            log.info("group %s: member %s left (connection closed)", group, cid)
+
+    # ================================================================ handlers
+    def h_ping(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes) -> Response:
+        return 0, {"time": int(self.clock() * 1000)}, b""
+
+    def _topic_for_write(self, topic: str) -> None:
+        if topic not in self.store.topics and self.config.auto_create_topics:
+            check_name("topic", topic)
+            self.store.create_topic(topic, self.config.default_queues)
+
+    def h_send(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes) -> Response:
+        topic = _str(h, "topic")
+        qid = _int(h, "queue")
+        self._topic_for_write(topic)
+        parts = split_parts(p)
+        res = self.store.put(topic, qid, parts)
+        if len(res.duplicates) < len(parts):
+            self.holds.notify((topic, qid))
+        if res.duplicates:
+            header = {"queue": qid, "offsets": res.offsets, "dups": res.duplicates,
+                      "dupq": res.duplicate_queues}
+        else:
+            header = {"queue": qid, "base": res.offsets[0], "n": len(res.offsets)}
+        flusher = self.flusher
+        if flusher is not None and flusher.sync_policy and res.end_position > flusher.flushed:
+            fut = flusher.wait_durable(res.end_position)
+            fut.add_done_callback(lambda _f: conn.respond(corr, 0, header))
+            return None
+        return 0, header, b""
+
+    def _pull_request(self, h: dict[str, Any]) -> dict[str, Any]:
+        req = {
+            "topic": _str(h, "topic"),
+            "queue": _int(h, "queue"),
+            "offset": _int(h, "offset"),
+            "max": min(max(_int(h, "max", 32), 1), self.config.max_pull_msgs),
+            "max_bytes": min(max(_int(h, "max_bytes", self.config.max_pull_bytes), 1),
+                             self.config.max_pull_bytes),
+            "suspend_ms": max(_int(h, "suspend_ms", 0), 0),
+        }
+        tags = h.get("tags")
+        if tags is not None:
+            if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+                raise OnceqError(ErrorCode.INVALID_ARGUMENT, "tags must be a list of strings")
+            req["tag_hashes"] = frozenset(tag_hash(t) for t in tags)
+        else:
+            req["tag_hashes"] = None
+        return req
+
+    def h_pull(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes) -> Response:
+        req = self._pull_request(h)
+        self.store.get_topic(req["topic"])
+        group = h.get("group")
+        if group is not None and "commit" in h:
+            commit = _int(h, "commit")
+            if commit >= 0:
+                self.store.commit_offset(check_name("group", group), req["topic"], req["queue"],
+                                         commit)
+        res = self._do_pull(req)
+        if res is None:
+            seconds = min(req["suspend_ms"] / 1000, self.config.long_poll_max_s)
+            self.holds.hold((req["topic"], req["queue"]), HeldPull(conn, corr, req), seconds)
+            return None
+        return res
+
+    def _do_pull(self, req: dict[str, Any], final: bool = False) -> Response:
+        """Run a pull; None means 'nothing yet, hold it' (only when it may be held)."""
+        r = self.store.get(req["topic"], req["queue"], req["offset"], req["max"],
+                           req["max_bytes"], req["tag_hashes"])
+        if r.status == PullStatus.NO_NEW_MESSAGE and req["suspend_ms"] > 0 and not final:
+            if r.next_offset != req["offset"]:
+                req["offset"] = r.next_offset  # filtered entries skipped: wait from there
+            return None
+        return 0, {"st": int(r.status), "next": r.next_offset, "min": r.min_offset,
+                   "max": r.max_offset, "n": r.count}, r.payload
+
+    def _retry_pull(self, held: HeldPull, final: bool) -> bool:
+        try:
+            if held.request["topic"] not in self.store.topics:
+                raise OnceqError(ErrorCode.TOPIC_NOT_EXIST, "topic was deleted")
+            res = self._do_pull(held.request, final)
+        except OnceqError as exc:
+            held.conn.respond(held.corr_id, int(exc.code), {"message": exc.message})
+            return True
+        if res is None:
+            return False
+        held.conn.respond(held.corr_id, *res)
+        return True
+
+    def h_query_offsets(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                        ) -> Response:
+        lo, hi = self.store.min_max(_str(h, "topic"), _int(h, "queue"))
+        return 0, {"min": lo, "max": hi}, b""
+
+    def h_search_offset(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                        ) -> Response:
+        off = self.store.search_offset(_str(h, "topic"), _int(h, "queue"), _int(h, "ts"))
+        return 0, {"offset": off}, b""
+
+    def h_commit_offset(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                        ) -> Response:
+        self.store.commit_offset(_str(h, "group"), _str(h, "topic"), _int(h, "queue"),
+                                 _int(h, "offset"))
+        return 0, None, b""
+
+    def h_get_offset(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                     ) -> Response:
+        group = check_name("group", _str(h, "group"))
+        off = self.store.get_offset(group, _str(h, "topic"), _int(h, "queue"))
+        return 0, {"offset": off}, b""
+
+    def h_create_topic(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                       ) -> Response:
+        name = _str(h, "topic")
+        queues = _int(h, "queues", self.config.default_queues)
+        if h.get("exclusive") and name in self.store.topics:
+            raise OnceqError(ErrorCode.TOPIC_EXISTS, f"topic {name!r} already exists")
+        t = self.store.create_topic(name, queues)
+        log.info("topic %s created/updated with %d queues", name, t.queues)
+        return 0, {"topic": t.name, "queues": t.queues}, b""
+
+    def h_delete_topic(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                       ) -> Response:
+        name = _str(h, "topic")
+        self.store.delete_topic(name)
+        for key in [k for k in self.holds.held if k[0] == name]:
+            self.holds.notify(key)
+        log.info("topic %s deleted", name)
+        return 0, None, b""
+
+    def h_list_topics(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                      ) -> Response:
+        topics = [{"topic": t.name, "queues": t.queues} for t in
+                  sorted(self.store.topics.values(), key=lambda t: t.name)]
+        return 0, {"topics": topics}, b""
+
+    def h_get_topic(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                    ) -> Response:
+        name = _str(h, "topic")
+        self._topic_for_write(name)
+        t = self.store.get_topic(name)
+        return 0, {"topic": t.name, "queues": t.queues}, b""
+
+    def h_heartbeat(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                    ) -> Response:
+        client = _str(h, "client")
+        groups = h.get("groups", [])
+        if not isinstance(groups, list):
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "groups must be a list")
+        now = self.clock()
+        for g in groups:
+            if not isinstance(g, dict):
+                raise OnceqError(ErrorCode.INVALID_ARGUMENT, "each group must be a map")
+            name = check_name("group", g.get("group"))
+            subs = g.get("subs", {})
+            if not isinstance(subs, dict):
+                raise OnceqError(ErrorCode.INVALID_ARGUMENT, "subs must be a map")
+            model = g.get("model", CLUSTERING)
+            self.groups.heartbeat(name, client, conn, model, subs, now, g.get("meta"))
+        conn.client_ids.add(client)
+        return 0, {"expiry_s": self.config.heartbeat_expiry_s}, b""
+
+    def h_unregister(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                     ) -> Response:
+        group = check_name("group", _str(h, "group"))
+        self.groups.unregister(group, _str(h, "client"), "leave")
+        return 0, None, b""
+
+    def h_list_members(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                       ) -> Response:
+        group = check_name("group", _str(h, "group"))
+        if group not in self.groups.groups and group not in self.store.offsets:
+            raise OnceqError(ErrorCode.GROUP_NOT_EXIST, f"consumer group {group!r} is unknown")
+        members = [
+            {"client": m.client_id, "model": m.model, "subs": m.subscriptions,
+             "last_heartbeat_ms": int(m.last_heartbeat * 1000), "peer": m.conn.peer}
+            for m in self.groups.members(group)
+        ]
+        return 0, {"group": group, "members": members}, b""
+
+    def h_list_groups(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                      ) -> Response:
+        names = sorted(set(self.groups.groups) | set(self.store.offsets))
+        return 0, {"groups": names}, b""
+
+    # ================================================================ notifications
+    def _on_group_change(self, group: str, client_id: str, reason: str) -> None:
+        log.info("group %s: %s %s", group, client_id, reason)
+        for m in self.groups.members(group):
+            m.conn.push(PushCode.GROUP_CHANGED, {"group": group, "client": client_id,
+                                                 "reason": reason})

@@ -1,0 +1,33 @@
+"""Broker configuration (defaults as RocketMQ users know them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..storage.config import StoreConfig
+
+
+@dataclass
+class BrokerConfig:
+    store: StoreConfig
+    host: str = "127.0.0.1"
+    port: int = 9876
+    long_poll_max_s: float = 15.0  # longest hold of an empty pull
+    heartbeat_expiry_s: float = 120.0  # a member without heartbeat for this long is removed
+    expiry_check_s: float = 5.0
+    offsets_save_s: float = 1.0
+    retention_check_s: float = 60.0
+    auto_create_topics: bool = False
+    default_queues: int = 8
+    max_pull_msgs: int = 1024
+    max_pull_bytes: int = 8 * 1024 * 1024
+    extra: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        self.store.validate()
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be 0..65535, not {self.port}")
+        if self.long_poll_max_s < 0 or self.heartbeat_expiry_s <= 0:
+            raise ValueError("long_poll_max_s must be >= 0 and heartbeat_expiry_s > 0")
+        if not 1 <= self.default_queues <= 1024:
+            raise ValueError("default_queues must be 1..1024")

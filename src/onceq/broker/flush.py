@@ -1,0 +1,97 @@
+"""Flush service: background fsync (``async``) or group commit (``sync``).
+
+``async``: every ``interval`` the dirty commit-log segments are fsynced off the event loop;
+a send is acknowledged once its bytes are in the page cache (like Redis/NATS defaults).
+
+``sync``: a send is acknowledged only after an fsync that covers its bytes. Sends that
+arrive while an fsync is running wait for the next one, so concurrent sends share one fsync
+(group commit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+
+from ..storage.store import MessageStore
+
+log = logging.getLogger("onceq.broker")
+
+
+def _fsync_all(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.fsync(fd)
+        except OSError as exc:  # a segment deleted by retention meanwhile
+            log.debug("fsync skipped: %s", exc)
+
+
+class Flusher:
+    def __init__(self, store: MessageStore, policy: str, interval_ms: int) -> None:
+        self.store = store
+        self.sync_policy = policy == "sync"
+        self.interval = interval_ms / 1000
+        self.flushed = store.log.end  # everything before this position is durable
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.fsyncs = 0
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="onceq-flush")
+
+    def wait_durable(self, end: int) -> asyncio.Future[None]:
+        """A future resolved once every byte before ``end`` is fsynced."""
+        fut = asyncio.get_running_loop().create_future()
+        if end <= self.flushed:
+            fut.set_result(None)
+        else:
+            self._waiters.append((end, fut))
+            self._wake.set()
+        return fut
+
+    async def flush_now(self) -> None:
+        target = self.store.log.end
+        fds = self.store.log.take_dirty()
+        await asyncio.get_running_loop().run_in_executor(None, _fsync_all, fds)
+        self.fsyncs += 1
+        self.flushed = max(self.flushed, target)
+        if self._waiters:
+            still = []
+            for end, fut in self._waiters:
+                if end <= self.flushed:
+                    if not fut.done():
+                        fut.set_result(None)
+                else:
+                    still.append((end, fut))
+            self._waiters = still
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                if self.sync_policy:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), self.interval)
+                    self._wake.clear()
+                else:
+                    await asyncio.sleep(self.interval)
+                if self.store.log.end > self.flushed or self._waiters:
+                    await self.flush_now()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # keep flushing; a failed fsync is retried next round
+                log.exception("flush failed")
+                await asyncio.sleep(self.interval)
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.flush_now()
+        for _, fut in self._waiters:
+            if not fut.done():
+                fut.set_result(None)
+        self._waiters.clear()

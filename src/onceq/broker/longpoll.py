@@ -1,0 +1,68 @@
+"""Long polling: empty pulls wait here until a message arrives or their hold time ends."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(slots=True, eq=False)
+class HeldPull:
+    conn: Any
+    corr_id: int
+    request: dict[str, Any]
+    timer: asyncio.TimerHandle | None = None
+
+
+class PullHold:
+    """Held pulls per (topic, queue). ``retry`` re-runs a pull and answers it."""
+
+    def __init__(self, retry: Callable[[HeldPull, bool], bool]) -> None:
+        self.retry = retry  # (held, final) -> True when answered
+        self.held: dict[tuple[str, int], list[HeldPull]] = {}
+
+    def hold(self, key: tuple[str, int], held: HeldPull, seconds: float) -> None:
+        self.held.setdefault(key, []).append(held)
+        held.timer = asyncio.get_running_loop().call_later(seconds, self._expire, key, held)
+
+    def _expire(self, key: tuple[str, int], held: HeldPull) -> None:
+        lst = self.held.get(key)
+        if lst and held in lst:
+            lst.remove(held)
+            if not lst:
+                del self.held[key]
+            self.retry(held, True)
+
+    def notify(self, key: tuple[str, int]) -> None:
+        lst = self.held.pop(key, None)
+        if not lst:
+            return
+        keep = []
+        for held in lst:
+            if held.conn.closed or self.retry(held, False):
+                held.timer.cancel()
+            else:
+                keep.append(held)
+        if keep:
+            self.held.setdefault(key, []).extend(keep)
+
+    def drop_connection(self, conn: Any) -> None:
+        for key in list(self.held):
+            lst = self.held[key]
+            for h in [h for h in lst if h.conn is conn]:
+                h.timer.cancel()
+                lst.remove(h)
+            if not lst:
+                del self.held[key]
+
+    def release_all(self) -> None:
+        """Answer every held pull now (shutdown)."""
+        for key in list(self.held):
+            for held in self.held.pop(key):
+                held.timer.cancel()
+                self.retry(held, True)
+
+    def holders_of(self, key: tuple[str, int]) -> list[HeldPull]:
+        return self.held.get(key, [])

@@ -1,0 +1,138 @@
+"""Client side of one broker connection: requests with correlation ids, server pushes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+from ..protocol.errors import ErrorCode, OnceqError, ProtocolError
+from ..protocol.frame import (
+    PUSH,
+    REQUEST,
+    RESPONSE,
+    FrameDecoder,
+    decode_header,
+    encode_frame,
+    max_frame_for_body,
+)
+
+DEFAULT_MAX_FRAME = max_frame_for_body(64 * 1024 * 1024)
+
+
+class ConnectionLost(OnceqError):
+    """The connection closed or timed out before the reply: the request may or may not have
+    been carried out (retry relies on the broker's dedup window)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.SERVICE_UNAVAILABLE, message)
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"broker address must be host:port, not {address!r}")
+    return host, int(port)
+
+
+class BrokerConnection(asyncio.Protocol):
+    def __init__(self, on_push: Callable[[int, dict[str, Any]], None] | None = None) -> None:
+        self._decoder = FrameDecoder(DEFAULT_MAX_FRAME)
+        self._pending: dict[int, asyncio.Future[tuple[dict[str, Any], bytes]]] = {}
+        self._ids = itertools.count(1)
+        self._transport: asyncio.Transport | None = None
+        self._on_push = on_push
+        self.closed = False
+        self.lost = asyncio.get_event_loop().create_future()
+
+    @classmethod
+    async def open(
+        cls, address: str, on_push: Callable[[int, dict[str, Any]], None] | None = None,
+        timeout: float = 3.0,
+    ) -> BrokerConnection:
+        host, port = parse_address(address)
+        loop = asyncio.get_running_loop()
+        try:
+            _, proto = await asyncio.wait_for(
+                loop.create_connection(lambda: cls(on_push), host, port), timeout
+            )
+        except (OSError, TimeoutError) as exc:
+            raise ConnectionLost(f"cannot connect to broker at {address}: {exc}") from None
+        return proto
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self._decoder.feed(data)
+        try:
+            frames = self._decoder.frames()
+        except ProtocolError as exc:
+            self._fail(ConnectionLost(f"broker sent a malformed stream: {exc}"))
+            return
+        for _v, kind, code, corr_id, header, payload in frames:
+            if kind == RESPONSE:
+                fut = self._pending.pop(corr_id, None)
+                if fut is None or fut.done():
+                    continue
+                try:
+                    hdr = decode_header(header)
+                except ValueError as exc:
+                    fut.set_exception(OnceqError(ErrorCode.BAD_REQUEST, str(exc)))
+                    continue
+                if code:
+                    fut.set_exception(OnceqError(code, hdr.get("message")))
+                else:
+                    fut.set_result((hdr, payload))
+            elif kind == PUSH and self._on_push is not None:
+                with contextlib.suppress(ValueError):
+                    self._on_push(code, decode_header(header))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(ConnectionLost(f"connection to broker lost{': ' + str(exc) if exc else ''}"))
+
+    def _fail(self, err: OnceqError) -> None:
+        self.closed = True
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        if not self.lost.done():
+            self.lost.set_result(None)
+        if self._transport is not None:
+            self._transport.close()
+
+    def send_request(self, code: int, header: dict[str, Any] | None, payload: bytes = b""
+                     ) -> asyncio.Future[tuple[dict[str, Any], bytes]]:
+        if self.closed:
+            raise ConnectionLost("connection to broker is closed")
+        corr = next(self._ids) & 0xFFFFFFFF
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[corr] = fut
+        self._transport.write(encode_frame(REQUEST, code, corr, header, payload))  # type: ignore[union-attr]
+        return fut
+
+    async def request(self, code: int, header: dict[str, Any] | None = None,
+                      payload: bytes = b"", timeout: float | None = 10.0
+                      ) -> tuple[dict[str, Any], bytes]:
+        fut = self.send_request(code, header, payload)
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise ConnectionLost(f"no reply within {timeout}s") from None
+
+    def write_oneway(self, code: int, header: dict[str, Any] | None, payload: bytes = b""
+                     ) -> None:
+        """Send a request and ignore its reply (fire-and-forget)."""
+        fut = self.send_request(code, header, payload)
+        fut.add_done_callback(_swallow)
+
+    def close(self) -> None:
+        self._fail(ConnectionLost("connection closed by client"))
+
+
+def _swallow(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()

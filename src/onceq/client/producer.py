@@ -1,0 +1,164 @@
+"""Producer: send with retries inside a time budget, batch send, fire-and-forget."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+import time
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+from ..protocol.codes import RequestCode
+from ..protocol.errors import ErrorCode, OnceqError
+from .connection import BrokerConnection, ConnectionLost
+from .message import Message, SendResult, UniqueKeyGenerator, encode_message
+
+log = logging.getLogger("onceq.client")
+_U32 = struct.Struct("<I")
+_REFRESH_ON = (ErrorCode.TOPIC_NOT_EXIST, ErrorCode.INVALID_QUEUE)
+
+
+def _as_message(m: Message | bytes | str) -> Message:
+    if isinstance(m, Message):
+        return m
+    if isinstance(m, str):
+        return Message(m.encode())
+    if isinstance(m, bytes | bytearray | memoryview):
+        return Message(bytes(m))
+    raise TypeError(f"cannot send {type(m).__name__}: use bytes, str or onceq.Message")
+
+
+class Producer:
+    """Async producer.
+
+    ``retries`` is the number of extra attempts after a failure (3 attempts in all by
+    default), all within ``send_timeout`` seconds. A retry after a transport error or a
+    retriable broker code goes to the next queue unless the queue is pinned (sharding key
+    or explicit queue). A retry carries the same unique key, so the broker's dedup window
+    stores a message at most once and answers the retry with the first result.
+    """
+
+    def __init__(self, address: str = "127.0.0.1:9876", *, retries: int = 2,
+                 send_timeout: float = 3.0) -> None:
+        self.address = address
+        self.retries = retries
+        self.send_timeout = send_timeout
+        self._conn: BrokerConnection | None = None
+        self._queues: dict[str, int] = {}
+        self._rr: dict[str, int] = {}
+        self._keys = UniqueKeyGenerator()
+        self._connect_lock: asyncio.Lock | None = None
+
+    async def start(self) -> Producer:
+        await self._connection()
+        return self
+
+    async def __aenter__(self) -> Producer:
+        return await self.start()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    async def _connection(self) -> BrokerConnection:
+        if self._conn is not None and not self._conn.closed:
+            return self._conn
+        if self._connect_lock is None:
+            self._connect_lock = asyncio.Lock()
+        async with self._connect_lock:
+            if self._conn is None or self._conn.closed:
+                self._conn = await BrokerConnection.open(self.address)
+        return self._conn
+
+    async def queue_count(self, topic: str, refresh: bool = False) -> int:
+        n = self._queues.get(topic)
+        if n is None or refresh:
+            conn = await self._connection()
+            hdr, _ = await conn.request(RequestCode.GET_TOPIC, {"topic": topic})
+            n = self._queues[topic] = int(hdr["queues"])
+        return n
+
+    def _pick_queue(self, topic: str, n: int, sharding_key: str | None, queue: int | None
+                    ) -> int:
+        if queue is not None:
+            return queue
+        if sharding_key is not None:
+            return zlib.crc32(sharding_key.encode()) % n
+        i = self._rr.get(topic, -1) + 1
+        self._rr[topic] = i
+        return i % n
+
+    async def send(self, topic: str, message: Message | bytes | str, *,
+                   sharding_key: str | None = None, queue: int | None = None) -> SendResult:
+        """Send one message and wait for the broker's acknowledgement."""
+        results = await self.send_batch(topic, [message], sharding_key=sharding_key, queue=queue)
+        return results[0]
+
+    async def send_batch(self, topic: str, messages: Sequence[Message | bytes | str], *,
+                         sharding_key: str | None = None, queue: int | None = None
+                         ) -> list[SendResult]:
+        """Send messages to one queue in one request; one result per message."""
+        if not messages:
+            return []
+        now_ms = int(time.time() * 1000)
+        keys: list[str] = []
+        chunks: list[bytes] = []
+        nxt = self._keys.next
+        for m in messages:
+            msg = _as_message(m)
+            uk = msg.unique_key or nxt()
+            keys.append(uk)
+            part = encode_message(msg, uk, now_ms)
+            chunks.append(_U32.pack(len(part)))
+            chunks.append(part)
+        payload = b"".join(chunks)
+        code = RequestCode.SEND if len(messages) == 1 else RequestCode.SEND_BATCH
+        pinned = sharding_key is not None or queue is not None
+        deadline = time.monotonic() + self.send_timeout
+        attempt = 0
+        qid: int | None = None
+        while True:
+            attempt += 1
+            try:
+                n = await self.queue_count(topic, refresh=attempt > 1 and not pinned)
+                qid = self._pick_queue(topic, n, sharding_key, queue) if (
+                    qid is None or not pinned) else qid
+                conn = await self._connection()
+                left = max(deadline - time.monotonic(), 0.05)
+                hdr, _ = await conn.request(code, {"topic": topic, "queue": qid}, payload, left)
+                return _results(topic, hdr, keys)
+            except OnceqError as exc:
+                retriable = exc.retriable or (exc.code in _REFRESH_ON and not pinned)
+                if not retriable or attempt > self.retries or time.monotonic() >= deadline:
+                    raise
+                log.debug("send attempt %d to %s failed: %s; retrying", attempt, topic, exc)
+                if isinstance(exc, ConnectionLost) and self._conn is not None:
+                    self._conn.close()
+
+    async def send_oneway(self, topic: str, message: Message | bytes | str, *,
+                          sharding_key: str | None = None, queue: int | None = None) -> None:
+        """Fire-and-forget: write the message and do not wait for any reply."""
+        msg = _as_message(message)
+        uk = msg.unique_key or self._keys.next()
+        part = encode_message(msg, uk, int(time.time() * 1000))
+        n = await self.queue_count(topic)
+        qid = self._pick_queue(topic, n, sharding_key, queue)
+        conn = await self._connection()
+        conn.write_oneway(RequestCode.SEND, {"topic": topic, "queue": qid},
+                          _U32.pack(len(part)) + part)
+
+
+def _results(topic: str, hdr: dict[str, Any], keys: list[str]) -> list[SendResult]:
+    qid = hdr["queue"]
+    if "base" in hdr:
+        base = hdr["base"]
+        return [SendResult(topic, qid, base + i, k) for i, k in enumerate(keys)]
+    dup_queue = dict(zip(hdr.get("dups", ()), hdr.get("dupq", ()), strict=True))
+    return [SendResult(topic, dup_queue.get(i, qid), off, k, i in dup_queue)
+            for i, (off, k) in enumerate(zip(hdr["offsets"], keys, strict=True))]
