@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up the environment and run the whole test suite (what CI runs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh dev
+bash scripts/services.sh redis mariadb postgresql
+.venv/bin/ruff check src tests benchmarks
+.venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -1,0 +1,63 @@
+"""Test helpers: brokers in-process and in a child process."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+from onceq.broker.broker import Broker
+from onceq.broker.config import BrokerConfig
+from onceq.storage.config import StoreConfig
+
+
+def small_store(data_dir: str, **kw: Any) -> StoreConfig:
+    kw.setdefault("segment_size", 256 * 1024)
+    kw.setdefault("index_entries_per_file", 1000)
+    kw.setdefault("max_body", 64 * 1024)
+    kw.setdefault("flush_interval_ms", 50)
+    kw.setdefault("checkpoint_interval_ms", 100)
+    return StoreConfig(data_dir, **kw)
+
+
+@asynccontextmanager
+async def running_broker(data_dir: str, store_kw: dict[str, Any] | None = None, **kw: Any):
+    kw.setdefault("port", 0)
+    broker = Broker(BrokerConfig(small_store(data_dir, **(store_kw or {})), **kw))
+    await broker.start()
+    try:
+        yield broker
+    finally:
+        await broker.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_broker(data_dir: str, *args: str, port: int | None = None
+                 ) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``onceq broker start`` in a child process and wait until it accepts."""
+    port = port or free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "onceq.cli.main", "broker", "start", "--data-dir", data_dir,
+         "--port", str(port), "--log-level", "WARNING", *args],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ},
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"broker exited: {proc.stderr.read().decode()}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return proc, f"127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("broker did not start")
