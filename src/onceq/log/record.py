@@ -80,7 +80,10 @@ def encode_part(
     reconsume_times: int = 0,
 ) -> bytes:
     """Encode one message part as a producer sends it."""
-    uk = unique_key.encode("ascii")
+    try:
+        uk = unique_key.encode("ascii")
+    except UnicodeEncodeError:
+        raise RecordError("unique key must be ascii") from None
     tg = tags.encode()
     ks = keys.encode()
     pr = _packb(dict(properties)) if properties else b""
@@ -105,10 +108,12 @@ def encode_part(
 
 
 def part_unique_key_and_tags(part: bytes | memoryview) -> tuple[bytes, bytes, int]:
-    """Validate a message part's layout and return (unique_key, tags, body_size).
+    """Validate a message part and return (unique_key, tags, body_size).
 
     This is all the broker needs from a part; it raises RecordError when the lengths do not
-    add up exactly to the part's size.
+    add up exactly to the part's size, or when a field would not decode on the consumer side
+    (non-ascii unique key, non-utf-8 tags or keys, properties that are not a msgpack map
+    with string keys): a stored part must never poison the pulls of its queue.
     """
     n = len(part)
     if n < MIN_PART_SIZE:
@@ -124,15 +129,35 @@ def part_unique_key_and_tags(part: bytes | memoryview) -> tuple[bytes, bytes, in
     p += tlen
     if p + 2 > n:
         raise RecordError("message part truncated in keys")
-    p += 2 + (part[p] | (part[p + 1] << 8))
+    klen = part[p] | (part[p + 1] << 8)
+    kstart = p + 2
+    p = kstart + klen
     if p + 4 > n:
         raise RecordError("message part truncated in properties")
-    p += 4 + _U32.unpack_from(part, p)[0]
+    plen = _U32.unpack_from(part, p)[0]
+    pstart = p + 4
+    p = pstart + plen
     if p + 4 > n:
         raise RecordError("message part truncated in body")
     blen = _U32.unpack_from(part, p)[0]
     if p + 4 + blen != n:
         raise RecordError("message part lengths do not match its size")
+    if not uk.isascii():
+        raise RecordError("unique key is not ascii")
+    try:
+        if tlen:
+            tags.decode()
+        if klen:
+            bytes(part[kstart:kstart + klen]).decode()
+    except UnicodeDecodeError:
+        raise RecordError("tags or keys are not utf-8") from None
+    if plen:
+        try:
+            props = msgpack.unpackb(part[pstart:pstart + plen], raw=False)
+        except Exception:  # msgpack raises several types
+            raise RecordError("properties are not msgpack") from None
+        if not isinstance(props, dict):
+            raise RecordError("properties are not a map")
     return uk, tags, blen
 
 
@@ -215,13 +240,14 @@ class Message:
 
 
 def decode_records(buf: bytes | memoryview, verify: bool = True) -> Iterator[Message]:
-    """Decode concatenated stored records (a pull payload) into messages."""
+    """Decode concatenated stored records (a pull payload) into messages.
+
+    Raises RecordError (and nothing else) on a record that does not decode.
+    """
     mv = memoryview(buf)
     n = len(mv)
     pos = 0
     unpack = REC_HEADER.unpack_from
-    fixed = PART_FIXED.unpack_from
-    u32 = _U32.unpack_from
     while pos < n:
         if n - pos < REC_HEADER_SIZE:
             raise RecordError("truncated record header")
@@ -231,29 +257,44 @@ def decode_records(buf: bytes | memoryview, verify: bool = True) -> Iterator[Mes
             raise RecordError("malformed record")
         if verify and zlib.crc32(mv[pos + 8:end]) != crc:
             raise RecordError("record checksum mismatch")
-        p = pos + REC_HEADER_SIZE
-        topic = str(mv[p:p + tlen], "ascii")
-        p += tlen
-        born, flags, recons, ulen = fixed(mv, p)
-        p += PART_FIXED_SIZE
-        uk = str(mv[p:p + ulen], "ascii")
-        p += ulen
-        tl = mv[p] | (mv[p + 1] << 8)
-        p += 2
-        tags = str(mv[p:p + tl], "utf-8") if tl else ""
-        p += tl
-        kl = mv[p] | (mv[p + 1] << 8)
-        p += 2
-        keys = str(mv[p:p + kl], "utf-8") if kl else ""
-        p += kl
-        pl = u32(mv, p)[0]
-        p += 4
-        props = msgpack.unpackb(mv[p:p + pl], raw=False) if pl else {}
-        p += pl
-        bl = u32(mv, p)[0]
-        p += 4
-        body = bytes(mv[p:p + bl])
-        if p + bl != end:
-            raise RecordError("record lengths do not match its size")
-        yield Message(topic, qid, qoff, body, uk, tags, keys, props, born, sts, recons, flags, rpos)
+        try:
+            msg = _decode_message(mv[:end], pos + REC_HEADER_SIZE, qid, qoff, rpos, sts, tlen)
+        except RecordError:
+            raise
+        except Exception as exc:  # a corrupt record read without verification
+            raise RecordError(f"undecodable record: {exc}") from None
+        yield msg
         pos = end
+
+
+def _decode_message(
+    mv: memoryview, p: int, qid: int, qoff: int, rpos: int, sts: int, tlen: int
+) -> Message:
+    """Decode the topic and message part at ``mv[p:]``; the record ends at ``len(mv)``."""
+    end = len(mv)
+    topic = str(mv[p:p + tlen], "ascii")
+    p += tlen
+    born, flags, recons, ulen = PART_FIXED.unpack_from(mv, p)
+    p += PART_FIXED_SIZE
+    uk = str(mv[p:p + ulen], "ascii")
+    p += ulen
+    tl = mv[p] | (mv[p + 1] << 8)
+    p += 2
+    tags = str(mv[p:p + tl], "utf-8") if tl else ""
+    p += tl
+    kl = mv[p] | (mv[p + 1] << 8)
+    p += 2
+    keys = str(mv[p:p + kl], "utf-8") if kl else ""
+    p += kl
+    pl = _U32.unpack_from(mv, p)[0]
+    p += 4
+    props = msgpack.unpackb(mv[p:p + pl], raw=False) if pl else {}
+    p += pl
+    bl = _U32.unpack_from(mv, p)[0]
+    p += 4
+    if p + bl != end:
+        raise RecordError("record lengths do not match its size")
+    if not isinstance(props, dict):
+        raise RecordError("record properties are not a map")
+    return Message(topic, qid, qoff, bytes(mv[p:end]), uk, tags, keys, props, born, sts, recons,
+                   flags, rpos)

@@ -58,7 +58,7 @@ class CommitLog:
 
         Calls ``on_record`` for every valid record in order; returns the end position.
         """
-        names = sorted(n for n in os.listdir(self.dir) if n.isdigit() and len(n) == 20)
+        names = _segment_names(self.dir)
         expect = int(names[0]) if names else 0
         broken = False
         for name in names:
@@ -78,7 +78,11 @@ class CommitLog:
                 os.unlink(path)
                 broken = True
                 continue
-            valid = self._scan_segment(fd, base, on_record)
+            try:
+                valid = self._scan_segment(fd, base, on_record)
+            except BaseException:
+                os.close(fd)
+                raise
             file_size = os.fstat(fd).st_size
             if FILE_HEADER_SIZE + valid < file_size:
                 log.warning(
@@ -164,8 +168,13 @@ class CommitLog:
         data = b"".join(records)
         self._pending = 0
         view = memoryview(data)
+        # positional writes: the fd's file offset is not the segment end after recovery
+        # (the scan uses pread) nor after a truncation of a torn tail
+        at = FILE_HEADER_SIZE + seg.size
         while view:
-            view = view[os.write(seg.fd, view):]
+            n = os.pwrite(seg.fd, view, at)
+            view = view[n:]
+            at += n
         seg.size += len(data)
         self._dirty.add(seg.fd)
 
@@ -224,6 +233,16 @@ class CommitLog:
         for seg in self.segments:
             os.close(seg.fd)
         self.segments.clear()
+
+
+def _segment_names(directory: str) -> list[str]:
+    return sorted(n for n in os.listdir(directory) if n.isdigit() and len(n) == 20)
+
+
+def first_segment_base(directory: str) -> int:
+    """Base position of the oldest segment file in ``directory`` (0 when there is none)."""
+    names = _segment_names(directory)
+    return int(names[0]) if names else 0
 
 
 def _fsync_dir(path: str) -> None:

@@ -54,8 +54,7 @@ class ConsumeQueue:
         # only the last file may be partial; a short earlier file ends the index there
         for base in good[:-1]:
             if self._entries_in(base) < self.per_file:
-                self.max_offset = base + self._entries_in(base)
-                self.truncate(self.max_offset)
+                self._cut(base + self._entries_in(base))
                 break
         if not self._fds:
             self.min_offset = self.max_offset = 0
@@ -68,11 +67,26 @@ class ConsumeQueue:
 
     def _entries_in(self, base: int) -> int:
         size = os.fstat(self._fds[base]).st_size - FILE_HEADER_SIZE
-        return max(0, size) // INDEX_ENTRY_SIZE
+        return min(max(0, size) // INDEX_ENTRY_SIZE, self.per_file)
 
     def reset(self, offset: int) -> None:
         """Drop every entry and restart the queue at ``offset``."""
-        self.truncate(self.min_offset)
+        self._empty_at(offset)
+
+    def _empty_at(self, offset: int) -> None:
+        """Remove every file; leave an empty queue whose next offset is ``offset``.
+
+        An empty queue at ``offset > 0`` keeps one file holding ``offset - base`` zero-filled
+        (never valid) entries, so that ``load`` finds the same next offset after a restart
+        and the queue's offsets are never reused.
+        """
+        for base in list(self._fds):
+            os.close(self._fds.pop(base))
+            os.unlink(os.path.join(self.dir, file_name(base)))
+        if offset > 0:
+            base = offset - offset % self.per_file
+            fd = self._create(base)
+            os.ftruncate(fd, FILE_HEADER_SIZE + (offset - base) * INDEX_ENTRY_SIZE)
         self.min_offset = self.max_offset = offset
 
     # ---------------------------------------------------------------- writes
@@ -102,13 +116,21 @@ class ConsumeQueue:
         return fd
 
     def truncate(self, offset: int) -> None:
-        """Remove entries at and after ``offset`` (``offset`` <= min_offset empties it)."""
-        if offset <= self.min_offset:
-            for base in list(self._fds):
-                os.close(self._fds.pop(base))
-                os.unlink(os.path.join(self.dir, file_name(base)))
-            self.min_offset = self.max_offset = min(offset, self.min_offset)
+        """Remove entries at and after ``offset`` (``offset`` <= min_offset empties it).
+
+        An emptied queue restarts at its ``min_offset``: offsets below it were handed out
+        already and are never reused.
+        """
+        if offset >= self.max_offset:
             return
+        if offset <= self.min_offset:
+            self._empty_at(self.min_offset)
+            return
+        self._cut(offset)
+        self.max_offset = offset
+
+    def _cut(self, offset: int) -> None:
+        """Delete the files after ``offset``'s file and cut that one at ``offset``."""
         keep = offset - offset % self.per_file
         for base in list(self._fds):
             if base > keep:
@@ -116,21 +138,23 @@ class ConsumeQueue:
                 os.unlink(os.path.join(self.dir, file_name(base)))
             elif base == keep:
                 os.ftruncate(self._fds[base], FILE_HEADER_SIZE + (offset - base) * INDEX_ENTRY_SIZE)
-        self.max_offset = min(self.max_offset, offset)
 
     # ---------------------------------------------------------------- reads
     def read(self, offset: int, count: int) -> bytes:
         """Packed entries for [offset, offset+count) clipped to the queue's range."""
         offset = max(offset, self.min_offset)
         count = min(count, self.max_offset - offset)
-        if count <= 0:
-            return b""
-        base = offset - offset % self.per_file
-        n = min(count, base + self.per_file - offset)
-        return os.pread(
-            self._fds[base], n * INDEX_ENTRY_SIZE,
-            FILE_HEADER_SIZE + (offset - base) * INDEX_ENTRY_SIZE,
-        )
+        out: list[bytes] = []
+        while count > 0:
+            base = offset - offset % self.per_file
+            n = min(count, base + self.per_file - offset)
+            out.append(os.pread(
+                self._fds[base], n * INDEX_ENTRY_SIZE,
+                FILE_HEADER_SIZE + (offset - base) * INDEX_ENTRY_SIZE,
+            ))
+            offset += n
+            count -= n
+        return out[0] if len(out) == 1 else b"".join(out)
 
     def entry(self, offset: int) -> tuple[int, int, int, int]:
         raw = self.read(offset, 1)
@@ -159,8 +183,9 @@ class ConsumeQueue:
         if new_min <= self.min_offset:
             return
         self.min_offset = new_min
+        last = max(self._fds)  # kept: it tells ``load`` where the queue ends
         for base in sorted(self._fds):
-            if base + self.per_file <= new_min and base + self.per_file <= self.max_offset:
+            if base + self.per_file <= new_min and base != last:
                 os.close(self._fds.pop(base))
                 os.unlink(os.path.join(self.dir, file_name(base)))
 

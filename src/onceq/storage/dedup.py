@@ -17,7 +17,8 @@ class DedupWindow:
     def __init__(self, window_s: float, max_keys: int) -> None:
         self.window_ms = int(window_s * 1000)
         self.max_keys = max_keys
-        self._keys: dict[tuple[str, bytes], tuple[int, int]] = {}  # -> (queue_id, offset)
+        # (topic, key) -> (queue_id, offset, ts_ms of the copy the entry belongs to)
+        self._keys: dict[tuple[str, bytes], tuple[int, int, int]] = {}
         self._order: deque[tuple[int, tuple[str, bytes]]] = deque()
 
     @property
@@ -28,11 +29,13 @@ class DedupWindow:
         return len(self._keys)
 
     def get(self, topic: str, key: bytes) -> tuple[int, int] | None:
-        return self._keys.get((topic, key))
+        """(queue_id, offset) of the copy stored within the window, or None."""
+        v = self._keys.get((topic, key))
+        return None if v is None else (v[0], v[1])
 
     def add(self, topic: str, key: bytes, queue_id: int, offset: int, ts_ms: int) -> None:
         k = (topic, key)
-        self._keys[k] = (queue_id, offset)
+        self._keys[k] = (queue_id, offset, ts_ms)
         self._order.append((ts_ms, k))
 
     def expire(self, now_ms: int) -> None:
@@ -40,8 +43,10 @@ class DedupWindow:
         keys = self._keys
         limit = now_ms - self.window_ms
         while order and (order[0][0] < limit or len(order) > self.max_keys):
-            _, k = order.popleft()
-            keys.pop(k, None)
+            ts, k = order.popleft()
+            v = keys.get(k)
+            if v is not None and v[2] == ts:  # not a newer copy of the same key
+                del keys[k]
 
     def drop_topic(self, topic: str) -> None:
         for k in [k for k in self._keys if k[0] == topic]:

@@ -6,6 +6,7 @@ flush service (``flush.py``) off the loop.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -25,7 +26,7 @@ from ..log.record import (
 from ..log.segment import INDEX_ENTRY
 from ..protocol.codes import PullStatus
 from ..protocol.errors import ErrorCode, OnceqError
-from .commitlog import CommitLog
+from .commitlog import CommitLog, first_segment_base
 from .config import StoreConfig
 from .consumequeue import ConsumeQueue
 from .dedup import DedupWindow
@@ -44,7 +45,7 @@ MAX_QUEUES = 1024
 
 
 def check_name(kind: str, name: object) -> str:
-    if not isinstance(name, str) or not NAME_RE.match(name):
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or name in (".", ".."):
         raise OnceqError(
             ErrorCode.INVALID_NAME,
             f"invalid {kind} name {name!r}: use 1-127 of A-Z a-z 0-9 _ - . % |",
@@ -105,6 +106,7 @@ class MessageStore:
         self.dedup = DedupWindow(config.dedup_window_s, config.dedup_max_keys)
         self._offsets_dirty = False
         self.recovered_records = 0
+        self._last_store_ms = 0  # store times never go backwards (search_offset bisects them)
 
     # ================================================================ recovery
     def open(self) -> None:
@@ -118,6 +120,7 @@ class MessageStore:
             for qid in range(t.queues):
                 self._open_queue(name, qid)
         self._drop_unknown_queue_dirs()
+        loaded_max = {key: cq.max_offset for key, cq in self.queues.items()}
         try:
             with open(self._checkpoint_path, "rb") as f:
                 checkpoint = decode_checkpoint(f.read())
@@ -133,6 +136,9 @@ class MessageStore:
             for cq in self.queues.values():
                 cq.reset(0)
             self._recover(0)
+            for key, cq in self.queues.items():
+                if cq.max_offset == 0 and loaded_max[key] > 0:
+                    cq.reset(loaded_max[key])  # no record left: never reuse its offsets
         self.write_checkpoint()
 
     def _open_queue(self, topic: str, qid: int) -> ConsumeQueue:
@@ -149,53 +155,82 @@ class MessageStore:
                 shutil.rmtree(os.path.join(self._queues_dir, name), ignore_errors=True)
 
     def _recover(self, checkpoint: int) -> None:
-        """Scan the commit log; index every record at or after ``checkpoint``."""
+        """Scan the commit log; index every valid record that the consume queues lack.
+
+        Index entries at or after ``checkpoint`` may not have reached the disk before a
+        crash: they are dropped and rebuilt from the log. Entries before it are trusted but
+        checked against the log: a queue whose index lost entries (a deleted or cut index
+        file) is completed from the log, and an index that contradicts the log raises
+        ``_NeedFullRebuild``.
+        """
+        start = first_segment_base(self.log.dir)
         for cq in self.queues.values():
+            cq.drop_below_position(start)  # so that emptying a queue keeps its next offset
             cq.truncate(cq.first_offset_where(0, checkpoint))
+        indexed = {key: (cq.min_offset, cq.max_offset) for key, cq in self.queues.items()}
+        last_seen: dict[tuple[str, int], int] = {}  # position of the last indexed record
         pending: dict[tuple[str, int], list[bytes]] = {}
         next_off: dict[tuple[str, int], int] = {}
         window_start = int(self.clock() * 1000) - self.dedup.window_ms
         topics = self.topics
         dedup = self.dedup
         count = 0
+        max_ts = self._last_store_ms
 
         def on_record(h: RecordHead) -> None:
-            nonlocal count
+            nonlocal count, max_ts
             count += 1
             t = topics.get(h.topic)
             if t is None or h.queue_id >= t.queues or h.position < t.created_position:
                 return  # a deleted topic's record
             key = (h.topic, h.queue_id)
+            if h.store_ts_ms > max_ts:
+                max_ts = h.store_ts_ms
             if dedup.enabled and h.store_ts_ms >= window_start and h.unique_key:
                 dedup.add(h.topic, h.unique_key, h.queue_id, h.queue_offset, h.store_ts_ms)
-            if h.position < checkpoint:
-                return
-            cq = self.queues[key]
-            expect = next_off.get(key, cq.max_offset)
-            if h.queue_offset != expect:
-                if cq.min_offset == cq.max_offset and key not in next_off:
-                    cq.reset(h.queue_offset)  # first record of a queue whose head was deleted
-                elif h.queue_offset > expect:
-                    raise _NeedFullRebuild
-                else:
-                    log.warning("store: record at %d repeats offset %d of %s; skipped",
-                                h.position, h.queue_offset, key)
+            expect = next_off.get(key)
+            if expect is None:
+                lo, hi = indexed[key]
+                if h.queue_offset < hi:  # already indexed
+                    if h.queue_offset < lo:
+                        raise _NeedFullRebuild  # the index lost its head
+                    if h.queue_offset == hi - 1:
+                        last_seen[key] = h.position
                     return
+                if h.queue_offset > hi:
+                    if lo != hi:
+                        raise _NeedFullRebuild
+                    # first record of an empty queue whose head was deleted by retention
+                    self.queues[key].reset(h.queue_offset)
+            elif h.queue_offset != expect:
+                if h.queue_offset > expect:
+                    raise _NeedFullRebuild
+                log.warning("store: record at %d repeats offset %d of %s; skipped",
+                            h.position, h.queue_offset, key)
+                return
             next_off[key] = h.queue_offset + 1
             pending.setdefault(key, []).append(
                 INDEX_ENTRY.pack(h.position, h.size, h.tags_hash, h.store_ts_ms)
             )
 
         end = self.log.recover(on_record)
+        start = self.log.start
+        for key, (lo, hi) in indexed.items():
+            # the last trusted entry must point at the record the log holds for it
+            if hi > lo:
+                pos = self.queues[key].entry(hi - 1)[0]
+                if start <= pos < end and last_seen.get(key) != pos:
+                    raise _NeedFullRebuild
         self.recovered_records = count
+        self._last_store_ms = max_ts
         for key, entries in pending.items():
             self.queues[key].append(b"".join(entries), len(entries))
         for cq in self.queues.values():
             if cq.max_offset > cq.min_offset:
                 cq.truncate(cq.first_offset_where(0, end))  # entries past a truncated tail
-            cq.drop_below_position(self.log.start)
+            cq.drop_below_position(start)
         dedup.expire(int(self.clock() * 1000))
-        log.info("store: recovered %d records, commit log [%d, %d)", count, self.log.start, end)
+        log.info("store: recovered %d records, commit log [%d, %d)", count, start, end)
 
     # ================================================================ topics
     def create_topic(self, name: str, queues: int) -> TopicConfig:
@@ -256,6 +291,9 @@ class MessageStore:
         """Store message parts in one queue; all or nothing on validation errors."""
         cq = self._queue(topic, queue_id)
         max_body = self.config.max_body
+        max_record = self.log.segment_size
+        tb = topic.encode()
+        fixed = REC_HEADER_SIZE + len(tb)
         metas = []
         for part in parts:
             try:
@@ -267,12 +305,19 @@ class MessageStore:
                     ErrorCode.MESSAGE_TOO_LARGE,
                     f"message body of {blen} bytes exceeds the limit of {max_body} bytes",
                 )
+            if fixed + len(part) > max_record:
+                raise OnceqError(
+                    ErrorCode.MESSAGE_TOO_LARGE,
+                    f"message of {len(part)} bytes (body, tags, keys and properties) does "
+                    f"not fit a commit-log segment of {max_record} bytes",
+                )
             metas.append((uk, tags))
-        now_ms = int(self.clock() * 1000)
+        now_ms = max(int(self.clock() * 1000), self._last_store_ms)
         dedup = self.dedup
         use_dedup = dedup.enabled
-        tb = topic.encode()
-        fixed = REC_HEADER_SIZE + len(tb)
+        if use_dedup:
+            dedup.expire(now_ms)  # the window is enforced on lookup, not only after writes
+        batch_keys: dict[bytes, int] = {}  # unique key -> offset, first copy in this batch
         offsets: list[int] = []
         dups: list[int] = []
         dup_queues: list[int] = []
@@ -291,7 +336,13 @@ class MessageStore:
                     dup_queues.append(prev[0])
                     offsets.append(prev[1])
                     continue
-                dedup.add(topic, uk, queue_id, offset, now_ms)
+                first = batch_keys.get(uk)
+                if first is not None:
+                    dups.append(i)
+                    dup_queues.append(queue_id)
+                    offsets.append(first)
+                    continue
+                batch_keys[uk] = offset
             size = fixed + len(part)
             pos = log_.reserve(size, records)
             records.append(build_record(tb, queue_id, offset, pos, now_ms, part))
@@ -303,10 +354,15 @@ class MessageStore:
             offset += 1
         if records:
             log_.write(records)
+            self._last_store_ms = now_ms
         if entries:
             cq.append(b"".join(entries), len(entries))
-            if use_dedup:
-                dedup.expire(now_ms)
+        if batch_keys:
+            # only now that the records are written: a failed write must not turn the
+            # producer's retry into a "duplicate" of a message that was never stored
+            for uk, off in batch_keys.items():
+                dedup.add(topic, uk, queue_id, off, now_ms)
+            dedup.expire(now_ms)
         return PutResult(queue_id, offsets, dups, dup_queues, log_.end)
 
     # ================================================================ reads
@@ -385,10 +441,9 @@ class MessageStore:
     def checkpoint_at(self, end: int, index_fds: list[int]) -> None:
         """Fsync ``index_fds`` and record ``end`` as indexed (safe to run off the loop)."""
         for fd in index_fds:
-            try:
+            # an index file closed meanwhile (topic deleted) raises OSError
+            with contextlib.suppress(OSError):
                 os.fsync(fd)
-            except OSError:  # an index file closed meanwhile (topic deleted)
-                pass
         write_atomic(self._checkpoint_path, encode_checkpoint(end))
 
     def write_offsets_file(self, data: bytes) -> None:
