@@ -28,7 +28,7 @@ class Message:
     unique_key: str = ""
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class SendResult:
     topic: str
     queue_id: int
@@ -58,10 +58,13 @@ class UniqueKeyGenerator:
         self._counter = itertools.count()
 
     def next(self) -> str:
-        return "%s%012X%08X" % (  # noqa: UP031 - fastest formatting on this hot path
-            self._prefix, int(time.time() * 1000) & 0xFFFFFFFFFFFF,
-            next(self._counter) & 0xFFFFFFFF,
-        )
+        return self.many(1)[0]
+
+    def many(self, n: int) -> list[str]:
+        """``n`` keys sharing one time stamp (cheaper than ``n`` calls of ``next``)."""
+        head = f"{self._prefix}{int(time.time() * 1000) & 0xFFFFFFFFFFFF:012X}"
+        c = self._counter
+        return [f"{head}{next(c) & 0xFFFFFFFF:08X}" for _ in range(n)]
 
 
 def encode_message(msg: Message, unique_key: str, now_ms: int) -> bytes:

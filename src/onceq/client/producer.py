@@ -10,6 +10,7 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
+from ..log.record import encode_part
 from ..protocol.codes import RequestCode
 from ..protocol.errors import ErrorCode, OnceqError
 from .connection import BrokerConnection, ConnectionLost
@@ -106,18 +107,7 @@ class Producer:
         """Send messages to one queue in one request; one result per message."""
         if not messages:
             return []
-        now_ms = int(time.time() * 1000)
-        keys: list[str] = []
-        chunks: list[bytes] = []
-        nxt = self._keys.next
-        for m in messages:
-            msg = _as_message(m)
-            uk = msg.unique_key or nxt()
-            keys.append(uk)
-            part = encode_message(msg, uk, now_ms)
-            chunks.append(_U32.pack(len(part)))
-            chunks.append(part)
-        payload = b"".join(chunks)
+        payload, keys = self._encode(messages)
         code = RequestCode.SEND if len(messages) == 1 else RequestCode.SEND_BATCH
         pinned = sharding_key is not None or queue is not None
         deadline = time.monotonic() + self.send_timeout
@@ -141,17 +131,32 @@ class Producer:
                 if isinstance(exc, ConnectionLost) and self._conn is not None:
                     self._conn.close()
 
+    def _encode(self, messages: Sequence[Message | bytes | str]) -> tuple[bytes, list[str]]:
+        """Batch payload ([u32 length][part] per message) and the messages' unique keys."""
+        now_ms = int(time.time() * 1000)
+        keys = self._keys.many(len(messages))
+        chunks: list[bytes] = []
+        add = chunks.append
+        for i, m in enumerate(messages):
+            if type(m) is bytes:
+                part = encode_part(m, keys[i], now_ms)
+            else:
+                msg = _as_message(m)
+                if msg.unique_key:
+                    keys[i] = msg.unique_key
+                part = encode_message(msg, keys[i], now_ms)
+            add(_U32.pack(len(part)))
+            add(part)
+        return b"".join(chunks), keys
+
     async def send_oneway(self, topic: str, message: Message | bytes | str, *,
                           sharding_key: str | None = None, queue: int | None = None) -> None:
         """Fire-and-forget: write the message and do not wait for any reply."""
-        msg = _as_message(message)
-        uk = msg.unique_key or self._keys.next()
-        part = encode_message(msg, uk, int(time.time() * 1000))
+        payload, _ = self._encode([message])
         n = await self.queue_count(topic)
         qid = self._pick_queue(topic, n, sharding_key, queue)
         conn = await self._connection()
-        conn.write_oneway(RequestCode.SEND, {"topic": topic, "queue": qid},
-                          _U32.pack(len(part)) + part)
+        conn.write_oneway(RequestCode.SEND, {"topic": topic, "queue": qid}, payload)
 
 
 def _results(topic: str, hdr: dict[str, Any], keys: list[str]) -> list[SendResult]:
