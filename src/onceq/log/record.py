@@ -2,18 +2,20 @@
 
 A *message part* is what a producer encodes and sends; the broker stores it verbatim inside
 a *record*, behind a fixed header that it fills in (queue, offsets, store time, checksum).
-A pull returns stored records verbatim, so the consumer decodes the same format.
+A pull returns stored records verbatim, so the consumer decodes the same format. All field
+lengths sit in fixed headers, so one ``struct`` call reads a whole record head.
 
 Message part (little endian)::
 
     i64 born_ts_ms
     u16 flags
     u16 reconsume_times
-    u8  len + unique key (ascii)
-    u16 len + tags (utf-8)
-    u16 len + keys (utf-8, space separated)
-    u32 len + properties (msgpack map str -> str)
-    u32 len + body
+    u8  unique key length     (ascii)
+    u16 tags length           (utf-8)
+    u16 keys length           (utf-8, space separated)
+    u32 properties length     (msgpack map str -> str)
+    u32 body length
+    ... unique key, tags, keys, properties, body
 
 Record::
 
@@ -25,8 +27,9 @@ Record::
     i64 queue_offset
     i64 position        commit-log position of this record
     i64 store_ts_ms
-    u8  len + topic (ascii)
+    u8  topic length    (ascii)
     ... message part
+    ... topic
 """
 
 from __future__ import annotations
@@ -39,15 +42,15 @@ from typing import Any
 
 import msgpack
 
-RECORD_MAGIC = 0xA1
+RECORD_MAGIC = 0xA2
 REC_HEADER = struct.Struct("<IIBBHqqqB")
 REC_HEADER_SIZE = REC_HEADER.size  # 37
-PART_FIXED = struct.Struct("<qHHB")
-PART_FIXED_SIZE = PART_FIXED.size  # 13
-_U16 = struct.Struct("<H")
-_U32 = struct.Struct("<I")
-MIN_PART_SIZE = PART_FIXED_SIZE + 2 + 2 + 4 + 4
+PART_FIXED = struct.Struct("<qHHBHHII")
+PART_FIXED_SIZE = PART_FIXED.size  # 25
+REC_HEAD_AND_PART = struct.Struct("<IIBBHqqqBqHHBHHII")  # both fixed headers in one read
+MIN_PART_SIZE = PART_FIXED_SIZE
 MAX_RECORD_SIZE = 64 * 1024 * 1024
+_U32 = struct.Struct("<I")
 
 _packb = msgpack.Packer(use_bin_type=True).pack
 
@@ -84,81 +87,79 @@ def encode_part(
         uk = unique_key.encode("ascii")
     except UnicodeEncodeError:
         raise RecordError("unique key must be ascii") from None
-    tg = tags.encode()
-    ks = keys.encode()
+    tg = tags.encode() if tags else b""
+    ks = keys.encode() if keys else b""
     pr = _packb(dict(properties)) if properties else b""
     if len(uk) > 255:
         raise RecordError("unique key longer than 255 bytes")
     if len(tg) > 65535 or len(ks) > 65535:
         raise RecordError("tags or keys longer than 65535 bytes")
-    return b"".join(
-        (
-            PART_FIXED.pack(born_ts_ms, flags, reconsume_times, len(uk)),
-            uk,
-            _U16.pack(len(tg)),
-            tg,
-            _U16.pack(len(ks)),
-            ks,
-            _U32.pack(len(pr)),
-            pr,
-            _U32.pack(len(body)),
-            body,
-        )
-    )
+    head = PART_FIXED.pack(born_ts_ms, flags, reconsume_times, len(uk), len(tg), len(ks),
+                           len(pr), len(body))
+    return b"".join((head, uk, tg, ks, pr, body))
 
 
-def part_unique_key_and_tags(part: bytes | memoryview) -> tuple[bytes, bytes, int]:
-    """Validate a message part and return (unique_key, tags, body_size).
+@dataclass(slots=True)
+class PartInfo:
+    """What the broker needs from a message part."""
 
-    This is all the broker needs from a part; it raises RecordError when the lengths do not
-    add up exactly to the part's size, or when a field would not decode on the consumer side
-    (non-ascii unique key, non-utf-8 tags or keys, properties that are not a msgpack map
-    with string keys): a stored part must never poison the pulls of its queue.
+    unique_key: bytes
+    tags: bytes
+    body_size: int
+    reconsume_times: int
+
+    @property
+    def dedup_key(self) -> bytes:
+        """Key of the dedup window: a producer retry repeats it, a consumer retry
+        (same unique key, higher reconsume count) does not."""
+        if self.reconsume_times:
+            return b"%s#%d" % (self.unique_key, self.reconsume_times)
+        return self.unique_key
+
+
+def check_part(part: bytes | memoryview) -> PartInfo:
+    """Validate a message part and return what the broker needs from it.
+
+    Raises RecordError when the lengths do not add up exactly to the part's size, or when a
+    field would not decode on the consumer side (non-ascii unique key, non-utf-8 tags or
+    keys, properties that are not a msgpack map): a stored part must never poison the
+    pulls of its queue.
     """
     n = len(part)
-    if n < MIN_PART_SIZE:
+    if n < PART_FIXED_SIZE:
         raise RecordError("message part too short")
-    ulen = part[12]
-    p = PART_FIXED_SIZE + ulen
-    uk = bytes(part[PART_FIXED_SIZE:p])
-    if p + 2 > n:
-        raise RecordError("message part truncated in tags")
-    tlen = part[p] | (part[p + 1] << 8)
-    p += 2
+    _born, _flags, recons, ulen, tlen, klen, plen, blen = PART_FIXED.unpack_from(part)
+    if PART_FIXED_SIZE + ulen + tlen + klen + plen + blen != n:
+        raise RecordError("message part lengths do not match its size")
+    p = PART_FIXED_SIZE
+    uk = bytes(part[p:p + ulen])
+    p += ulen
     tags = bytes(part[p:p + tlen])
     p += tlen
-    if p + 2 > n:
-        raise RecordError("message part truncated in keys")
-    klen = part[p] | (part[p + 1] << 8)
-    kstart = p + 2
-    p = kstart + klen
-    if p + 4 > n:
-        raise RecordError("message part truncated in properties")
-    plen = _U32.unpack_from(part, p)[0]
-    pstart = p + 4
-    p = pstart + plen
-    if p + 4 > n:
-        raise RecordError("message part truncated in body")
-    blen = _U32.unpack_from(part, p)[0]
-    if p + 4 + blen != n:
-        raise RecordError("message part lengths do not match its size")
     if not uk.isascii():
         raise RecordError("unique key is not ascii")
     try:
         if tlen:
             tags.decode()
         if klen:
-            bytes(part[kstart:kstart + klen]).decode()
+            bytes(part[p:p + klen]).decode()
     except UnicodeDecodeError:
         raise RecordError("tags or keys are not utf-8") from None
+    p += klen
     if plen:
         try:
-            props = msgpack.unpackb(part[pstart:pstart + plen], raw=False)
+            props = msgpack.unpackb(part[p:p + plen], raw=False)
         except Exception:  # msgpack raises several types
             raise RecordError("properties are not msgpack") from None
         if not isinstance(props, dict):
             raise RecordError("properties are not a map")
-    return uk, tags, blen
+    return PartInfo(uk, tags, blen, recons)
+
+
+def part_unique_key_and_tags(part: bytes | memoryview) -> tuple[bytes, bytes, int]:
+    """Validate a message part and return (unique_key, tags, body_size)."""
+    info = check_part(part)
+    return info.unique_key, info.tags, info.body_size
 
 
 def build_record(
@@ -166,13 +167,15 @@ def build_record(
     part: bytes | memoryview,
 ) -> bytes:
     """Build a stored record around a message part."""
-    total = REC_HEADER_SIZE + len(topic_bytes) + len(part)
-    head = REC_HEADER.pack(
+    total = REC_HEADER_SIZE + len(part) + len(topic_bytes)
+    rec = bytearray(REC_HEADER.pack(
         total, 0, RECORD_MAGIC, 0, queue_id, queue_offset, position, store_ts_ms,
         len(topic_bytes),
-    )
-    crc = zlib.crc32(part, zlib.crc32(topic_bytes, zlib.crc32(memoryview(head)[8:])))
-    return b"".join((head[:4], _U32.pack(crc), head[8:], topic_bytes, part))
+    ))
+    rec += part
+    rec += topic_bytes
+    _U32.pack_into(rec, 4, zlib.crc32(memoryview(rec)[8:]))
+    return bytes(rec)
 
 
 @dataclass(slots=True)
@@ -187,6 +190,7 @@ class RecordHead:
     topic: str
     unique_key: bytes
     tags_hash: int
+    dedup_key: bytes = b""
 
 
 def check_record(buf: bytes | memoryview, pos: int, expect_position: int) -> RecordHead:
@@ -209,11 +213,11 @@ def check_record(buf: bytes | memoryview, pos: int, expect_position: int) -> Rec
         raise RecordError("record checksum mismatch")
     if rpos != expect_position:
         raise RecordError("record position mismatch")
-    tstart = REC_HEADER_SIZE
-    topic = bytes(view[tstart - 8:tstart - 8 + tlen]).decode("ascii", "replace")
-    part = view[tstart - 8 + tlen:]
-    uk, tags, _ = part_unique_key_and_tags(part)
-    return RecordHead(total, qid, qoff, rpos, sts, topic, uk, tag_hash(tags))
+    pend = total - 8 - tlen
+    topic = bytes(view[pend:]).decode("ascii", "replace")
+    info = check_part(view[REC_HEADER_SIZE - 8:pend])
+    return RecordHead(total, qid, qoff, rpos, sts, topic, info.unique_key,
+                      tag_hash(info.tags), info.dedup_key)
 
 
 @dataclass(slots=True)
@@ -247,54 +251,42 @@ def decode_records(buf: bytes | memoryview, verify: bool = True) -> Iterator[Mes
     mv = memoryview(buf)
     n = len(mv)
     pos = 0
-    unpack = REC_HEADER.unpack_from
+    unpack = REC_HEAD_AND_PART.unpack_from
+    head_size = REC_HEADER_SIZE + PART_FIXED_SIZE
+    crc32 = zlib.crc32
+    topic_raw = b""
+    topic = ""
     while pos < n:
-        if n - pos < REC_HEADER_SIZE:
+        if n - pos < head_size:
             raise RecordError("truncated record header")
-        total, crc, magic, _r, qid, qoff, rpos, sts, tlen = unpack(mv, pos)
+        (total, crc, magic, _r, qid, qoff, rpos, sts, tlen,
+         born, flags, recons, ulen, tgl, kl, pl, bl) = unpack(mv, pos)
         end = pos + total
-        if magic != RECORD_MAGIC or total < REC_HEADER_SIZE + tlen + MIN_PART_SIZE or end > n:
+        if (magic != RECORD_MAGIC or end > n
+                or total != head_size + ulen + tgl + kl + pl + bl + tlen):
             raise RecordError("malformed record")
-        if verify and zlib.crc32(mv[pos + 8:end]) != crc:
+        if verify and crc32(mv[pos + 8:end]) != crc:
             raise RecordError("record checksum mismatch")
         try:
-            msg = _decode_message(mv[:end], pos + REC_HEADER_SIZE, qid, qoff, rpos, sts, tlen)
-        except RecordError:
-            raise
+            p = pos + head_size
+            uk = str(mv[p:p + ulen], "ascii")
+            p += ulen
+            tags = str(mv[p:p + tgl], "utf-8") if tgl else ""
+            p += tgl
+            keys = str(mv[p:p + kl], "utf-8") if kl else ""
+            p += kl
+            props = msgpack.unpackb(mv[p:p + pl], raw=False) if pl else {}
+            p += pl
+            body = bytes(mv[p:p + bl])
+            p += bl
+            raw_topic = mv[p:end]
+            if raw_topic != topic_raw:
+                topic_raw = bytes(raw_topic)
+                topic = topic_raw.decode("ascii")
         except Exception as exc:  # a corrupt record read without verification
             raise RecordError(f"undecodable record: {exc}") from None
-        yield msg
+        if type(props) is not dict:
+            raise RecordError("record properties are not a map")
+        yield Message(topic, qid, qoff, body, uk, tags, keys, props, born, sts, recons, flags,
+                      rpos)
         pos = end
-
-
-def _decode_message(
-    mv: memoryview, p: int, qid: int, qoff: int, rpos: int, sts: int, tlen: int
-) -> Message:
-    """Decode the topic and message part at ``mv[p:]``; the record ends at ``len(mv)``."""
-    end = len(mv)
-    topic = str(mv[p:p + tlen], "ascii")
-    p += tlen
-    born, flags, recons, ulen = PART_FIXED.unpack_from(mv, p)
-    p += PART_FIXED_SIZE
-    uk = str(mv[p:p + ulen], "ascii")
-    p += ulen
-    tl = mv[p] | (mv[p + 1] << 8)
-    p += 2
-    tags = str(mv[p:p + tl], "utf-8") if tl else ""
-    p += tl
-    kl = mv[p] | (mv[p + 1] << 8)
-    p += 2
-    keys = str(mv[p:p + kl], "utf-8") if kl else ""
-    p += kl
-    pl = _U32.unpack_from(mv, p)[0]
-    p += 4
-    props = msgpack.unpackb(mv[p:p + pl], raw=False) if pl else {}
-    p += pl
-    bl = _U32.unpack_from(mv, p)[0]
-    p += 4
-    if p + bl != end:
-        raise RecordError("record lengths do not match its size")
-    if not isinstance(props, dict):
-        raise RecordError("record properties are not a map")
-    return Message(topic, qid, qoff, bytes(mv[p:end]), uk, tags, keys, props, born, sts, recons,
-                   flags, rpos)

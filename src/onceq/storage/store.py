@@ -20,7 +20,7 @@ from ..log.record import (
     RecordError,
     RecordHead,
     build_record,
-    part_unique_key_and_tags,
+    check_part,
     tag_hash,
 )
 from ..log.segment import INDEX_ENTRY
@@ -187,7 +187,7 @@ class MessageStore:
             if h.store_ts_ms > max_ts:
                 max_ts = h.store_ts_ms
             if dedup.enabled and h.store_ts_ms >= window_start and h.unique_key:
-                dedup.add(h.topic, h.unique_key, h.queue_id, h.queue_offset, h.store_ts_ms)
+                dedup.add(h.topic, h.dedup_key, h.queue_id, h.queue_offset, h.store_ts_ms)
             expect = next_off.get(key)
             if expect is None:
                 lo, hi = indexed[key]
@@ -297,13 +297,13 @@ class MessageStore:
         metas = []
         for part in parts:
             try:
-                uk, tags, blen = part_unique_key_and_tags(part)
+                info = check_part(part)
             except RecordError as exc:
                 raise OnceqError(ErrorCode.BAD_REQUEST, f"malformed message: {exc}") from None
-            if blen > max_body:
+            if info.body_size > max_body:
                 raise OnceqError(
                     ErrorCode.MESSAGE_TOO_LARGE,
-                    f"message body of {blen} bytes exceeds the limit of {max_body} bytes",
+                    f"message body of {info.body_size} bytes exceeds the limit of {max_body} bytes",
                 )
             if fixed + len(part) > max_record:
                 raise OnceqError(
@@ -311,7 +311,7 @@ class MessageStore:
                     f"message of {len(part)} bytes (body, tags, keys and properties) does "
                     f"not fit a commit-log segment of {max_record} bytes",
                 )
-            metas.append((uk, tags))
+            metas.append((info.dedup_key, info.tags))
         now_ms = max(int(self.clock() * 1000), self._last_store_ms)
         dedup = self.dedup
         use_dedup = dedup.enabled
