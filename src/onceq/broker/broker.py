@@ -19,7 +19,7 @@ from ..storage.store import MessageStore, check_name
 from .config import BrokerConfig
 from .connection import Connection
 from .flush import Flusher
-from .groups import CLUSTERING, GroupRegistry
+from .groups import BROADCASTING, CLUSTERING, GroupRegistry
 from .longpoll import HeldPull, PullHold
 
 log = logging.getLogger("onceq.broker")
@@ -62,6 +62,17 @@ def _str(header: dict[str, Any], name: str) -> str:
     return value
 
 
+def _answer_durable(conn: Connection, corr: int, header: dict[str, Any],
+                    fut: asyncio.Future[None]) -> None:
+    """Answer a sync-flush send once its fsync is done (or failed)."""
+    exc = None if fut.cancelled() else fut.exception()
+    if fut.cancelled() or exc is not None:
+        err = exc if isinstance(exc, OnceqError) else OnceqError(ErrorCode.FLUSH_TIMEOUT)
+        conn.respond(corr, int(err.code), {"message": err.message})
+    else:
+        conn.respond(corr, 0, header)
+
+
 class Broker:
     def __init__(self, config: BrokerConfig, clock: Callable[[], float] = time.time) -> None:
         config.validate()
@@ -74,6 +85,7 @@ class Broker:
         self.flusher: Flusher | None = None
         self._server: asyncio.AbstractServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._io: set[asyncio.Future[Any]] = set()
         self._closing = False
         self.port = config.port
         self.handlers: dict[int, Callable[[Connection, int, dict[str, Any], bytes], Response]] = {
@@ -106,9 +118,14 @@ class Broker:
         self.flusher.start()
         loop = asyncio.get_running_loop()
         max_frame = max_frame_for_body(cfg.store.max_body)
-        self._server = await loop.create_server(
-            lambda: Connection(self, max_frame), cfg.host, cfg.port, reuse_address=True
-        )
+        try:
+            self._server = await loop.create_server(
+                lambda: Connection(self, max_frame), cfg.host, cfg.port, reuse_address=True
+            )
+        except BaseException:  # e.g. port in use: leave no flusher task nor open store
+            await self.flusher.stop()
+            self.store.close()
+            raise
         self.port = self._server.sockets[0].getsockname()[1]
         self._tasks = [
             loop.create_task(self._every(cfg.store.checkpoint_interval_ms / 1000,
@@ -139,15 +156,22 @@ class Broker:
         if self.flusher is not None:
             await self.flusher.flush_now()
         fds = [fd for cq in store.queues.values() for fd in cq.dirty_fds()]
-        await asyncio.get_running_loop().run_in_executor(None, store.checkpoint_at, end, fds)
+        await self._off_loop(store.checkpoint_at, end, fds)
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run blocking file work in a thread. A cancelled caller does not stop the thread,
+        so the work is tracked and ``stop`` waits for it before closing the store (else a
+        late checkpoint/offsets write races the final one on the same temp file)."""
+        fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        self._io.add(fut)
+        fut.add_done_callback(self._io.discard)
+        return await asyncio.shield(fut)
 
     async def _save_offsets(self) -> None:
         if self.store._offsets_dirty:
             self.store._offsets_dirty = False
             data = json.dumps(self.store.offsets, sort_keys=True).encode()
-            await asyncio.get_running_loop().run_in_executor(
-                None, self.store.write_offsets_file, data
-            )
+            await self._off_loop(self.store.write_offsets_file, data)
 
     def _expire_members(self) -> None:
         for group, cid in self.groups.expire(self.clock()):
@@ -170,8 +194,11 @@ class Broker:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+        if self._io:  # file work of cancelled periodic tasks still running in threads
+            await asyncio.wait(list(self._io))
         if self.flusher is not None:
             await self.flusher.stop()
+            await asyncio.sleep(0)  # let the answers of sync-flush sends go out first
         for conn in list(self.connections):
             conn.close()
         self.store.close()
@@ -235,7 +262,7 @@ class Broker:
         flusher = self.flusher
         if flusher is not None and flusher.sync_policy and res.end_position > flusher.flushed:
             fut = flusher.wait_durable(res.end_position)
-            fut.add_done_callback(lambda _f: conn.respond(corr, 0, header))
+            fut.add_done_callback(lambda f: _answer_durable(conn, corr, header, f))
             return None
         return 0, header, b""
 
@@ -293,6 +320,11 @@ class Broker:
         except OnceqError as exc:
             held.conn.respond(held.corr_id, int(exc.code), {"message": exc.message})
             return True
+        except Exception as exc:  # answer it: the puller must not wait for its timeout
+            log.exception("held pull failed")
+            held.conn.respond(held.corr_id, int(ErrorCode.SYSTEM_ERROR),
+                              {"message": f"internal: {exc}"})
+            return True
         if res is None:
             return False
         held.conn.respond(held.corr_id, *res)
@@ -310,8 +342,10 @@ class Broker:
 
     def h_commit_offset(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
                         ) -> Response:
-        self.store.commit_offset(_str(h, "group"), _str(h, "topic"), _int(h, "queue"),
-                                 _int(h, "offset"))
+        offset = _int(h, "offset")
+        if offset < 0:
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "offset must be >= 0")
+        self.store.commit_offset(_str(h, "group"), _str(h, "topic"), _int(h, "queue"), offset)
         return 0, None, b""
 
     def h_get_offset(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
@@ -355,19 +389,32 @@ class Broker:
     def h_heartbeat(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
                     ) -> Response:
         client = _str(h, "client")
+        if not 1 <= len(client) <= 255:
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "client id must be 1-255 characters")
         groups = h.get("groups", [])
         if not isinstance(groups, list):
             raise OnceqError(ErrorCode.INVALID_ARGUMENT, "groups must be a list")
-        now = self.clock()
-        for g in groups:
+        checked = []
+        for g in groups:  # validate everything first: a bad heartbeat changes nothing
             if not isinstance(g, dict):
                 raise OnceqError(ErrorCode.INVALID_ARGUMENT, "each group must be a map")
             name = check_name("group", g.get("group"))
             subs = g.get("subs", {})
-            if not isinstance(subs, dict):
-                raise OnceqError(ErrorCode.INVALID_ARGUMENT, "subs must be a map")
+            if not isinstance(subs, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in subs.items()):
+                raise OnceqError(ErrorCode.INVALID_ARGUMENT,
+                                 "subs must be a map of topic -> tag expression")
             model = g.get("model", CLUSTERING)
-            self.groups.heartbeat(name, client, conn, model, subs, now, g.get("meta"))
+            if model not in (CLUSTERING, BROADCASTING):
+                raise OnceqError(ErrorCode.INVALID_ARGUMENT,
+                                 f"model must be {CLUSTERING} or {BROADCASTING}")
+            meta = g.get("meta")
+            if meta is not None and not isinstance(meta, dict):
+                raise OnceqError(ErrorCode.INVALID_ARGUMENT, "meta must be a map")
+            checked.append((name, subs, model, meta))
+        now = self.clock()
+        for name, subs, model, meta in checked:
+            self.groups.heartbeat(name, client, conn, model, subs, now, meta)
         conn.client_ids.add(client)
         return 0, {"expiry_s": self.config.heartbeat_expiry_s}, b""
 

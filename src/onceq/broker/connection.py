@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from ..protocol.errors import ProtocolError
@@ -25,6 +26,9 @@ class Connection(asyncio.Protocol):
         self.closed = False
         self.peer = "?"
         self.client_ids: set[str] = set()
+        self._backlog: deque[tuple[int, int, int, int, bytes, bytes]] = deque()
+        self._broken: ProtocolError | None = None
+        self._write_paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -34,21 +38,45 @@ class Connection(asyncio.Protocol):
         self.broker.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
-        if self.closed:
+        if self.closed or self._broken is not None:
             return
         self.decoder.feed(data)
         try:
             frames = self.decoder.frames()
         except ProtocolError as exc:
-            self._protocol_error(exc)
-            return
+            self._broken = exc
+        else:
+            self._backlog.extend(frames)
+            if self.decoder.broken is not None:
+                self._broken = self.decoder.broken  # after the frames before it
+        self._drain()
+
+    def _drain(self) -> None:
+        """Dispatch decoded frames until the client stops reading our answers.
+
+        A client that pipelines requests but does not read the responses would otherwise
+        make the broker buffer every answer (pulls of up to 8 MiB each) without bound.
+        While the transport's write buffer is above the high-water mark, requests wait here
+        and the socket is not read; they continue once the client has read enough.
+        """
+        backlog = self._backlog
         dispatch = self.broker.dispatch
-        for _version, kind, code, corr_id, header, payload in frames:
+        while backlog and not self._write_paused and not self.closed:
+            _version, kind, code, corr_id, header, payload = backlog.popleft()
             dispatch(self, kind, code, corr_id, header, payload)
-            if self.closed:
-                return
-        if self.decoder.broken is not None:
-            self._protocol_error(self.decoder.broken)
+        if not backlog and self._broken is not None and not self.closed:
+            self._protocol_error(self._broken)
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        if self.transport is not None and not self.closed:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+            self._drain()
 
     def _protocol_error(self, exc: ProtocolError) -> None:
         log.warning("closing connection %s: %s", self.peer, exc)

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 
+from ..protocol.errors import ErrorCode, OnceqError
 from ..storage.store import MessageStore
 
 log = logging.getLogger("onceq.broker")
@@ -24,8 +26,10 @@ def _fsync_all(fds: list[int]) -> None:
     for fd in fds:
         try:
             os.fsync(fd)
-        except OSError as exc:  # a segment deleted by retention meanwhile
-            log.debug("fsync skipped: %s", exc)
+        except OSError as exc:
+            if exc.errno != errno.EBADF:
+                raise  # a real I/O error: the bytes are not known to be on disk
+            log.debug("fsync skipped (segment deleted by retention meanwhile): %s", exc)
 
 
 class Flusher:
@@ -37,6 +41,11 @@ class Flusher:
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # One flush at a time: a second flush must not mark as durable bytes whose fsync is
+        # still running in the first one (it would find no dirty fds and return at once).
+        self._lock = asyncio.Lock()
+        self._inflight: asyncio.Future[None] | None = None
+        self._retry_fds: set[int] = set()
         self.fsyncs = 0
 
     def start(self) -> None:
@@ -53,11 +62,36 @@ class Flusher:
         return fut
 
     async def flush_now(self) -> None:
-        target = self.store.log.end
-        fds = self.store.log.take_dirty()
-        await asyncio.get_running_loop().run_in_executor(None, _fsync_all, fds)
-        self.fsyncs += 1
-        self.flushed = max(self.flushed, target)
+        async with self._lock:
+            target = self.store.log.end
+            fds = self.store.log.take_dirty()
+            if self._retry_fds:  # segments whose last fsync failed are synced again
+                fds = list(set(fds) | self._retry_fds)
+                self._retry_fds.clear()
+            if fds:
+                fut = asyncio.get_running_loop().run_in_executor(None, _fsync_all, fds)
+                self._inflight = fut
+                try:
+                    # shielded: a cancelled flush task must not look finished while its
+                    # fsync still runs (``stop`` waits for it before the final flush)
+                    await asyncio.shield(fut)
+                except OSError as exc:
+                    self._retry_fds.update(fds)
+                    # Never acknowledge bytes whose fsync failed: fail their waiters (the
+                    # producer retries; the dedup window answers with the stored result).
+                    self._fail(OnceqError(ErrorCode.FLUSH_TIMEOUT, f"fsync failed: {exc}"))
+                    raise
+                self.fsyncs += 1  # fsync rounds that had something to sync
+            self.flushed = max(self.flushed, target)
+            self._resolve()
+
+    def _fail(self, err: OnceqError) -> None:
+        waiters, self._waiters = self._waiters, []
+        for _, fut in waiters:
+            if not fut.done():
+                fut.set_exception(err)
+
+    def _resolve(self) -> None:
         if self._waiters:
             still = []
             for end, fut in self._waiters:
@@ -90,8 +124,10 @@ class Flusher:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        await self.flush_now()
-        for _, fut in self._waiters:
-            if not fut.done():
-                fut.set_result(None)
-        self._waiters.clear()
+        if self._inflight is not None and not self._inflight.done():
+            await asyncio.wait([self._inflight])
+        try:
+            await self.flush_now()
+        except OSError:
+            log.exception("final flush failed")
+        self._fail(OnceqError(ErrorCode.SHUTTING_DOWN, "broker stopped before the flush"))

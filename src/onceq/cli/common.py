@@ -6,11 +6,11 @@ import asyncio
 import functools
 import sys
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import click
 
-from ..client.connection import ConnectionLost
+from ..client.connection import ConnectionLost, parse_address
 from ..protocol.errors import OnceqError
 
 T = TypeVar("T")
@@ -18,10 +18,35 @@ T = TypeVar("T")
 EXIT_ERROR = 2  # the broker answered with an error
 EXIT_UNREACHABLE = 3  # no broker, or the connection broke
 
+
+def _check_address(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """A usage error (exit 2) for an address that is not host:port, not a traceback."""
+    try:
+        _host, port = parse_address(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    if not 1 <= port <= 65535:
+        raise click.BadParameter(f"port must be 1..65535, not {port}")
+    return value
+
+
 broker_option = click.option(
     "--broker", "-b", default="127.0.0.1:9876", show_default=True, envvar="ONCEQ_BROKER",
-    help="Broker address host:port.",
+    help="Broker address host:port.", callback=_check_address,
 )
+
+
+class BrokerError(click.ClickException):
+    """An error the broker's answers revealed: ``error: ...`` and exit code 2."""
+
+    exit_code = EXIT_ERROR
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+def fail(message: str) -> NoReturn:
+    raise BrokerError(message)
 
 
 def run_async(coro: Coroutine[Any, Any, T]) -> T:

@@ -17,7 +17,7 @@ from ..client.producer import Producer
 from ..client.pull import PullConsumer
 from ..protocol.codes import PullStatus
 from ..storage.config import StoreConfig
-from .common import async_command, broker_option
+from .common import async_command, broker_option, fail
 
 console = Console()
 
@@ -178,7 +178,9 @@ async def pull(topic_name: str, queues: tuple[int, ...], offset: int | None, max
                 r = await c.pull(topic_name, q, nxt[q], min(max_msgs - printed, 256) or 1,
                                  tags=tags, suspend=0.5 if follow and len(qs) == 1 else 0)
                 if r.status == PullStatus.OFFSET_ILLEGAL:
-                    raise click.ClickException(f"offset {nxt[q]} is beyond queue {q}'s end")
+                    fail(f"offset {nxt[q]} is beyond the end of queue {q} ({r.max_offset})")
+                if r.next_offset != nxt[q]:
+                    idle = False  # moved on (maybe past messages the tags filtered out)
                 nxt[q] = r.next_offset
                 for m in r.messages:
                     idle = False

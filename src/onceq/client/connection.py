@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +19,11 @@ from ..protocol.frame import (
     max_frame_for_body,
 )
 
+log = logging.getLogger("onceq.client")
+
 DEFAULT_MAX_FRAME = max_frame_for_body(64 * 1024 * 1024)
+# answers after which the broker closes the connection (see broker/connection.py)
+_STREAM_ERRORS = frozenset({ErrorCode.FRAME_TOO_LARGE, ErrorCode.UNSUPPORTED_VERSION})
 
 
 class ConnectionLost(OnceqError):
@@ -84,11 +88,18 @@ class BrokerConnection(asyncio.Protocol):
                     continue
                 if code:
                     fut.set_exception(OnceqError(code, hdr.get("message")))
+                    if code in _STREAM_ERRORS:
+                        # the broker closes a stream it cannot frame: do not reuse it
+                        self._fail(ConnectionLost(f"broker closed the connection: "
+                                                  f"{ErrorCode(code).name}"))
+                        return
                 else:
                     fut.set_result((hdr, payload))
             elif kind == PUSH and self._on_push is not None:
-                with contextlib.suppress(ValueError):
+                try:
                     self._on_push(code, decode_header(header))
+                except Exception:  # a failing handler must not take the connection down
+                    log.exception("push handler failed for push code %d", code)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail(ConnectionLost(f"connection to broker lost{': ' + str(exc) if exc else ''}"))
@@ -122,6 +133,15 @@ class BrokerConnection(asyncio.Protocol):
             return await asyncio.wait_for(fut, timeout)
         except TimeoutError:
             raise ConnectionLost(f"no reply within {timeout}s") from None
+        finally:
+            if fut.cancelled():  # given up (timeout, cancelled caller): forget the request
+                for corr in [c for c, f in self._pending.items() if f is fut]:
+                    del self._pending[corr]
+
+    @property
+    def pending(self) -> int:
+        """Requests waiting for their reply."""
+        return len(self._pending)
 
     def write_oneway(self, code: int, header: dict[str, Any] | None, payload: bytes = b""
                      ) -> None:

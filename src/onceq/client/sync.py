@@ -22,12 +22,34 @@ class _LoopThread:
         self._thread.start()
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self.loop.is_closed():
+            coro.close()
+            raise RuntimeError("the client is closed")
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def stop(self) -> None:
+        if self.loop.is_closed():
+            return
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join()
         self.loop.close()
+
+    def start(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run the client's start; on failure stop the thread (no thread left behind)."""
+        try:
+            self.run(coro)
+        except BaseException:
+            self.stop()
+            raise
+
+    def close(self, coro: Coroutine[Any, Any, Any]) -> None:
+        if self.loop.is_closed():
+            coro.close()
+            return
+        try:
+            self.run(coro)
+        finally:
+            self.stop()
 
 
 class SyncProducer:
@@ -36,7 +58,7 @@ class SyncProducer:
     def __init__(self, address: str = "127.0.0.1:9876", **kwargs: Any) -> None:
         self._lt = _LoopThread()
         self._p = Producer(address, **kwargs)
-        self._lt.run(self._p.start())
+        self._lt.start(self._p.start())
 
     def send(self, topic: str, message: Message | bytes | str, **kw: Any) -> SendResult:
         return self._lt.run(self._p.send(topic, message, **kw))
@@ -49,8 +71,7 @@ class SyncProducer:
         self._lt.run(self._p.send_oneway(topic, message, **kw))
 
     def close(self) -> None:
-        self._lt.run(self._p.close())
-        self._lt.stop()
+        self._lt.close(self._p.close())
 
     def __enter__(self) -> SyncProducer:
         return self
@@ -66,7 +87,7 @@ class SyncPullConsumer:
                  **kwargs: Any) -> None:
         self._lt = _LoopThread()
         self._c = PullConsumer(address, group, **kwargs)
-        self._lt.run(self._c.start())
+        self._lt.start(self._c.start())
 
     def pull(self, topic: str, queue: int, offset: int, max_msgs: int = 32, **kw: Any
              ) -> PullResult:
@@ -78,9 +99,17 @@ class SyncPullConsumer:
     def fetch_offset(self, topic: str, queue: int) -> int:
         return self._lt.run(self._c.fetch_offset(topic, queue))
 
+    def queue_offsets(self, topic: str, queue: int) -> tuple[int, int]:
+        return self._lt.run(self._c.queue_offsets(topic, queue))
+
+    def search_offset(self, topic: str, queue: int, timestamp_ms: int) -> int:
+        return self._lt.run(self._c.search_offset(topic, queue, timestamp_ms))
+
+    def queue_count(self, topic: str) -> int:
+        return self._lt.run(self._c.queue_count(topic))
+
     def close(self) -> None:
-        self._lt.run(self._c.close())
-        self._lt.stop()
+        self._lt.close(self._c.close())
 
     def __enter__(self) -> SyncPullConsumer:
         return self
