@@ -21,6 +21,7 @@ from .connection import Connection
 from .flush import Flusher
 from .groups import BROADCASTING, CLUSTERING, GroupRegistry
 from .longpoll import HeldPull, PullHold
+from .retry import RetryService, parse_delay_levels
 
 log = logging.getLogger("onceq.broker")
 
@@ -83,6 +84,7 @@ class Broker:
         self.groups = GroupRegistry(config.heartbeat_expiry_s, self._on_group_change)
         self.holds = PullHold(self._retry_pull)
         self.flusher: Flusher | None = None
+        self.retry: RetryService | None = None
         self._server: asyncio.AbstractServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._io: set[asyncio.Future[Any]] = set()
@@ -105,6 +107,7 @@ class Broker:
             RequestCode.UNREGISTER: self.h_unregister,
             RequestCode.LIST_GROUP_MEMBERS: self.h_list_members,
             RequestCode.LIST_GROUPS: self.h_list_groups,
+            RequestCode.CONSUMER_SEND_BACK: self.h_send_back,
         }
 
     # ================================================================ lifecycle
@@ -114,6 +117,9 @@ class Broker:
         log.info("store opened in %.2fs (%d records)", time.perf_counter() - t0,
                  self.store.recovered_records)
         cfg = self.config
+        self.retry = RetryService(self.store, parse_delay_levels(cfg.delay_levels), self.clock,
+                                  self._on_internal_put)
+        self.retry.start()
         self.flusher = Flusher(self.store, cfg.store.flush, cfg.store.flush_interval_ms)
         self.flusher.start()
         loop = asyncio.get_running_loop()
@@ -123,6 +129,7 @@ class Broker:
                 lambda: Connection(self, max_frame), cfg.host, cfg.port, reuse_address=True
             )
         except BaseException:  # e.g. port in use: leave no flusher task nor open store
+            await self.retry.stop()
             await self.flusher.stop()
             self.store.close()
             raise
@@ -194,6 +201,8 @@ class Broker:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+        if self.retry is not None:
+            await self.retry.stop()
         if self._io:  # file work of cancelled periodic tasks still running in threads
             await asyncio.wait(list(self._io))
         if self.flusher is not None:
@@ -259,12 +268,7 @@ class Broker:
                       "dupq": res.duplicate_queues}
         else:
             header = {"queue": qid, "base": res.offsets[0], "n": len(res.offsets)}
-        flusher = self.flusher
-        if flusher is not None and flusher.sync_policy and res.end_position > flusher.flushed:
-            fut = flusher.wait_durable(res.end_position)
-            fut.add_done_callback(lambda f: _answer_durable(conn, corr, header, f))
-            return None
-        return 0, header, b""
+        return self._durable_reply(conn, corr, header, res.end_position)
 
     def _pull_request(self, h: dict[str, Any]) -> dict[str, Any]:
         req = {
@@ -414,6 +418,8 @@ class Broker:
             checked.append((name, subs, model, meta))
         now = self.clock()
         for name, subs, model, meta in checked:
+            if model == CLUSTERING and self.retry is not None:
+                self.retry.ensure_group_topics(name)
             self.groups.heartbeat(name, client, conn, model, subs, now, meta)
         conn.client_ids.add(client)
         return 0, {"expiry_s": self.config.heartbeat_expiry_s}, b""
@@ -440,6 +446,32 @@ class Broker:
                       ) -> Response:
         names = sorted(set(self.groups.groups) | set(self.store.offsets))
         return 0, {"groups": names}, b""
+
+    def h_send_back(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                    ) -> Response:
+        assert self.retry is not None
+        group = check_name("group", _str(h, "group"))
+        max_reconsume = _int(h, "max_reconsume", 16)
+        if not 0 <= max_reconsume <= 10_000:
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "max_reconsume must be 0..10000")
+        res = self.retry.send_back(group, _str(h, "topic"), _int(h, "queue"), _int(h, "offset"),
+                                   _int(h, "delay_level", 0), max_reconsume)
+        return self._durable_reply(conn, corr, res)
+
+    def _durable_reply(self, conn: Connection, corr: int, header: dict[str, Any],
+                       end: int | None = None) -> Response:
+        """Answer now, or (sync flush) once the bytes before ``end`` (default: everything
+        written so far) are fsynced."""
+        flusher = self.flusher
+        end = self.store.log.end if end is None else end
+        if flusher is not None and flusher.sync_policy and end > flusher.flushed:
+            fut = flusher.wait_durable(end)
+            fut.add_done_callback(lambda f: _answer_durable(conn, corr, header, f))
+            return None
+        return 0, header, b""
+
+    def _on_internal_put(self, topic: str, queue: int) -> None:
+        self.holds.notify((topic, queue))
 
     # ================================================================ notifications
     def _on_group_change(self, group: str, client_id: str, reason: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..storage.config import StoreConfig
+from .retry import DEFAULT_DELAY_LEVELS, parse_delay_levels
 
 
 @dataclass
@@ -21,6 +22,7 @@ class BrokerConfig:
     default_queues: int = 8
     max_pull_msgs: int = 1024
     max_pull_bytes: int = 8 * 1024 * 1024
+    delay_levels: str = DEFAULT_DELAY_LEVELS  # retry delays, level 1 first
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -31,3 +33,4 @@ class BrokerConfig:
             raise ValueError("long_poll_max_s must be >= 0 and heartbeat_expiry_s > 0")
         if not 1 <= self.default_queues <= 1024:
             raise ValueError("default_queues must be 1..1024")
+        parse_delay_levels(self.delay_levels)

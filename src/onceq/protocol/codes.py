@@ -14,6 +14,7 @@ class RequestCode(IntEnum):
     SEARCH_OFFSET = 22  # first offset stored at or after a timestamp
     COMMIT_OFFSET = 30
     GET_OFFSET = 31
+    CONSUMER_SEND_BACK = 32  # a failed message goes to the group's retry topic (or DLQ)
     CREATE_TOPIC = 40
     DELETE_TOPIC = 41
     LIST_TOPICS = 42
@@ -28,6 +29,28 @@ class PushCode(IntEnum):
     """One-way server pushes."""
 
     GROUP_CHANGED = 100
+
+
+RETRY_PREFIX = "%RETRY%"
+DLQ_PREFIX = "%DLQ%"
+SCHEDULE_TOPIC = "%SCHEDULE%"
+
+# message properties set by the broker on retried messages
+PROP_ORIGIN_TOPIC = "ORIGIN_TOPIC"
+PROP_ORIGIN_QUEUE = "ORIGIN_QUEUE"
+PROP_ORIGIN_OFFSET = "ORIGIN_OFFSET"
+PROP_DELAY_LEVEL = "DELAY"
+PROP_REAL_TOPIC = "REAL_TOPIC"
+PROP_REAL_QUEUE = "REAL_QID"
+PROP_DELIVER_AT = "DELIVER_AT_MS"
+
+
+def retry_topic(group: str) -> str:
+    return f"{RETRY_PREFIX}{group}"
+
+
+def dlq_topic(group: str) -> str:
+    return f"{DLQ_PREFIX}{group}"
 
 
 class PullStatus(IntEnum):

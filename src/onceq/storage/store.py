@@ -287,8 +287,11 @@ class MessageStore:
         return cq
 
     # ================================================================ writes
-    def put(self, topic: str, queue_id: int, parts: Sequence[bytes | memoryview]) -> PutResult:
-        """Store message parts in one queue; all or nothing on validation errors."""
+    def put(self, topic: str, queue_id: int, parts: Sequence[bytes | memoryview],
+            dedup: bool = True) -> PutResult:
+        """Store message parts in one queue; all or nothing on validation errors.
+
+        ``dedup``: apply the producer-retry dedup window (internal re-puts may opt out)."""
         cq = self._queue(topic, queue_id)
         max_body = self.config.max_body
         max_record = self.log.segment_size
@@ -313,8 +316,8 @@ class MessageStore:
                 )
             metas.append((info.dedup_key, info.tags))
         now_ms = max(int(self.clock() * 1000), self._last_store_ms)
+        use_dedup = dedup and self.dedup.enabled
         dedup = self.dedup
-        use_dedup = dedup.enabled
         if use_dedup:
             dedup.expire(now_ms)  # the window is enforced on lookup, not only after writes
         batch_keys: dict[bytes, int] = {}  # unique key -> offset, first copy in this batch
@@ -357,7 +360,7 @@ class MessageStore:
             self._last_store_ms = now_ms
         if entries:
             cq.append(b"".join(entries), len(entries))
-        if batch_keys:
+        if use_dedup and batch_keys:
             # only now that the records are written: a failed write must not turn the
             # producer's retry into a "duplicate" of a message that was never stored
             for uk, off in batch_keys.items():

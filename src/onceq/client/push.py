@@ -1,0 +1,473 @@
+"""Push consumer: rebalance, process queues, concurrent consumption, retries.
+
+Pulls run per owned queue with long polling; listener calls run concurrently (bounded);
+the committed offset of a queue is its lowest in-flight offset. A rebalance runs every
+``rebalance_interval_s`` and at once when the broker reports a membership change. Its order
+lives in ``_rebalance``: revoke (stop pulling, let running listeners finish within the drain
+timeout, commit, release), then take the newly assigned queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from ..log.record import Message as MessageExt
+from ..log.record import decode_records
+from ..protocol.codes import (
+    PROP_ORIGIN_TOPIC,
+    RETRY_PREFIX,
+    PullStatus,
+    PushCode,
+    RequestCode,
+    retry_topic,
+)
+from ..protocol.errors import ErrorCode, OnceqError
+from .allocation import MessageQueue
+from .connection import BrokerConnection
+from .local_offsets import LocalOffsetStore
+from .process_queue import ProcessQueue
+from .pull import default_client_id, parse_tags
+from .push_config import ConsumeFrom, MessageModel, PushConsumerConfig
+from .rebalance import RebalanceTimer, plan_rebalance
+
+log = logging.getLogger("onceq.consumer")
+
+
+class ConsumeStatus(StrEnum):
+    SUCCESS = "SUCCESS"
+    RECONSUME_LATER = "RECONSUME_LATER"
+
+
+@dataclass(slots=True)
+class ConsumeContext:
+    """Passed to the listener with each batch.
+
+    ``ack_index``: with SUCCESS, messages after this index are retried (partial success);
+    the default covers the whole batch. ``delay_level``: 0 lets the broker choose
+    (3 + reconsume count); a listener may set another level for its retries.
+    """
+
+    queue: MessageQueue
+    ack_index: int
+    delay_level: int = 0
+
+
+Listener = Callable[[list[MessageExt], ConsumeContext],
+                    Awaitable[ConsumeStatus | None] | ConsumeStatus | None]
+
+
+class PushConsumer:
+    def __init__(self, address: str, group: str, listener: Listener | None = None,
+                 config: PushConsumerConfig | None = None, *, client_id: str | None = None,
+                 clock: Callable[[], float] = time.monotonic, **overrides: Any) -> None:
+        self.address = address
+        self.group = group
+        self.config = config or PushConsumerConfig()
+        for k, v in overrides.items():
+            if not hasattr(self.config, k):
+                raise TypeError(f"unknown consumer setting {k!r}")
+            setattr(self.config, k, v)
+        self.config.validate()
+        self.client_id = client_id or default_client_id(self.config.instance_name)
+        self.clock = clock
+        self._listener = listener
+        self._subs: dict[str, str] = {}
+        self._conn: BrokerConnection | None = None
+        self._pqs: dict[MessageQueue, ProcessQueue] = {}
+        self._pull_tasks: dict[MessageQueue, asyncio.Task[None]] = {}
+        self._inflight: dict[MessageQueue, set[asyncio.Task[None]]] = {}
+        self._committed: dict[MessageQueue, int] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._running = False
+        self._timer = RebalanceTimer(self.config.rebalance_interval_s, clock())
+        self._wake: asyncio.Event | None = None
+        self._sem: asyncio.Semaphore | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._rebalance_lock: asyncio.Lock | None = None
+        self._local: LocalOffsetStore | None = None
+        self.stats: Counter[str] = Counter()
+
+    # ================================================================ public API
+    def subscribe(self, topic: str, expression: str = "*") -> None:
+        """Consume ``topic``; ``expression`` is ``*`` or tags like ``TagA || TagB``."""
+        self._subs[topic] = expression
+        if self._running:
+            self._timer.notify()
+            self._wake.set()  # type: ignore[union-attr]
+
+    def register_listener(self, listener: Listener) -> None:
+        self._listener = listener
+
+    @property
+    def clustering(self) -> bool:
+        return self.config.model == MessageModel.CLUSTERING
+
+    @property
+    def assignment(self) -> list[MessageQueue]:
+        return sorted(self._pqs)
+
+    async def start(self) -> PushConsumer:
+        if self._listener is None:
+            raise ValueError("register a listener before start()")
+        if not self._subs:
+            raise ValueError("subscribe to a topic before start()")
+        cfg = self.config
+        if self.clustering:
+            self._subs.setdefault(retry_topic(self.group), "*")
+        else:
+            self._local = LocalOffsetStore(cfg.offset_dir, self.client_id, self.group)
+        self._wake = asyncio.Event()
+        self._sem = asyncio.Semaphore(cfg.concurrency)
+        self._rebalance_lock = asyncio.Lock()
+        if not inspect.iscoroutinefunction(self._listener):
+            self._executor = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="onceq-consume")
+        self._running = True
+        await self._heartbeat()
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._rebalance_loop(), name="onceq-rebalance"),
+            loop.create_task(self._every(cfg.heartbeat_interval_s, self._heartbeat)),
+            loop.create_task(self._every(cfg.commit_interval_s, self._commit_all)),
+        ]
+        return self
+
+    async def __aenter__(self) -> PushConsumer:
+        return await self.start()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        """Stop pulling, let running listeners finish (bounded), commit, unregister."""
+        if not self._running:
+            return
+        self._running = False
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        async with self._rebalance_lock:  # type: ignore[union-attr]
+            await asyncio.gather(*(self._revoke(mq) for mq in list(self._pqs)))
+        if self._local is not None:
+            self._local.save()
+        if self.clustering:
+            with contextlib.suppress(OnceqError):
+                await self._req(RequestCode.UNREGISTER, {"group": self.group,
+                                                         "client": self.client_id}, timeout=3)
+        if self._conn is not None:
+            self._conn.close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ================================================================ broker I/O
+    async def _connection(self) -> BrokerConnection:
+        if self._conn is None or self._conn.closed:
+            self._conn = await BrokerConnection.open(self.address, self._on_push)
+            if self._running:
+                asyncio.get_running_loop().create_task(self._heartbeat_safe())
+        return self._conn
+
+    async def _req(self, code: int, header: dict[str, Any], timeout: float = 10.0
+                   ) -> tuple[dict[str, Any], bytes]:
+        conn = await self._connection()
+        return await conn.request(code, header, timeout=timeout)
+
+    def _on_push(self, code: int, header: dict[str, Any]) -> None:
+        if code == PushCode.GROUP_CHANGED and header.get("group") == self.group:
+            self._timer.notify()
+            if self._wake is not None:
+                self._wake.set()
+
+    async def _heartbeat(self) -> None:
+        subs = {t: e for t, e in self._subs.items()}
+        await self._req(RequestCode.HEARTBEAT, {
+            "client": self.client_id,
+            "groups": [{"group": self.group, "model": self.config.model.value, "subs": subs}],
+        })
+
+    async def _heartbeat_safe(self) -> None:
+        with contextlib.suppress(OnceqError):
+            await self._heartbeat()
+
+    async def _every(self, seconds: float, fn: Callable[[], Awaitable[None]]) -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            try:
+                await fn()
+            except OnceqError as exc:
+                log.warning("%s: %s", getattr(fn, "__name__", fn), exc)
+
+    # ================================================================ rebalance
+    async def _rebalance_loop(self) -> None:
+        assert self._wake is not None
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._timer.wait_time(self.clock()))
+            self._wake.clear()
+            if not self._timer.due(self.clock()):
+                continue
+            self._timer.done(self.clock())
+            try:
+                await self._rebalance()
+            except OnceqError as exc:
+                log.warning("rebalance of %s failed: %s", self.group, exc)
+
+    async def _desired(self) -> list[MessageQueue]:
+        desired: list[MessageQueue] = []
+        members: list[str] | None = None
+        for topic in sorted(self._subs):
+            try:
+                hdr, _ = await self._req(RequestCode.GET_TOPIC, {"topic": topic})
+            except OnceqError as exc:
+                if exc.code == ErrorCode.TOPIC_NOT_EXIST:
+                    continue
+                raise
+            queues = [MessageQueue(topic, i) for i in range(int(hdr["queues"]))]
+            if not self.clustering:
+                desired.extend(queues)
+                continue
+            if members is None:
+                hdr, _ = await self._req(RequestCode.LIST_GROUP_MEMBERS, {"group": self.group})
+                members = [m["client"] for m in hdr["members"]]
+                if self.client_id not in members:
+                    await self._heartbeat()  # not registered (yet, or any more)
+                    members.append(self.client_id)
+            desired.extend(self.config.allocate(self.client_id, queues, members))
+        return desired
+
+    async def _rebalance(self) -> None:
+        async with self._rebalance_lock:  # type: ignore[union-attr]
+            if not self._running:
+                return
+            desired = await self._desired()
+            now = self.clock()
+            stalled = [mq for mq, pq in self._pqs.items()
+                       if pq.pull_expired(now, self.config.pull_expire_s)]
+            plan = plan_rebalance(self._pqs, desired, stalled)
+            if plan.revoke or plan.assign:
+                log.info("%s rebalance: revoke %s, assign %s", self.client_id,
+                         [f"{q.topic}:{q.queue_id}" for q in plan.revoke],
+                         [f"{q.topic}:{q.queue_id}" for q in plan.assign])
+            # 1. revoke: stop pulling, drain running listeners (bounded), commit, release
+            await asyncio.gather(*(self._revoke(mq) for mq in plan.revoke))
+            # 2. take the newly assigned queues
+            for mq in plan.assign:
+                await self._take(mq)
+
+    async def _start_offset(self, mq: MessageQueue) -> int:
+        if self._local is not None:
+            off = self._local.get(mq)
+        else:
+            hdr, _ = await self._req(RequestCode.GET_OFFSET, {"group": self.group,
+                                                              "topic": mq.topic,
+                                                              "queue": mq.queue_id})
+            off = int(hdr["offset"])
+        if off >= 0:
+            return off
+        hdr, _ = await self._req(RequestCode.QUERY_OFFSETS, {"topic": mq.topic,
+                                                              "queue": mq.queue_id})
+        policy = self.config.consume_from
+        if mq.topic.startswith(RETRY_PREFIX) or policy == ConsumeFrom.FIRST:
+            return int(hdr["min"])
+        if policy == ConsumeFrom.LAST:
+            return int(hdr["max"])
+        ts = self.config.consume_timestamp_ms or int((time.time() - 1800) * 1000)
+        hdr, _ = await self._req(RequestCode.SEARCH_OFFSET, {"topic": mq.topic,
+                                                              "queue": mq.queue_id, "ts": ts})
+        return int(hdr["offset"])
+
+    async def _take(self, mq: MessageQueue) -> None:
+        offset = await self._start_offset(mq)
+        pq = ProcessQueue(mq, offset, self.clock())
+        self._pqs[mq] = pq
+        self._committed[mq] = offset
+        self._inflight[mq] = set()
+        self._pull_tasks[mq] = asyncio.get_running_loop().create_task(
+            self._pull_loop(pq), name=f"onceq-pull-{mq.topic}-{mq.queue_id}")
+
+    async def _revoke(self, mq: MessageQueue) -> None:
+        pq = self._pqs.get(mq)
+        if pq is None:
+            return
+        pq.revoking = True
+        pq.dropped = True
+        task = self._pull_tasks.pop(mq, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        running = self._inflight.get(mq, set())
+        if running:
+            _, pending = await asyncio.wait(running, timeout=self.config.drain_timeout_s)
+            if pending:
+                log.warning("%s: %d listener call(s) on %s still running after the drain "
+                            "timeout; their messages will be redelivered", self.client_id,
+                            len(pending), mq)
+        with contextlib.suppress(OnceqError):
+            await self._commit(mq, pq.ack_offset)
+        self._pqs.pop(mq, None)
+        self._inflight.pop(mq, None)
+        self._committed.pop(mq, None)
+
+    # ================================================================ offsets
+    async def _commit(self, mq: MessageQueue, offset: int) -> None:
+        if offset <= self._committed.get(mq, -1):
+            return
+        if self._local is not None:
+            self._local.set(mq, offset)
+        else:
+            await self._req(RequestCode.COMMIT_OFFSET, {"group": self.group, "topic": mq.topic,
+                                                        "queue": mq.queue_id, "offset": offset})
+        self._committed[mq] = offset
+
+    async def _commit_all(self) -> None:
+        for mq, pq in list(self._pqs.items()):
+            await self._commit(mq, pq.ack_offset)
+        if self._local is not None:
+            self._local.save()
+
+    # ================================================================ pulling
+    async def _pull_loop(self, pq: ProcessQueue) -> None:
+        cfg = self.config
+        mq = pq.mq
+        tags = parse_tags(self._subs.get(mq.topic, "*"))
+        wanted = set(tags) if tags else None
+        failures = 0
+        while not pq.dropped:
+            if pq.flow_blocked(cfg.flow_count, cfg.flow_bytes, cfg.flow_span):
+                pq.last_pull = self.clock()  # alive, just throttled
+                self.stats["flow_paused"] += 1
+                await asyncio.sleep(cfg.flow_pause_s)
+                continue
+            header: dict[str, Any] = {
+                "topic": mq.topic, "queue": mq.queue_id, "offset": pq.next_offset,
+                "max": cfg.pull_batch_size, "group": self.group, "client": self.client_id,
+                "suspend_ms": int(cfg.pull_suspend_s * 1000),
+            }
+            if tags:
+                header["tags"] = tags
+            commit = pq.ack_offset
+            if self._local is None and commit > self._committed.get(mq, -1):
+                header["commit"] = commit
+            try:
+                hdr, payload = await self._req(RequestCode.PULL, header,
+                                               timeout=cfg.pull_suspend_s + 10)
+            except OnceqError as exc:
+                failures += 1
+                log.debug("pull %s failed: %s", mq, exc)
+                await asyncio.sleep(min(0.05 * 2 ** failures, 3.0))
+                continue
+            failures = 0
+            pq.last_pull = self.clock()
+            if "commit" in header:
+                self._committed[mq] = max(self._committed.get(mq, -1), header["commit"])
+            status = hdr["st"]
+            if status == PullStatus.FOUND:
+                msgs = list(decode_records(payload)) if payload else []
+                if wanted is not None:
+                    msgs = [m for m in msgs if m.tags in wanted]
+                if pq.dropped:
+                    break
+                pq.add(msgs)
+                pq.next_offset = hdr["next"]
+                self._dispatch(pq, msgs)
+            else:
+                if status != PullStatus.NO_NEW_MESSAGE:
+                    log.warning("pull %s at %d: %s, continuing at %d", mq, pq.next_offset,
+                                PullStatus(status).name, hdr["next"])
+                pq.next_offset = hdr["next"]
+
+    # ================================================================ consuming
+    def _dispatch(self, pq: ProcessQueue, msgs: list[MessageExt]) -> None:
+        if pq.dropped:
+            return
+        size = self.config.batch_size
+        running = self._inflight[pq.mq]
+        loop = asyncio.get_running_loop()
+        for i in range(0, len(msgs), size):
+            t = loop.create_task(self._consume(pq, msgs[i:i + size]))
+            running.add(t)
+            t.add_done_callback(running.discard)
+
+    async def _consume(self, pq: ProcessQueue, batch: list[MessageExt]) -> None:
+        assert self._sem is not None
+        async with self._sem:
+            if pq.dropped:
+                return  # not started before the revoke: the next owner gets it
+            for m in batch:
+                origin = m.properties.get(PROP_ORIGIN_TOPIC)
+                if origin is not None and m.topic.startswith(RETRY_PREFIX):
+                    m.topic = origin
+            ctx = ConsumeContext(pq.mq, len(batch) - 1)
+            status = await self._call_listener(batch, ctx)
+        if status == ConsumeStatus.SUCCESS:
+            done = batch[:ctx.ack_index + 1]
+            failed = batch[ctx.ack_index + 1:]
+        else:
+            done, failed = [], batch
+        self.stats["consumed"] += len(done)
+        if failed:
+            self.stats["failed"] += len(failed)
+            done += await self._send_back(pq, failed, ctx.delay_level)
+        pq.remove(done)
+
+    async def _call_listener(self, batch: list[MessageExt], ctx: ConsumeContext
+                             ) -> ConsumeStatus:
+        timeout = self.config.consume_timeout_s
+        try:
+            if self._executor is None:
+                result = await asyncio.wait_for(self._listener(batch, ctx), timeout)  # type: ignore[misc]
+            else:
+                loop = asyncio.get_running_loop()
+                result = await asyncio.wait_for(
+                    loop.run_in_executor(self._executor, self._listener, batch, ctx), timeout)
+        except TimeoutError:
+            log.warning("listener exceeded the consume timeout of %.0fs on %s; retrying",
+                        timeout, ctx.queue)
+            return ConsumeStatus.RECONSUME_LATER
+        except Exception:
+            log.exception("listener raised on %s; retrying the batch", ctx.queue)
+            return ConsumeStatus.RECONSUME_LATER
+        return ConsumeStatus.SUCCESS if result is None else ConsumeStatus(result)
+
+    async def _send_back(self, pq: ProcessQueue, failed: list[MessageExt], delay_level: int
+                         ) -> list[MessageExt]:
+        """Hand failed messages to the broker's retry path; return those it took.
+
+        Broadcasting has no retry topic: failed messages are logged and skipped, like
+        RocketMQ. Messages the broker could not take are retried locally later.
+        """
+        if not self.clustering:
+            log.warning("broadcasting: %d failed message(s) on %s are not retried",
+                        len(failed), pq.mq)
+            return failed
+        taken = []
+        later = []
+        for m in failed:
+            try:
+                await self._req(RequestCode.CONSUMER_SEND_BACK, {
+                    "group": self.group, "topic": pq.mq.topic, "queue": pq.mq.queue_id,
+                    "offset": m.queue_offset, "delay_level": delay_level,
+                    "max_reconsume": self.config.max_reconsume,
+                })
+                taken.append(m)
+                self.stats["sent_back"] += 1
+            except OnceqError as exc:
+                log.warning("send back of %s@%d failed (%s); retrying locally", pq.mq,
+                            m.queue_offset, exc)
+                later.append(m)
+        if later and not pq.dropped:
+            loop = asyncio.get_running_loop()
+            loop.call_later(self.config.send_back_retry_s, self._dispatch, pq, later)
+        return taken
