@@ -219,6 +219,14 @@ class AccessLockTable:
             del self._entries[key]
         return sorted(keys)
 
+    def release_client_group(self, client_id: str, group: str) -> list[tuple[str, str, int]]:
+        """Remove the locks ``client_id`` holds in ``group`` only (it left that group)."""
+        keys = sorted(k for k in self._by_client.get(client_id, ()) if k[0] == group)
+        for key in keys:
+            del self._entries[key]
+            self._unindex(client_id, key)
+        return keys
+
     # -- inspection ----------------------------------------------------------------------
 
     def holder(self, group: str, topic: str, queue_id: int) -> str | None:

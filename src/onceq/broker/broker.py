@@ -22,6 +22,7 @@ from .flush import Flusher
 from .groups import BROADCASTING, CLUSTERING, GroupRegistry
 from .longpoll import HeldPull, PullHold
 from .retry import RetryService, parse_delay_levels
+from .transition import TransitionLock
 
 log = logging.getLogger("onceq.broker")
 
@@ -83,6 +84,9 @@ class Broker:
         self.connections: set[Connection] = set()
         self.groups = GroupRegistry(config.heartbeat_expiry_s, self._on_group_change)
         self.holds = PullHold(self._retry_pull)
+        self.transition = TransitionLock(
+            self.store, self.groups, config.access_lock, config.access_lock_hold_s,
+            config.access_lock_stable_checks, clock)
         self.flusher: Flusher | None = None
         self.retry: RetryService | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -108,6 +112,8 @@ class Broker:
             RequestCode.LIST_GROUP_MEMBERS: self.h_list_members,
             RequestCode.LIST_GROUPS: self.h_list_groups,
             RequestCode.CONSUMER_SEND_BACK: self.h_send_back,
+            RequestCode.RELEASE_QUEUE: self.h_release_queue,
+            RequestCode.QUERY_ACCESS_LOCKS: self.h_query_access_locks,
         }
 
     # ================================================================ lifecycle
@@ -279,6 +285,8 @@ class Broker:
             "max_bytes": min(max(_int(h, "max_bytes", self.config.max_pull_bytes), 1),
                              self.config.max_pull_bytes),
             "suspend_ms": max(_int(h, "suspend_ms", 0), 0),
+            "group": None,
+            "client": None,
         }
         tags = h.get("tags")
         if tags is not None:
@@ -291,17 +299,28 @@ class Broker:
 
     def h_pull(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes) -> Response:
         req = self._pull_request(h)
-        self.store.get_topic(req["topic"])
+        topic, queue = req["topic"], req["queue"]
+        self.store.get_topic(topic)
         group = h.get("group")
-        if group is not None and "commit" in h:
-            commit = _int(h, "commit")
-            if commit >= 0:
-                self.store.commit_offset(check_name("group", group), req["topic"], req["queue"],
-                                         commit)
+        if group is not None:
+            group = check_name("group", group)
+            if "commit" in h:
+                commit = _int(h, "commit")
+                if commit >= 0:
+                    self.store.commit_offset(group, topic, queue, commit)
+        client = h.get("client")
+        if isinstance(client, str) and self.transition.applies(group, client):
+            grant = self.transition.check(group, client, topic, queue, req["offset"])
+            if not grant.granted:
+                return 0, self._locked(topic, queue, req["offset"]), b""
+            req["offset"] = grant.offset
+            req["group"], req["client"] = group, client
         res = self._do_pull(req)
         if res is None:
             seconds = min(req["suspend_ms"] / 1000, self.config.long_poll_max_s)
-            self.holds.hold((req["topic"], req["queue"]), HeldPull(conn, corr, req), seconds)
+            if req["client"] is not None:  # a suspended holder is alive: keep its lock
+                self.transition.touch(group, client, topic, queue)
+            self.holds.hold((topic, queue), HeldPull(conn, corr, req), seconds)
             return None
         return res
 
@@ -313,14 +332,27 @@ class Broker:
             if r.next_offset != req["offset"]:
                 req["offset"] = r.next_offset  # filtered entries skipped: wait from there
             return None
+        if r.status == PullStatus.FOUND and req["client"] is not None:
+            self.transition.delivered(req["group"], req["topic"], req["queue"], r.next_offset)
         return 0, {"st": int(r.status), "next": r.next_offset, "min": r.min_offset,
                    "max": r.max_offset, "n": r.count}, r.payload
 
+    def _locked(self, topic: str, queue: int, offset: int) -> dict[str, Any]:
+        """A refused pull: "queue is locked by another client", same next offset."""
+        lo, hi = self.store.min_max(topic, queue)
+        return {"st": int(PullStatus.LOCKED), "next": offset, "min": lo, "max": hi, "n": 0}
+
     def _retry_pull(self, held: HeldPull, final: bool) -> bool:
         try:
-            if held.request["topic"] not in self.store.topics:
+            req = held.request
+            if req["topic"] not in self.store.topics:
                 raise OnceqError(ErrorCode.TOPIC_NOT_EXIST, "topic was deleted")
-            res = self._do_pull(held.request, final)
+            if req["client"] is not None and not self.transition.is_holder(
+                    req["group"], req["client"], req["topic"], req["queue"]):
+                held.conn.respond(held.corr_id, 0,
+                                  self._locked(req["topic"], req["queue"], req["offset"]))
+                return True
+            res = self._do_pull(req, final)
         except OnceqError as exc:
             held.conn.respond(held.corr_id, int(exc.code), {"message": exc.message})
             return True
@@ -422,6 +454,7 @@ class Broker:
                 self.retry.ensure_group_topics(name)
             self.groups.heartbeat(name, client, conn, model, subs, now, meta)
         conn.client_ids.add(client)
+        self.transition.touch_client(client)
         return 0, {"expiry_s": self.config.heartbeat_expiry_s}, b""
 
     def h_unregister(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
@@ -470,12 +503,36 @@ class Broker:
             return None
         return 0, header, b""
 
+    def h_release_queue(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                        ) -> Response:
+        """End of a drain: commit the final offset, drop held pulls, release the lock."""
+        group = check_name("group", _str(h, "group"))
+        client, topic, queue = _str(h, "client"), _str(h, "topic"), _int(h, "queue")
+        self.store.get_topic(topic)
+        if "offset" in h:
+            offset = _int(h, "offset")
+            if offset >= 0:
+                self.store.commit_offset(group, topic, queue, offset)
+        for held in self.holds.drop_client((topic, queue), client):
+            held.conn.respond(held.corr_id, 0,
+                              self._locked(topic, queue, held.request["offset"]))
+        released = self.transition.release(group, client, topic, queue)
+        return 0, {"released": released}, b""
+
+    def h_query_access_locks(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                             ) -> Response:
+        group = check_name("group", _str(h, "group"))
+        return 0, {"group": group, "enabled": self.config.access_lock,
+                   "queues": self.transition.status(group)}, b""
+
     def _on_internal_put(self, topic: str, queue: int) -> None:
         self.holds.notify((topic, queue))
 
     # ================================================================ notifications
     def _on_group_change(self, group: str, client_id: str, reason: str) -> None:
         log.info("group %s: %s %s", group, client_id, reason)
+        if reason in ("leave", "disconnect", "expired"):
+            self.transition.member_gone(group, client_id, reason)
         for m in self.groups.members(group):
             m.conn.push(PushCode.GROUP_CHANGED, {"group": group, "client": client_id,
                                                  "reason": reason})

@@ -23,6 +23,10 @@ class BrokerConfig:
     max_pull_msgs: int = 1024
     max_pull_bytes: int = 8 * 1024 * 1024
     delay_levels: str = DEFAULT_DELAY_LEVELS  # retry delays, level 1 first
+    # transition-state queue access lock (CLUSTERING groups); see broker/access_lock.py
+    access_lock: bool = True
+    access_lock_hold_s: float = 30.0  # a connected holder not seen this long is displaced
+    access_lock_stable_checks: int = 3
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -34,3 +38,8 @@ class BrokerConfig:
         if not 1 <= self.default_queues <= 1024:
             raise ValueError("default_queues must be 1..1024")
         parse_delay_levels(self.delay_levels)
+        if self.access_lock_hold_s <= self.long_poll_max_s:
+            raise ValueError("access_lock_hold_s must exceed long_poll_max_s: a holder whose "
+                             "pull is suspended must not look idle")
+        if self.access_lock_stable_checks < 1:
+            raise ValueError("access_lock_stable_checks must be >= 1")

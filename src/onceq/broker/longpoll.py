@@ -57,6 +57,19 @@ class PullHold:
             if not lst:
                 del self.held[key]
 
+    def drop_client(self, key: tuple[str, int], client: str) -> list[HeldPull]:
+        """Take ``client``'s held pulls of one queue out (it gave the queue up)."""
+        lst = self.held.get(key)
+        if not lst:
+            return []
+        dropped = [h for h in lst if h.request.get("client") == client]
+        for h in dropped:
+            h.timer.cancel()
+            lst.remove(h)
+        if not lst:
+            del self.held[key]
+        return dropped
+
     def release_all(self) -> None:
         """Answer every held pull now (shutdown)."""
         for key in list(self.held):

@@ -193,7 +193,8 @@ class PushConsumer:
         subs = {t: e for t, e in self._subs.items()}
         await self._req(RequestCode.HEARTBEAT, {
             "client": self.client_id,
-            "groups": [{"group": self.group, "model": self.config.model.value, "subs": subs}],
+            "groups": [{"group": self.group, "model": self.config.model.value, "subs": subs,
+                        "meta": {"access_lock": self.config.access_lock}}],
         })
 
     async def _heartbeat_safe(self) -> None:
@@ -315,7 +316,12 @@ class PushConsumer:
                             "timeout; their messages will be redelivered", self.client_id,
                             len(pending), mq)
         with contextlib.suppress(OnceqError):
-            await self._commit(mq, pq.ack_offset)
+            if self._local is None:  # commit, then give the access lock up: no wait for
+                await self._req(RequestCode.RELEASE_QUEUE, {  # the next owner
+                    "group": self.group, "client": self.client_id, "topic": mq.topic,
+                    "queue": mq.queue_id, "offset": pq.ack_offset})
+            else:
+                await self._commit(mq, pq.ack_offset)
         self._pqs.pop(mq, None)
         self._inflight.pop(mq, None)
         self._committed.pop(mq, None)
@@ -382,6 +388,10 @@ class PushConsumer:
                 pq.add(msgs)
                 pq.next_offset = hdr["next"]
                 self._dispatch(pq, msgs)
+            elif status == PullStatus.LOCKED:
+                # the previous owner is still draining this queue: retry shortly
+                self.stats["locked"] += 1
+                await asyncio.sleep(cfg.locked_backoff_s)
             else:
                 if status != PullStatus.NO_NEW_MESSAGE:
                     log.warning("pull %s at %d: %s, continuing at %d", mq, pq.next_offset,

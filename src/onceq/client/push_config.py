@@ -40,6 +40,8 @@ class PushConsumerConfig:
     flow_pause_s: float = 0.05
     commit_interval_s: float = 5.0
     drain_timeout_s: float = 10.0  # on revoke: wait this long for in-flight listeners
+    access_lock: bool = True  # use the broker's transition-state queue lock (CLUSTERING)
+    locked_backoff_s: float = 0.1  # pause after a pull refused by the access lock
     send_back_retry_s: float = 5.0  # when the broker cannot take a retry, retry locally
     offset_dir: str | None = None  # BROADCASTING: where local offsets live
     instance_name: str = "DEFAULT"

@@ -15,6 +15,7 @@ class RequestCode(IntEnum):
     COMMIT_OFFSET = 30
     GET_OFFSET = 31
     CONSUMER_SEND_BACK = 32  # a failed message goes to the group's retry topic (or DLQ)
+    RELEASE_QUEUE = 33  # commit and give up a queue's access lock (end of a drain)
     CREATE_TOPIC = 40
     DELETE_TOPIC = 41
     LIST_TOPICS = 42
@@ -23,6 +24,7 @@ class RequestCode(IntEnum):
     UNREGISTER = 51
     LIST_GROUP_MEMBERS = 52
     LIST_GROUPS = 53
+    QUERY_ACCESS_LOCKS = 54  # per queue: lock holder, deliver/ack offsets, pending handover
 
 
 class PushCode(IntEnum):
@@ -58,3 +60,4 @@ class PullStatus(IntEnum):
     NO_NEW_MESSAGE = 1
     OFFSET_MOVED = 2  # requested offset is below the queue's minimum (retention)
     OFFSET_ILLEGAL = 3  # requested offset is beyond the queue's maximum
+    LOCKED = 4  # the queue is locked by another client of the group (transition state)
