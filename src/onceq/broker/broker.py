@@ -304,17 +304,16 @@ class Broker:
         group = h.get("group")
         if group is not None:
             group = check_name("group", group)
-            if "commit" in h:
-                commit = _int(h, "commit")
-                if commit >= 0:
-                    self.store.commit_offset(group, topic, queue, commit)
+        commit = _int(h, "commit") if "commit" in h else -1
         client = h.get("client")
         if isinstance(client, str) and self.transition.applies(group, client):
             grant = self.transition.check(group, client, topic, queue, req["offset"])
-            if not grant.granted:
+            if not grant.granted:  # a refused client's commit must not move the offset
                 return 0, self._locked(topic, queue, req["offset"]), b""
             req["offset"] = grant.offset
             req["group"], req["client"] = group, client
+        if group is not None and commit >= 0:
+            self.store.commit_offset(group, topic, queue, commit)
         res = self._do_pull(req)
         if res is None:
             seconds = min(req["suspend_ms"] / 1000, self.config.long_poll_max_s)
@@ -509,14 +508,16 @@ class Broker:
         group = check_name("group", _str(h, "group"))
         client, topic, queue = _str(h, "client"), _str(h, "topic"), _int(h, "queue")
         self.store.get_topic(topic)
-        if "offset" in h:
-            offset = _int(h, "offset")
-            if offset >= 0:
-                self.store.commit_offset(group, topic, queue, offset)
+        offset = _int(h, "offset", -1)
         for held in self.holds.drop_client((topic, queue), client):
             held.conn.respond(held.corr_id, 0,
                               self._locked(topic, queue, held.request["offset"]))
+        # only the holder (or a group without the lock) commits: a client that never got
+        # the queue must not move its offset back under the one still draining it
+        applies = self.transition.applies(group, client)
         released = self.transition.release(group, client, topic, queue)
+        if offset >= 0 and (released or not applies):
+            self.store.commit_offset(group, topic, queue, offset)
         return 0, {"released": released}, b""
 
     def h_query_access_locks(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes

@@ -51,12 +51,16 @@ def broker() -> None:
 @click.option("--dedup-window", default=120.0, show_default=True, type=click.FloatRange(0),
               help="Seconds during which a retried send is recognised (0: off).")
 @click.option("--auto-create-topics/--no-auto-create-topics", default=False, show_default=True)
+@click.option("--access-lock/--no-access-lock", default=True, show_default=True,
+              help="Transition-state queue lock for CLUSTERING groups.")
+@click.option("--delay-levels", default=None,
+              help="Retry delay levels, e.g. '1s 5s 10s 30s 1m ...' (default RocketMQ's).")
 @click.option("--log-level", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
 def broker_start(data_dir: str, host: str, port: int, flush: str, flush_interval_ms: int,
                  segment_size: int, max_body: int, retention_hours: float,
                  retention_bytes: int, dedup_window: float, auto_create_topics: bool,
-                 log_level: str) -> None:
+                 access_lock: bool, delay_levels: str | None, log_level: str) -> None:
     """Start a broker in the foreground (SIGTERM or Ctrl-C flushes and stops it)."""
     from ..broker.server import run
 
@@ -65,7 +69,10 @@ def broker_start(data_dir: str, host: str, port: int, flush: str, flush_interval
                         flush_interval_ms=flush_interval_ms, max_body=max_body,
                         retention_hours=retention_hours, retention_bytes=retention_bytes,
                         dedup_window_s=dedup_window)
-    cfg = BrokerConfig(store, host=host, port=port, auto_create_topics=auto_create_topics)
+    cfg = BrokerConfig(store, host=host, port=port, auto_create_topics=auto_create_topics,
+                       access_lock=access_lock)
+    if delay_levels is not None:
+        cfg.delay_levels = delay_levels
     try:
         cfg.validate()
     except ValueError as exc:
@@ -226,6 +233,10 @@ def demo(messages: int, queues: int) -> None:
     console.print(f"demo finished in {time.perf_counter() - t0:.1f}s")
     raise SystemExit(0 if ok else 1)
 
+
+from .consumer_cmds import register  # noqa: E402 - consume, group, dlq
+
+register(main)
 
 if __name__ == "__main__":
     main()
