@@ -84,13 +84,15 @@ async def _consume(addr: str, n: int, batch: int) -> float:
     from onceq import PullConsumer
 
     async with PullConsumer(addr, "bench-group") as c:
-        offset = 0
         got = 0
+        offset = 0
         t0 = time.perf_counter()
-        while got < n:
-            r = await c.pull(TOPIC, 0, offset, batch, commit_offset=offset)
+        # one pull in flight ahead (prefetch); each pull commits what was consumed before
+        async for r in c.stream(TOPIC, 0, 0, batch, suspend=1.0):
             got += len(r.messages)
             offset = r.next_offset
+            if got >= n:
+                break
         await c.commit_offset(TOPIC, 0, offset)
         elapsed = time.perf_counter() - t0
     return got / elapsed

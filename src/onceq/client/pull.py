@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,28 +69,70 @@ class PullConsumer:
             self._conn = await BrokerConnection.open(self.address)
         return await self._conn.request(code, header, timeout=timeout)
 
+    def _pull_header(self, topic: str, queue: int, offset: int, max_msgs: int,
+                     tag_list: list[str] | None, suspend: float, commit_offset: int | None
+                     ) -> dict[str, Any]:
+        header: dict[str, Any] = {"topic": topic, "queue": queue, "offset": offset,
+                                  "max": max_msgs, "group": self.group,
+                                  "client": self.client_id}
+        if suspend > 0:
+            header["suspend_ms"] = int(suspend * 1000)
+        if tag_list is not None:
+            header["tags"] = tag_list
+        if commit_offset is not None:
+            header["commit"] = commit_offset
+        return header
+
+    def _result(self, hdr: dict[str, Any], payload: bytes, tag_list: list[str] | None
+                ) -> PullResult:
+        msgs = list(decode_records(payload, self.verify)) if payload else []
+        if tag_list is not None:
+            wanted = set(tag_list)
+            msgs = [m for m in msgs if m.tags in wanted]
+        return PullResult(PullStatus(hdr["st"]), msgs, hdr["next"], hdr["min"], hdr["max"])
+
     async def pull(self, topic: str, queue: int, offset: int, max_msgs: int = 32, *,
                    tags: str | None = None, suspend: float = 0.0,
                    commit_offset: int | None = None) -> PullResult:
         """Pull up to ``max_msgs`` from ``offset``. With ``suspend`` > 0 the broker holds an
         empty pull up to that many seconds (long polling) and answers when a message comes.
         ``commit_offset`` piggy-backs an offset commit for the group on the pull."""
-        header: dict[str, Any] = {"topic": topic, "queue": queue, "offset": offset,
-                                  "max": max_msgs, "group": self.group,
-                                  "client": self.client_id}
-        if suspend > 0:
-            header["suspend_ms"] = int(suspend * 1000)
         tag_list = parse_tags(tags)
-        if tag_list is not None:
-            header["tags"] = tag_list
-        if commit_offset is not None:
-            header["commit"] = commit_offset
+        header = self._pull_header(topic, queue, offset, max_msgs, tag_list, suspend,
+                                   commit_offset)
         hdr, payload = await self._request(RequestCode.PULL, header, timeout=suspend + 10.0)
-        msgs = list(decode_records(payload, self.verify)) if payload else []
-        if tag_list is not None:
-            wanted = set(tag_list)
-            msgs = [m for m in msgs if m.tags in wanted]
-        return PullResult(PullStatus(hdr["st"]), msgs, hdr["next"], hdr["min"], hdr["max"])
+        return self._result(hdr, payload, tag_list)
+
+    async def stream(self, topic: str, queue: int, offset: int, max_msgs: int = 32, *,
+                     tags: str | None = None, suspend: float = 15.0, commit: bool = True
+                     ) -> AsyncIterator[PullResult]:
+        """Pull a queue continuously from ``offset``, one pull always in flight.
+
+        The next pull is sent as soon as a result arrives, before the caller works on it, so
+        the broker prepares the next batch meanwhile (prefetch). With ``commit``, each pull
+        carries the group's offset up to the batches the caller has finished (a batch is
+        finished when the loop asks for the next one); commit the last batch yourself with
+        ``commit_offset`` when you stop. Empty results (long polling timed out) are yielded
+        too, so the caller can stop.
+        """
+        tag_list = parse_tags(tags)
+        if self._conn is None or self._conn.closed:
+            self._conn = await BrokerConnection.open(self.address)
+        conn = self._conn
+        timeout = suspend + 10.0
+        done = None  # offset up to which the caller has finished
+        fut = conn.send_request(RequestCode.PULL, self._pull_header(
+            topic, queue, offset, max_msgs, tag_list, suspend, None))
+        try:
+            while True:
+                hdr, payload = await asyncio.wait_for(fut, timeout)
+                fut = conn.send_request(RequestCode.PULL, self._pull_header(
+                    topic, queue, hdr["next"], max_msgs, tag_list, suspend,
+                    done if commit else None))
+                yield self._result(hdr, payload, tag_list)
+                done = hdr["next"]
+        finally:
+            fut.cancel()
 
     async def commit_offset(self, topic: str, queue: int, offset: int) -> None:
         await self._request(RequestCode.COMMIT_OFFSET, {"group": self.group, "topic": topic,

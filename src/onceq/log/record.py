@@ -99,31 +99,16 @@ def encode_part(
     return b"".join((head, uk, tg, ks, pr, body))
 
 
-@dataclass(slots=True)
-class PartInfo:
-    """What the broker needs from a message part."""
-
-    unique_key: bytes
-    tags: bytes
-    body_size: int
-    reconsume_times: int
-
-    @property
-    def dedup_key(self) -> bytes:
-        """Key of the dedup window: a producer retry repeats it, a consumer retry
-        (same unique key, higher reconsume count) does not."""
-        if self.reconsume_times:
-            return b"%s#%d" % (self.unique_key, self.reconsume_times)
-        return self.unique_key
-
-
-def check_part(part: bytes | memoryview) -> PartInfo:
-    """Validate a message part and return what the broker needs from it.
+def check_part(part: bytes | memoryview) -> tuple[bytes, bytes, int, bytes]:
+    """Validate a message part; return (dedup key, tags, body size, unique key).
 
     Raises RecordError when the lengths do not add up exactly to the part's size, or when a
     field would not decode on the consumer side (non-ascii unique key, non-utf-8 tags or
     keys, properties that are not a msgpack map): a stored part must never poison the
-    pulls of its queue.
+    pulls of its queue. (A plain tuple: this runs once per stored message.)
+
+    The dedup key is the unique key, suffixed with the reconsume count when it is not 0: a
+    producer retry repeats it, a consumer retry of the same message does not.
     """
     n = len(part)
     if n < PART_FIXED_SIZE:
@@ -131,35 +116,55 @@ def check_part(part: bytes | memoryview) -> PartInfo:
     _born, _flags, recons, ulen, tlen, klen, plen, blen = PART_FIXED.unpack_from(part)
     if PART_FIXED_SIZE + ulen + tlen + klen + plen + blen != n:
         raise RecordError("message part lengths do not match its size")
-    p = PART_FIXED_SIZE
-    uk = bytes(part[p:p + ulen])
-    p += ulen
-    tags = bytes(part[p:p + tlen])
-    p += tlen
+    p = PART_FIXED_SIZE + ulen
+    uk = bytes(part[PART_FIXED_SIZE:p])
     if not uk.isascii():
         raise RecordError("unique key is not ascii")
-    try:
-        if tlen:
-            tags.decode()
-        if klen:
-            bytes(part[p:p + klen]).decode()
-    except UnicodeDecodeError:
-        raise RecordError("tags or keys are not utf-8") from None
-    p += klen
-    if plen:
+    tags = b""
+    if tlen or klen or plen:
+        tags = bytes(part[p:p + tlen])
+        p += tlen
         try:
-            props = msgpack.unpackb(part[p:p + plen], raw=False)
-        except Exception:  # msgpack raises several types
-            raise RecordError("properties are not msgpack") from None
-        if not isinstance(props, dict):
-            raise RecordError("properties are not a map")
-    return PartInfo(uk, tags, blen, recons)
+            if tlen:
+                tags.decode()
+            if klen:
+                bytes(part[p:p + klen]).decode()
+        except UnicodeDecodeError:
+            raise RecordError("tags or keys are not utf-8") from None
+        p += klen
+        if plen:
+            try:
+                props = msgpack.unpackb(part[p:p + plen], raw=False)
+            except Exception:  # msgpack raises several types
+                raise RecordError("properties are not msgpack") from None
+            if not isinstance(props, dict):
+                raise RecordError("properties are not a map")
+    return (b"%s#%d" % (uk, recons) if recons else uk), tags, blen, uk
 
 
 def part_unique_key_and_tags(part: bytes | memoryview) -> tuple[bytes, bytes, int]:
     """Validate a message part and return (unique_key, tags, body_size)."""
-    info = check_part(part)
-    return info.unique_key, info.tags, info.body_size
+    _key, tags, blen, uk = check_part(part)
+    return uk, tags, blen
+
+
+REC_TAIL = struct.Struct("<BBHqqqB")  # the header after total_size and crc32
+_U32x2 = struct.Struct("<II")
+
+
+def build_record_parts(
+    topic_bytes: bytes, queue_id: int, queue_offset: int, position: int, store_ts_ms: int,
+    part: bytes | memoryview,
+) -> tuple[bytes, bytes]:
+    """A record as (header, trailer) around ``part``: the bytes are header + part + trailer.
+
+    Lets a batch be written with one join and no per-record copy of the part.
+    """
+    tail = REC_TAIL.pack(RECORD_MAGIC, 0, queue_id, queue_offset, position, store_ts_ms,
+                         len(topic_bytes))
+    crc = zlib.crc32(topic_bytes, zlib.crc32(part, zlib.crc32(tail)))
+    total = REC_HEADER_SIZE + len(part) + len(topic_bytes)
+    return _U32x2.pack(total, crc) + tail, topic_bytes
 
 
 def build_record(
@@ -167,15 +172,9 @@ def build_record(
     part: bytes | memoryview,
 ) -> bytes:
     """Build a stored record around a message part."""
-    total = REC_HEADER_SIZE + len(part) + len(topic_bytes)
-    rec = bytearray(REC_HEADER.pack(
-        total, 0, RECORD_MAGIC, 0, queue_id, queue_offset, position, store_ts_ms,
-        len(topic_bytes),
-    ))
-    rec += part
-    rec += topic_bytes
-    _U32.pack_into(rec, 4, zlib.crc32(memoryview(rec)[8:]))
-    return bytes(rec)
+    head, trailer = build_record_parts(topic_bytes, queue_id, queue_offset, position,
+                                       store_ts_ms, part)
+    return b"".join((head, part, trailer))
 
 
 @dataclass(slots=True)
@@ -215,9 +214,8 @@ def check_record(buf: bytes | memoryview, pos: int, expect_position: int) -> Rec
         raise RecordError("record position mismatch")
     pend = total - 8 - tlen
     topic = bytes(view[pend:]).decode("ascii", "replace")
-    info = check_part(view[REC_HEADER_SIZE - 8:pend])
-    return RecordHead(total, qid, qoff, rpos, sts, topic, info.unique_key,
-                      tag_hash(info.tags), info.dedup_key)
+    key, tags, _blen, uk = check_part(view[REC_HEADER_SIZE - 8:pend])
+    return RecordHead(total, qid, qoff, rpos, sts, topic, uk, tag_hash(tags), key)
 
 
 @dataclass(slots=True)

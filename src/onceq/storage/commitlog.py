@@ -49,7 +49,6 @@ class CommitLog:
         self.segment_size = segment_size
         self.segments: list[Segment] = []
         self._dirty: set[int] = set()  # fds written since the last sync
-        self._pending = 0  # bytes reserved but not yet written
         os.makedirs(directory, exist_ok=True)
 
     # ---------------------------------------------------------------- recovery
@@ -143,30 +142,24 @@ class CommitLog:
     def start(self) -> int:
         return self.segments[0].base
 
-    def reserve(self, size: int, pending: list[bytes]) -> int:
-        """Return the position of the next record of ``size`` bytes.
+    @property
+    def room(self) -> int:
+        """Bytes that still fit in the active segment."""
+        return self.segment_size - self.segments[-1].size
 
-        ``pending`` holds the records reserved but not yet written; when the record does not
-        fit in the active segment they are written out and a new segment is started.
-        """
-        if size > self.segment_size:
-            raise ValueError("record larger than a segment")
+    def roll(self, pending: list[bytes]) -> int:
+        """Write ``pending`` to the active segment, start a new one, return its base."""
+        if pending:
+            self.write(pending)
+            pending.clear()
         seg = self.segments[-1]
-        if seg.size + self._pending + size > self.segment_size:
-            if pending:
-                self.write(pending)
-                pending.clear()
-            self._dirty.add(seg.fd)
-            seg = self._new_segment(seg.end)
-        pos = seg.end + self._pending
-        self._pending += size
-        return pos
+        self._dirty.add(seg.fd)
+        return self._new_segment(seg.end).base
 
     def write(self, records: list[bytes]) -> None:
         """Append the reserved records to the active segment."""
         seg = self.segments[-1]
         data = b"".join(records)
-        self._pending = 0
         view = memoryview(data)
         # positional writes: the fd's file offset is not the segment end after recovery
         # (the scan uses pread) nor after a truncation of a torn tail

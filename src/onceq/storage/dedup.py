@@ -17,37 +17,47 @@ class DedupWindow:
     def __init__(self, window_s: float, max_keys: int) -> None:
         self.window_ms = int(window_s * 1000)
         self.max_keys = max_keys
-        # (topic, key) -> (queue_id, offset, ts_ms of the copy the entry belongs to)
-        self._keys: dict[tuple[str, bytes], tuple[int, int, int]] = {}
-        self._order: deque[tuple[int, tuple[str, bytes]]] = deque()
+        # topic -> key -> (queue_id, offset, ts_ms of the copy the entry belongs to)
+        self._keys: dict[str, dict[bytes, tuple[int, int, int]]] = {}
+        self._order: deque[tuple[int, str, bytes]] = deque()
 
     @property
     def enabled(self) -> bool:
         return self.window_ms > 0 and self.max_keys > 0
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return sum(len(t) for t in self._keys.values())
+
+    def table(self, topic: str) -> dict[bytes, tuple[int, int, int]]:
+        """The live key table of one topic (key -> (queue_id, offset, ts_ms)); read only."""
+        return self._keys.get(topic) or {}
 
     def get(self, topic: str, key: bytes) -> tuple[int, int] | None:
         """(queue_id, offset) of the copy stored within the window, or None."""
-        v = self._keys.get((topic, key))
+        v = self.table(topic).get(key)
         return None if v is None else (v[0], v[1])
 
     def add(self, topic: str, key: bytes, queue_id: int, offset: int, ts_ms: int) -> None:
-        k = (topic, key)
-        self._keys[k] = (queue_id, offset, ts_ms)
-        self._order.append((ts_ms, k))
+        t = self._keys.get(topic)
+        if t is None:
+            t = self._keys[topic] = {}
+        t[key] = (queue_id, offset, ts_ms)
+        self._order.append((ts_ms, topic, key))
 
     def expire(self, now_ms: int) -> None:
         order = self._order
         keys = self._keys
         limit = now_ms - self.window_ms
         while order and (order[0][0] < limit or len(order) > self.max_keys):
-            ts, k = order.popleft()
-            v = keys.get(k)
+            ts, topic, k = order.popleft()
+            t = keys.get(topic)
+            if t is None:
+                continue
+            v = t.get(k)
             if v is not None and v[2] == ts:  # not a newer copy of the same key
-                del keys[k]
+                del t[k]
+                if not t:
+                    del keys[topic]
 
     def drop_topic(self, topic: str) -> None:
-        for k in [k for k in self._keys if k[0] == topic]:
-            del self._keys[k]
+        self._keys.pop(topic, None)

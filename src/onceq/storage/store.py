@@ -19,7 +19,7 @@ from ..log.record import (
     REC_HEADER_SIZE,
     RecordError,
     RecordHead,
-    build_record,
+    build_record_parts,
     check_part,
     tag_hash,
 )
@@ -300,13 +300,13 @@ class MessageStore:
         metas = []
         for part in parts:
             try:
-                info = check_part(part)
+                key, tags, body_size, _uk = check_part(part)
             except RecordError as exc:
                 raise OnceqError(ErrorCode.BAD_REQUEST, f"malformed message: {exc}") from None
-            if info.body_size > max_body:
+            if body_size > max_body:
                 raise OnceqError(
                     ErrorCode.MESSAGE_TOO_LARGE,
-                    f"message body of {info.body_size} bytes exceeds the limit of {max_body} bytes",
+                    f"message body of {body_size} bytes exceeds the limit of {max_body} bytes",
                 )
             if fixed + len(part) > max_record:
                 raise OnceqError(
@@ -314,47 +314,56 @@ class MessageStore:
                     f"message of {len(part)} bytes (body, tags, keys and properties) does "
                     f"not fit a commit-log segment of {max_record} bytes",
                 )
-            metas.append((info.dedup_key, info.tags))
+            metas.append((key, tags))
         now_ms = max(int(self.clock() * 1000), self._last_store_ms)
         use_dedup = dedup and self.dedup.enabled
         dedup = self.dedup
         if use_dedup:
             dedup.expire(now_ms)  # the window is enforced on lookup, not only after writes
-        batch_keys: dict[bytes, int] = {}  # unique key -> offset, first copy in this batch
+        batch_keys: dict[bytes, int] = {}  # dedup key -> offset, first copy in this batch
         offsets: list[int] = []
         dups: list[int] = []
         dup_queues: list[int] = []
         entries: list[bytes] = []
-        records: list[bytes] = []
+        records: list[bytes | memoryview] = []
         log_ = self.log
+        pos = log_.end
+        room = log_.room
         offset = cq.max_offset
         pack_entry = INDEX_ENTRY.pack
+        build = build_record_parts
         seen_tags: dict[bytes, int] = {}
+        window = dedup.table(topic) if use_dedup else None
         for i, part in enumerate(parts):
-            uk, tags = metas[i]
-            if use_dedup and uk:
-                prev = dedup.get(topic, uk)
+            key, tags = metas[i]
+            if window is not None and key:
+                prev = window.get(key)
                 if prev is not None:
                     dups.append(i)
                     dup_queues.append(prev[0])
                     offsets.append(prev[1])
                     continue
-                first = batch_keys.get(uk)
+                first = batch_keys.get(key)
                 if first is not None:
                     dups.append(i)
                     dup_queues.append(queue_id)
                     offsets.append(first)
                     continue
-                batch_keys[uk] = offset
+                batch_keys[key] = offset
             size = fixed + len(part)
-            pos = log_.reserve(size, records)
-            records.append(build_record(tb, queue_id, offset, pos, now_ms, part))
+            if size > room:  # a record never spans two segments
+                pos = log_.roll(records)
+                room = log_.room
+            head, trailer = build(tb, queue_id, offset, pos, now_ms, part)
+            records += (head, part, trailer)
             th = seen_tags.get(tags)
             if th is None:
                 th = seen_tags[tags] = tag_hash(tags)
             entries.append(pack_entry(pos, size, th, now_ms))
             offsets.append(offset)
             offset += 1
+            pos += size
+            room -= size
         if records:
             log_.write(records)
             self._last_store_ms = now_ms
