@@ -6,7 +6,9 @@ from .client.admin import Admin
 from .client.message import Message, MessageExt, SendResult
 from .client.producer import Producer
 from .client.pull import PullConsumer, PullResult
-from .client.sync import SyncProducer, SyncPullConsumer
+from .client.push import ConsumeContext, ConsumeStatus, PushConsumer
+from .client.push_config import ConsumeFrom, MessageModel, PushConsumerConfig
+from .client.sync import SyncProducer, SyncPullConsumer, SyncPushConsumer
 from .protocol.codes import PullStatus
 from .protocol.errors import ErrorCode, OnceqError
 from .storage.config import StoreConfig
@@ -15,17 +17,24 @@ __all__ = [
     "Admin",
     "Broker",
     "BrokerConfig",
+    "ConsumeContext",
+    "ConsumeFrom",
+    "ConsumeStatus",
     "ErrorCode",
     "Message",
     "MessageExt",
+    "MessageModel",
     "OnceqError",
     "Producer",
     "PullConsumer",
     "PullResult",
     "PullStatus",
+    "PushConsumer",
+    "PushConsumerConfig",
     "SendResult",
     "StoreConfig",
     "SyncProducer",
     "SyncPullConsumer",
+    "SyncPushConsumer",
 ]
 __version__ = "0.1.0"

@@ -1,11 +1,77 @@
-"""Administration: topics and consumer groups."""
+"""Administration: topics, consumer groups and their dead letters."""
 
 from __future__ import annotations
 
+import struct
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
-from ..protocol.codes import RequestCode
-from .connection import BrokerConnection
+from ..log.record import Message as MessageExt
+from ..log.record import decode_records, encode_part
+from ..protocol.codes import (
+    PROP_ORIGIN_QUEUE,
+    PROP_ORIGIN_TOPIC,
+    RETRY_PREFIX,
+    PullStatus,
+    RequestCode,
+    dlq_topic,
+    retry_topic,
+)
+from ..protocol.errors import ErrorCode, OnceqError
+from .allocation import MessageQueue, allocate_average
+from .connection import BrokerConnection, ConnectionLost
+
+_U32 = struct.Struct("<I")
+
+
+@dataclass(slots=True)
+class MemberInfo:
+    client_id: str
+    model: str
+    subscriptions: dict[str, str]
+    heartbeat_age_s: float  # seconds since the broker last heard from the member
+    peer: str = ""
+
+
+@dataclass(slots=True)
+class QueueStatus:
+    topic: str
+    queue_id: int
+    min_offset: int
+    max_offset: int
+    committed: int  # -1: the group has committed nothing on this queue
+    expected_owner: str | None = None  # owner under AVERAGE allocation (None: no member)
+
+    @property
+    def lag(self) -> int:
+        """Messages not yet consumed (from the queue's minimum when nothing is committed)."""
+        return self.max_offset - max(self.committed, self.min_offset)
+
+
+@dataclass(slots=True)
+class GroupStatus:
+    group: str
+    members: list[MemberInfo] = field(default_factory=list)
+    queues: list[QueueStatus] = field(default_factory=list)
+
+    @property
+    def lag(self) -> int:
+        return sum(q.lag for q in self.queues)
+
+
+@dataclass(slots=True)
+class ResendResult:
+    """Where one dead letter went (``error`` set when it could not be resent)."""
+
+    dlq_offset: int
+    unique_key: str
+    topic: str = ""
+    queue_id: int = -1
+    offset: int = -1
+    duplicate: bool = False  # already resent within the broker's dedup window
+    error: str | None = None
 
 
 class Admin:
@@ -21,11 +87,14 @@ class Admin:
         if self._conn is not None:
             self._conn.close()
 
-    async def _req(self, code: int, header: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def _request(self, code: int, header: dict[str, Any] | None = None,
+                       payload: bytes = b"") -> tuple[dict[str, Any], bytes]:
         if self._conn is None or self._conn.closed:
             self._conn = await BrokerConnection.open(self.address)
-        hdr, _ = await self._conn.request(code, header)
-        return hdr
+        return await self._conn.request(code, header, payload)
+
+    async def _req(self, code: int, header: dict[str, Any] | None = None) -> dict[str, Any]:
+        return (await self._request(code, header))[0]
 
     async def create_topic(self, topic: str, queues: int = 8, *, exclusive: bool = False
                            ) -> dict[str, Any]:
@@ -39,13 +108,16 @@ class Admin:
     async def list_topics(self) -> list[dict[str, Any]]:
         return (await self._req(RequestCode.LIST_TOPICS))["topics"]
 
+    async def queue_count(self, topic: str) -> int:
+        return int((await self._req(RequestCode.GET_TOPIC, {"topic": topic}))["queues"])
+
+    async def queue_offsets(self, topic: str, queue: int) -> tuple[int, int]:
+        h = await self._req(RequestCode.QUERY_OFFSETS, {"topic": topic, "queue": queue})
+        return int(h["min"]), int(h["max"])
+
     async def topic_offsets(self, topic: str) -> list[tuple[int, int]]:
-        n = int((await self._req(RequestCode.GET_TOPIC, {"topic": topic}))["queues"])
-        out = []
-        for q in range(n):
-            h = await self._req(RequestCode.QUERY_OFFSETS, {"topic": topic, "queue": q})
-            out.append((int(h["min"]), int(h["max"])))
-        return out
+        n = await self.queue_count(topic)
+        return [await self.queue_offsets(topic, q) for q in range(n)]
 
     async def group_offset(self, group: str, topic: str, queue: int) -> int:
         h = await self._req(RequestCode.GET_OFFSET,
@@ -60,3 +132,152 @@ class Admin:
 
     async def ping(self) -> int:
         return int((await self._req(RequestCode.PING))["time"])
+
+    # ---------------------------------------------------------------- group status
+    async def group_topics(self, group: str) -> list[str]:
+        """Topics on which ``group`` has a committed offset (its own retry topic included;
+        other internal topics are skipped)."""
+        out = []
+        for t in await self.list_topics():
+            name = t["topic"]
+            if name.startswith("%") and name != retry_topic(group):
+                continue
+            for q in range(int(t["queues"])):
+                if await self.group_offset(group, name, q) >= 0:
+                    out.append(name)
+                    break
+        return out
+
+    async def group_status(self, group: str) -> GroupStatus:
+        """Members of ``group`` and, per queue of the topics they subscribe to (or, with no
+        member online, of the topics the group has offsets on): offsets, lag and the member
+        the AVERAGE strategy assigns the queue to (what members on the default strategy
+        do). Raises GROUP_NOT_EXIST for a group the broker has never seen."""
+        raw = await self.group_members(group)
+        now_ms = await self.ping()
+        members = [MemberInfo(m["client"], m.get("model", "CLUSTERING"),
+                              dict(m.get("subs") or {}),
+                              max(0.0, (now_ms - int(m.get("last_heartbeat_ms", now_ms))) / 1000),
+                              str(m.get("peer", "")))
+                   for m in raw]
+        topics = sorted({t for m in members for t in m.subscriptions})
+        if not members:
+            topics = await self.group_topics(group)
+        ids = [m.client_id for m in members]
+        broadcast = bool(members) and all(m.model == "BROADCASTING" for m in members)
+        status = GroupStatus(group, members)
+        for topic in topics:
+            try:
+                n = await self.queue_count(topic)
+            except OnceqError as exc:
+                if exc.code == ErrorCode.TOPIC_NOT_EXIST:
+                    continue  # subscribed, not created (yet)
+                raise
+            mqs = [MessageQueue(topic, q) for q in range(n)]
+            owner: dict[MessageQueue, str] = {}
+            if ids and not broadcast:
+                for cid in ids:
+                    for mq in allocate_average(cid, mqs, ids):
+                        owner[mq] = cid
+            for mq in mqs:
+                lo, hi = await self.queue_offsets(topic, mq.queue_id)
+                committed = await self.group_offset(group, topic, mq.queue_id)
+                who = "(every member)" if broadcast else owner.get(mq)
+                status.queues.append(QueueStatus(topic, mq.queue_id, lo, hi, committed, who))
+        return status
+
+    # ---------------------------------------------------------------- dead letters
+    async def dead_letter_offsets(self, group: str) -> tuple[int, int] | None:
+        """(min, max) offsets of the group's dead-letter queue; None when it has none
+        (GROUP_NOT_EXIST when the broker does not know the group at all)."""
+        try:
+            return await self.queue_offsets(dlq_topic(group), 0)
+        except OnceqError as exc:
+            if exc.code != ErrorCode.TOPIC_NOT_EXIST:
+                raise
+        await self.group_members(group)  # GROUP_NOT_EXIST for an unknown group
+        return None
+
+    async def dead_letters(self, group: str, max_msgs: int = 100, start: int | None = None
+                           ) -> list[MessageExt]:
+        """Up to ``max_msgs`` messages of ``%DLQ%<group>`` from ``start`` (default: the
+        oldest)."""
+        rng = await self.dead_letter_offsets(group)
+        if rng is None:
+            return []
+        offset = rng[0] if start is None else max(start, rng[0])
+        out: list[MessageExt] = []
+        while len(out) < max_msgs and offset < rng[1]:
+            batch = await self._pull(dlq_topic(group), offset, min(max_msgs - len(out), 256))
+            if not batch:
+                break
+            out.extend(batch)
+            offset = batch[-1].queue_offset + 1
+        return out[:max_msgs]
+
+    async def _pull(self, topic: str, offset: int, n: int) -> list[MessageExt]:
+        hdr, payload = await self._request(RequestCode.PULL, {
+            "topic": topic, "queue": 0, "offset": offset, "max": n})
+        if hdr["st"] != PullStatus.FOUND or not payload:
+            return []
+        return list(decode_records(payload))
+
+    async def resend_dead_letters(self, group: str, offsets: Iterable[int] | None = None
+                                  ) -> list[ResendResult]:
+        """Send dead letters of ``group`` back to their origin topic (all of them when
+        ``offsets`` is None) so that the group consumes them again.
+
+        A resent message keeps its unique key (consumers can recognise it) and its
+        reconsume count. The broker's dedup window keys on (topic, unique key, reconsume
+        count): with the count kept, a resend is not mistaken for a producer retry of the
+        original message, and resending the same dead letter twice within the window stores
+        it once (``duplicate``). Because the count is kept, a resent message that fails
+        again goes straight back to the dead-letter queue.
+        """
+        if offsets is None:
+            letters = await self.dead_letters(group, max_msgs=2 ** 31)
+        else:
+            letters = []
+            rng = await self.dead_letter_offsets(group)
+            for off in dict.fromkeys(offsets):
+                got = await self._pull(dlq_topic(group), off, 1) if rng and \
+                    rng[0] <= off < rng[1] else []
+                if not got or got[0].queue_offset != off:
+                    raise OnceqError(ErrorCode.INVALID_ARGUMENT,
+                                     f"no dead letter of group {group!r} at offset {off}")
+                letters.append(got[0])
+        return [await self._resend(m) for m in letters]
+
+    async def _resend(self, m: MessageExt) -> ResendResult:
+        res = ResendResult(m.queue_offset, m.unique_key)
+        origin = m.properties.get(PROP_ORIGIN_TOPIC)
+        if not origin or origin.startswith(RETRY_PREFIX):
+            res.error = "no origin topic in its properties"
+            return res
+        res.topic = origin
+        try:
+            n = await self.queue_count(origin)
+            try:
+                qid = int(m.properties.get(PROP_ORIGIN_QUEUE, -1))
+            except ValueError:
+                qid = -1
+            if not 0 <= qid < n:  # the topic shrank or was re-created: keep keys together
+                qid = zlib.crc32(m.unique_key.encode()) % n
+            part = encode_part(m.body, m.unique_key, m.born_ts_ms, m.tags, m.keys,
+                               m.properties, m.flags, m.reconsume_times)
+            hdr, _ = await self._request(RequestCode.SEND, {"topic": origin, "queue": qid},
+                                         _U32.pack(len(part)) + part)
+        except ConnectionLost:
+            raise
+        except OnceqError as exc:
+            res.error = f"{exc.code.name}: {exc.message}"
+            return res
+        res.queue_id = int(hdr["queue"])
+        if "base" in hdr:
+            res.offset = int(hdr["base"])
+        else:
+            res.offset = int(hdr["offsets"][0])
+            if 0 in hdr.get("dups", ()):
+                res.duplicate = True
+                res.queue_id = int(dict(zip(hdr["dups"], hdr["dupq"], strict=True))[0])
+        return res

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import Coroutine, Sequence
+from collections import Counter
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
+from .allocation import MessageQueue
 from .message import Message, SendResult
 from .producer import Producer
 from .pull import PullConsumer, PullResult
+from .push import Listener, PushConsumer
+from .push_config import PushConsumerConfig
 
 T = TypeVar("T")
 
@@ -116,3 +121,122 @@ class SyncPullConsumer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class SyncPushConsumer:
+    """``PushConsumer`` for code that is not async: ``start()`` and ``shutdown()`` block;
+    the consumer runs on a private event loop in a thread.
+
+    The listener is a plain function ``(msgs, ctx) -> None | ConsumeStatus``; it runs in
+    the consumer's thread pool (up to ``concurrency`` calls at once), so it must be
+    thread-safe. Settings are ``PushConsumerConfig`` fields, as keywords or ``config``::
+
+        def handle(msgs, ctx):
+            for m in msgs:
+                print(m.body)
+
+        with SyncPushConsumer("127.0.0.1:9876", "orders-group", handle,
+                              subscriptions={"orders": "*"}):
+            time.sleep(60)
+
+    ``subscriptions`` maps topic -> tag expression (or is a list of topics, all tags);
+    ``subscribe()`` adds more. Do not call ``shutdown()`` from the listener: it waits for
+    running listener calls (up to the drain timeout).
+    """
+
+    def __init__(self, address: str, group: str, listener: Listener | None = None,
+                 config: PushConsumerConfig | None = None, *,
+                 subscriptions: Mapping[str, str] | Iterable[str] | None = None,
+                 client_id: str | None = None, **overrides: Any) -> None:
+        self._c = PushConsumer(address, group, listener, config, client_id=client_id,
+                               **overrides)
+        if isinstance(subscriptions, Mapping):
+            for topic, expression in subscriptions.items():
+                self._c.subscribe(topic, expression)
+        elif subscriptions is not None:
+            for topic in subscriptions:
+                self._c.subscribe(topic)
+        self._lt: _LoopThread | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def group(self) -> str:
+        return self._c.group
+
+    @property
+    def client_id(self) -> str:
+        return self._c.client_id
+
+    @property
+    def config(self) -> PushConsumerConfig:
+        return self._c.config
+
+    @property
+    def running(self) -> bool:
+        return self._lt is not None
+
+    def subscribe(self, topic: str, expression: str = "*") -> None:
+        """Consume ``topic`` (before or after ``start()``)."""
+        if self._lt is None:
+            self._c.subscribe(topic, expression)
+        else:
+            self._lt.run(self._subscribe(topic, expression))
+
+    async def _subscribe(self, topic: str, expression: str) -> None:
+        self._c.subscribe(topic, expression)
+
+    def register_listener(self, listener: Listener) -> None:
+        self._c.register_listener(listener)
+
+    def start(self) -> SyncPushConsumer:
+        """Connect, join the group and start consuming; return once started."""
+        with self._lock:
+            if self._lt is not None:
+                raise RuntimeError("the consumer is already started")
+            lt = _LoopThread()
+            try:
+                lt.run(self._c.start())
+            except BaseException:
+                with contextlib.suppress(Exception):  # undo a half start (its connection)
+                    lt.close(self._c.shutdown())
+                lt.stop()
+                raise
+            self._lt = lt
+        return self
+
+    def shutdown(self) -> None:
+        """Stop pulling, let running listener calls finish (up to the drain timeout),
+        commit offsets and leave the group; return when done. Idempotent."""
+        with self._lock:
+            lt, self._lt = self._lt, None
+            if lt is not None:
+                lt.close(self._c.shutdown())
+
+    close = shutdown
+
+    @property
+    def assignment(self) -> list[MessageQueue]:
+        """Queues this member owns now."""
+        lt = self._lt
+        return self._c.assignment if lt is None else lt.run(self._assignment())
+
+    async def _assignment(self) -> list[MessageQueue]:
+        return self._c.assignment
+
+    @property
+    def stats(self) -> Counter[str]:
+        """Counters: consumed, failed, sent_back, ... (a copy)."""
+        lt = self._lt
+        return Counter(self._c.stats) if lt is None else lt.run(self._stats())
+
+    async def _stats(self) -> Counter[str]:
+        return Counter(self._c.stats)
+
+    def __enter__(self) -> SyncPushConsumer:
+        if self._lt is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
