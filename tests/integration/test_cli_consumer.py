@@ -125,7 +125,8 @@ def test_consume_count_prints_messages(baddr, tmp_path):
     cc_rows = [r for r in rows if r[0] == "cc"]
     assert len(cc_rows) == 2
     for r in cc_rows:
-        assert r[2] == r[3] and r[4] == "0" and r[5] == "-"
+        # max == committed, no lag, lock released, no expected owner
+        assert r[2] == r[4] and r[5] == "0" and r[6] == "-" and r[8] == "-"
     send(baddr, "cc", ["later"])
     out = ok(run("consume", "cc", "-g", "cc-g", "-n", "1", "-b", baddr))
     assert out.rstrip().endswith("reconsume=0 later")
@@ -143,7 +144,7 @@ def test_count_leaves_the_rest_to_the_next_run(baddr):
     assert sorted(bodies) == [f"x{i}" for i in range(7)]
     rows = [r for r in table_rows(ok(run("group", "status", "cx-g", "-b", baddr)))
             if r[0] == "cx"]
-    assert [r[4] for r in rows] == ["0", "0"]
+    assert [r[5] for r in rows] == ["0", "0"]
 
 
 def test_consume_until_signal_and_group_status(baddr):
@@ -168,12 +169,16 @@ def test_consume_until_signal_and_group_status(baddr):
     assert sorted(r[0] for r in member_rows) == ids
     for r in member_rows:
         assert r[1] == "CLUSTERING" and "gs:*" in r[2] and float(r[3]) < 15
-    owners = {(r[0], int(r[1])): r[5] for r in rows if r[0] in ("gs", "%RETRY%gs-g")}
+    owners = {(r[0], int(r[1])): r[8] for r in rows if r[0] in ("gs", "%RETRY%gs-g")}
     mqs = [MessageQueue("gs", q) for q in range(3)]
     for cid in ids:
         for mq in allocate_average(cid, mqs, ids):
             assert owners[("gs", mq.queue_id)] == cid
     assert owners[("%RETRY%gs-g", 0)] == ids[0]
+    # access-lock columns: a queue is held by a member (once it pulled) or by nobody
+    for r in rows:
+        if r[0] == "gs":
+            assert r[6] in (*ids, "-") and r[7] in ("pending", "-")
 
     # each queue's messages go to the member the status named as its expected owner
     for q in range(3):
@@ -199,7 +204,7 @@ def test_consume_until_signal_and_group_status(baddr):
     out = ok(run("group", "status", "gs-g", "-b", baddr))
     assert "no member online" in out
     rows = [r for r in table_rows(out) if r[0] == "gs"]
-    assert [(r[1], r[2], r[3], r[4]) for r in rows] == [(str(q), "1", "1", "0") for q in range(3)]
+    assert [(r[1], r[2], r[4], r[5]) for r in rows] == [(str(q), "1", "1", "0") for q in range(3)]
 
 
 def test_failing_handler_dead_letters_and_resend(baddr, tmp_path):

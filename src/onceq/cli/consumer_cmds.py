@@ -257,8 +257,9 @@ def _subs(subs: dict[str, str]) -> Text:
 @async_command
 async def group_status(group: str, broker: str) -> None:
     """Members of GROUP and, per queue of the topics they subscribe to, the broker's max
-    offset, the group's committed offset, the lag, and the member that owns the queue when
-    the members use the default (AVERAGE) allocation."""
+    offset, the deliver offset, the group's committed (ack) offset, the lag, the access-lock
+    holder and whether a handover is pending, and the member that owns the queue when the
+    members use the default (AVERAGE) allocation."""
     async with Admin(broker) as admin:
         st = await admin.group_status(group)
     if st.members:
@@ -273,11 +274,14 @@ async def group_status(group: str, broker: str) -> None:
     if not st.queues:
         console.print("no queue to show (no subscribed topic, no committed offset)")
         return
-    table = Table("topic", "queue", "max offset", "committed", "lag",
-                  "expected owner (AVERAGE)")
+    table = Table("topic", "queue", "max offset", "deliver", "committed (ack)", "lag",
+                  "lock holder", "handover", "expected owner (AVERAGE)")
     for q in st.queues:
-        table.add_row(q.topic, str(q.queue_id), str(q.max_offset), str(q.committed),
-                      str(q.lag), Text(q.expected_owner or "-"))
+        table.add_row(q.topic, str(q.queue_id), str(q.max_offset),
+                      "-" if q.deliver_offset is None else str(q.deliver_offset),
+                      str(q.committed), str(q.lag), Text(q.lock_holder or "-"),
+                      "pending" if q.handover_pending else "-",
+                      Text(q.expected_owner or "-"))
     console.print(table)
     console.print(f"total lag: {st.lag}")
 

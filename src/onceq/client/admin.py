@@ -43,6 +43,9 @@ class QueueStatus:
     max_offset: int
     committed: int  # -1: the group has committed nothing on this queue
     expected_owner: str | None = None  # owner under AVERAGE allocation (None: no member)
+    lock_holder: str | None = None  # access-lock holder (None: not locked)
+    deliver_offset: int | None = None  # next offset after the last pull that found messages
+    handover_pending: bool = False  # another member was refused: a handover is waiting
 
     @property
     def lag(self) -> int:
@@ -166,6 +169,7 @@ class Admin:
         ids = [m.client_id for m in members]
         broadcast = bool(members) and all(m.model == "BROADCASTING" for m in members)
         status = GroupStatus(group, members)
+        locks = {(r["topic"], r["queue"]): r for r in await self.access_locks(group)}
         for topic in topics:
             try:
                 n = await self.queue_count(topic)
@@ -183,8 +187,16 @@ class Admin:
                 lo, hi = await self.queue_offsets(topic, mq.queue_id)
                 committed = await self.group_offset(group, topic, mq.queue_id)
                 who = "(every member)" if broadcast else owner.get(mq)
-                status.queues.append(QueueStatus(topic, mq.queue_id, lo, hi, committed, who))
+                lock = locks.get((topic, mq.queue_id), {})
+                status.queues.append(QueueStatus(
+                    topic, mq.queue_id, lo, hi, committed, who, lock.get("holder"),
+                    lock.get("deliver"), bool(lock.get("pending_handover"))))
         return status
+
+    async def access_locks(self, group: str) -> list[dict[str, Any]]:
+        """The broker's transition-state access locks of ``group``: per locked queue the
+        holder, deliver and ack offsets, and whether a handover is pending."""
+        return (await self._req(RequestCode.QUERY_ACCESS_LOCKS, {"group": group}))["queues"]
 
     # ---------------------------------------------------------------- dead letters
     async def dead_letter_offsets(self, group: str) -> tuple[int, int] | None:
