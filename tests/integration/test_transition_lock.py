@@ -1,0 +1,134 @@
+"""Transition-state queue lock end to end: no duplicate delivery on rebalance."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import signal
+import subprocess
+import sys
+
+from onceq import Admin, Producer
+from onceq.client.push import PushConsumer
+from tests.helpers import running_broker
+
+TOPIC = "tl"
+QUEUES = 8
+
+
+async def _produce(addr: str, stop: asyncio.Event, keys: list[str]) -> None:
+    async with Producer(addr) as p:
+        i = 0
+        while not stop.is_set():
+            rs = await p.send_batch(TOPIC, [f"m{i}-{j}".encode() for j in range(10)])
+            keys.extend(r.unique_key for r in rs)
+            i += 1
+            await asyncio.sleep(0.01)
+
+
+def _consumer(addr: str, name: str, seen: dict, **kw) -> PushConsumer:
+    async def listener(msgs, ctx):
+        await asyncio.sleep(0.002)  # a handler taking a little time widens the race
+        for m in msgs:
+            seen[m.unique_key].append(name)
+
+    c = PushConsumer(addr, "tl-g", listener, consume_from="FIRST", instance_name=name,
+                     rebalance_interval_s=1, pull_suspend_s=1, **kw)
+    c.subscribe(TOPIC)
+    return c
+
+
+async def _wait_all(keys: list[str], seen: dict, timeout: float = 20) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline and not set(keys) <= set(seen):
+        await asyncio.sleep(0.1)
+
+
+async def _join_leave(tmp_path, access_lock: bool) -> tuple[int, int]:
+    """Members join and leave gracefully while messages flow; (lost, duplicates)."""
+    async with running_broker(str(tmp_path / f"data-{access_lock}")) as b:
+        addr = f"127.0.0.1:{b.port}"
+        async with Admin(addr) as admin:
+            await admin.create_topic(TOPIC, QUEUES)
+        seen: dict[str, list[str]] = collections.defaultdict(list)
+        keys: list[str] = []
+        stop = asyncio.Event()
+        prod = asyncio.create_task(_produce(addr, stop, keys))
+        members = [await _consumer(addr, "c0", seen, access_lock=access_lock).start()]
+        for step in range(1, 7):  # grow to 3, shrink to 1, grow to 2
+            await asyncio.sleep(0.7)
+            if step in (1, 2, 6):
+                members.append(
+                    await _consumer(addr, f"c{step}", seen, access_lock=access_lock).start())
+            else:
+                await members.pop(0).shutdown()
+        await asyncio.sleep(0.7)
+        stop.set()
+        await prod
+        await _wait_all(keys, seen)
+        for m in members:
+            await m.shutdown()
+    lost = len(set(keys) - set(seen))
+    dups = sum(len(v) - 1 for v in seen.values())
+    return lost, dups
+
+
+async def test_no_duplicates_on_rebalance_with_the_lock(tmp_path):
+    lost, dups = await _join_leave(tmp_path, access_lock=True)
+    print(f"lock on: lost={lost} duplicates={dups}")
+    assert lost == 0
+    assert dups == 0
+
+
+async def test_without_the_lock_nothing_is_lost(tmp_path):
+    lost, dups = await _join_leave(tmp_path, access_lock=False)
+    print(f"lock off: lost={lost} duplicates={dups}")  # duplicates are expected here
+    assert lost == 0
+
+
+async def test_sigkilled_holder_messages_are_redelivered(tmp_path):
+    async with running_broker(str(tmp_path / "data")) as b:
+        addr = f"127.0.0.1:{b.port}"
+        async with Admin(addr) as admin:
+            await admin.create_topic(TOPIC, QUEUES)
+        out = tmp_path / "victim.log"
+        victim = subprocess.Popen(
+            [sys.executable, os.path.join(os.path.dirname(__file__), "..", "consumer_proc.py"),
+             "--addr", addr, "--group", "tl-g", "--topic", TOPIC, "--out", str(out),
+             "--instance", "victim", "--rebalance-interval", "1"],
+            stdout=subprocess.PIPE, text=True)
+        try:
+            line = await asyncio.to_thread(victim.stdout.readline)
+            assert line.startswith("READY")
+            seen: dict[str, list[str]] = collections.defaultdict(list)
+            keys: list[str] = []
+            stop = asyncio.Event()
+            prod = asyncio.create_task(_produce(addr, stop, keys))
+            await asyncio.sleep(1.0)
+            survivor = await _consumer(addr, "survivor", seen).start()
+            await asyncio.sleep(1.0)
+            locks = await _locks(addr)
+            assert locks, "the victim and the survivor hold queues"
+            victim.send_signal(signal.SIGKILL)  # its in-flight, uncommitted messages ...
+            victim.wait()
+            await asyncio.sleep(1.0)
+            stop.set()
+            await prod
+            with open(out) as f:
+                for ln in f:
+                    seen[ln.split()[0]].append("victim")
+            await _wait_all(keys, seen)
+            # ... are redelivered to the survivor, which holds every queue now
+            assert {r["holder"] for r in await _locks(addr)} == {survivor.client_id}
+            await survivor.shutdown()
+        finally:
+            if victim.poll() is None:
+                victim.kill()
+    assert not set(keys) - set(seen), "messages lost after the holder was killed"
+
+
+async def _locks(addr: str) -> list[dict]:
+    async with Admin(addr) as admin:
+        return await admin.access_locks("tl-g")
