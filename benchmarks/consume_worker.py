@@ -1,0 +1,75 @@
+"""A consumer process of benchmarks/consume.py.
+
+mode ``push``: a PushConsumer (listener batch 32, pull batch 32) with a no-op listener.
+mode ``pull``: the raw pull consumer, one prefetching stream per queue (pull batch 32).
+Every 50 ms it writes "<count> <time of the last message>" to ``out``; SIGTERM stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+
+
+async def main(mode: str, addr: str, topic: str, queues: int, out: str, name: str) -> None:
+    count = 0
+    last = 0.0
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+
+    async def report() -> None:
+        while True:
+            tmp = f"{out}.tmp"
+            with open(tmp, "w") as f:
+                f.write(f"{count} {last}")
+            os.replace(tmp, out)
+            await asyncio.sleep(0.05)
+
+    reporter = asyncio.create_task(report())
+    if mode == "push":
+        from onceq.client.push import PushConsumer
+
+        async def listener(msgs, ctx):
+            nonlocal count, last
+            count += len(msgs)
+            last = time.time()
+
+        c = PushConsumer(addr, "bench-push", listener, consume_from="FIRST", batch_size=32,
+                         pull_batch_size=32, instance_name=name)
+        c.subscribe(topic)
+        await c.start()
+        print("ready", flush=True)
+        await stop.wait()
+        await c.shutdown()
+    else:
+        from onceq import PullConsumer
+
+        async with PullConsumer(addr, "bench-pull") as pc:
+            async def one(q: int) -> None:
+                nonlocal count, last
+                async for r in pc.stream(topic, q, 0, 32, suspend=1.0):
+                    count += len(r.messages)
+                    if r.messages:
+                        last = time.time()
+
+            tasks = [asyncio.create_task(one(q)) for q in range(queues)]
+            print("ready", flush=True)
+            await stop.wait()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    reporter.cancel()
+
+
+if __name__ == "__main__":
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    a = sys.argv[1:]
+    asyncio.run(main(a[0], a[1], a[2], int(a[3]), a[4], a[5]))
