@@ -75,6 +75,7 @@ class RetryService:
         self.on_put = on_put  # (topic, queue) -> wake held pulls
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     # ---------------------------------------------------------------- topics
     def ensure_topics(self) -> None:
@@ -139,6 +140,8 @@ class RetryService:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="onceq-schedule")
 
     async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -149,9 +152,13 @@ class RetryService:
         now_ms = int(self.clock() * 1000)
         next_due = float("inf")
         store = self.store
-        if SCHEDULE_TOPIC not in store.topics:
+        schedule = store.topics.get(SCHEDULE_TOPIC)
+        if schedule is None:
             return next_due
-        for level in range(len(self.levels)):
+        # every queue of the topic, not just one per configured level: after a restart with
+        # fewer delay levels the higher queues still hold retries (each carries its due
+        # time), which would otherwise never be delivered
+        for level in range(max(len(self.levels), schedule.queues)):
             start = offset = max(store.get_offset(SCHEDULE_GROUP, SCHEDULE_TOPIC, level), 0)
             while True:
                 r = store.get(SCHEDULE_TOPIC, level, offset, 64, 16 * 1024 * 1024)
@@ -186,7 +193,7 @@ class RetryService:
         self._put(topic, queue, m, props, m.reconsume_times)
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 wait = self.deliver_due()
             except asyncio.CancelledError:
@@ -195,8 +202,13 @@ class RetryService:
                 log.exception("schedule service failed; retrying")
                 wait = 1.0
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), min(wait, 1.0))
+            # not asyncio.wait_for: on 3.11 a wake-up racing stop()'s cancel makes it swallow
+            # the cancellation, and this loop (and the broker's stop) would never end
+            waiter = asyncio.ensure_future(self._wake.wait())
+            try:
+                await asyncio.wait({waiter}, timeout=min(wait, 1.0))
+            finally:
+                waiter.cancel()
 
 
 def is_internal_topic(topic: str) -> bool:

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import socket
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -33,7 +34,7 @@ from ..protocol.codes import (
 )
 from ..protocol.errors import ErrorCode, OnceqError
 from .allocation import MessageQueue
-from .connection import BrokerConnection
+from .connection import BrokerConnection, ConnectionLost
 from .local_offsets import LocalOffsetStore
 from .process_queue import ProcessQueue
 from .pull import default_client_id, parse_tags
@@ -66,6 +67,19 @@ Listener = Callable[[list[MessageExt], ConsumeContext],
                     Awaitable[ConsumeStatus | None] | ConsumeStatus | None]
 
 
+_default_ids: Counter[str] = Counter()
+
+
+def _unique_default_id(instance: str) -> str:
+    """``host@pid#instance``, made unique inside this process: two consumers with the same
+    id would be one member to the broker (each heartbeat replacing the other and notifying
+    the group) and would both consume the same queues."""
+    base = default_client_id(instance)
+    _default_ids[base] += 1
+    n = _default_ids[base]
+    return base if n == 1 else f"{base}-{n}"
+
+
 class PushConsumer:
     def __init__(self, address: str, group: str, listener: Listener | None = None,
                  config: PushConsumerConfig | None = None, *, client_id: str | None = None,
@@ -78,7 +92,10 @@ class PushConsumer:
                 raise TypeError(f"unknown consumer setting {k!r}")
             setattr(self.config, k, v)
         self.config.validate()
-        self.client_id = client_id or default_client_id(self.config.instance_name)
+        self.client_id = client_id or _unique_default_id(self.config.instance_name)
+        # BROADCASTING offsets file: must survive a restart, so not the default client id
+        # (it holds the pid); like RocketMQ's ip@instanceName for broadcasting consumers
+        self.offset_owner = client_id or f"{socket.gethostname()}#{self.config.instance_name}"
         self.clock = clock
         self._listener = listener
         self._subs: dict[str, str] = {}
@@ -94,6 +111,8 @@ class PushConsumer:
         self._sem: asyncio.Semaphore | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._rebalance_lock: asyncio.Lock | None = None
+        self._connect_lock: asyncio.Lock | None = None
+        self._closed = False  # after shutdown: no new connections (late listener calls)
         self._local: LocalOffsetStore | None = None
         self.stats: Counter[str] = Counter()
 
@@ -117,6 +136,8 @@ class PushConsumer:
         return sorted(self._pqs)
 
     async def start(self) -> PushConsumer:
+        if self._running:
+            raise RuntimeError("the consumer is already started")
         if self._listener is None:
             raise ValueError("register a listener before start()")
         if not self._subs:
@@ -125,14 +146,26 @@ class PushConsumer:
         if self.clustering:
             self._subs.setdefault(retry_topic(self.group), "*")
         else:
-            self._local = LocalOffsetStore(cfg.offset_dir, self.client_id, self.group)
+            self._local = LocalOffsetStore(cfg.offset_dir, self.offset_owner, self.group)
         self._wake = asyncio.Event()
         self._sem = asyncio.Semaphore(cfg.concurrency)
         self._rebalance_lock = asyncio.Lock()
-        if not inspect.iscoroutinefunction(self._listener):
+        listener = self._listener
+        if not (inspect.iscoroutinefunction(listener)
+                or inspect.iscoroutinefunction(type(listener).__call__)):
             self._executor = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="onceq-consume")
         self._running = True
-        await self._heartbeat()
+        self._closed = False
+        try:
+            await self._heartbeat()
+        except BaseException:  # e.g. no broker: leave nothing half started behind
+            self._running = False
+            if self._conn is not None:
+                self._conn.close()
+            if self._executor is not None:
+                self._executor.shutdown(wait=False)
+                self._executor = None
+            raise
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._rebalance_loop(), name="onceq-rebalance"),
@@ -152,6 +185,7 @@ class PushConsumer:
         if not self._running:
             return
         self._running = False
+        self._wake.set()  # type: ignore[union-attr]
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -165,6 +199,7 @@ class PushConsumer:
             with contextlib.suppress(OnceqError):
                 await self._req(RequestCode.UNREGISTER, {"group": self.group,
                                                          "client": self.client_id}, timeout=3)
+        self._closed = True
         if self._conn is not None:
             self._conn.close()
         if self._executor is not None:
@@ -172,11 +207,21 @@ class PushConsumer:
 
     # ================================================================ broker I/O
     async def _connection(self) -> BrokerConnection:
-        if self._conn is None or self._conn.closed:
-            self._conn = await BrokerConnection.open(self.address, self._on_push)
-            if self._running:
-                asyncio.get_running_loop().create_task(self._heartbeat_safe())
-        return self._conn
+        conn = self._conn
+        if conn is not None and not conn.closed:
+            return conn
+        if self._closed:
+            raise ConnectionLost("the consumer is shut down")
+        if self._connect_lock is None:
+            self._connect_lock = asyncio.Lock()
+        # one connection at a time: every pull loop notices a lost connection at once, and
+        # without the lock each opened its own (all but one leaked, never closed)
+        async with self._connect_lock:
+            if self._conn is None or self._conn.closed:
+                self._conn = await BrokerConnection.open(self.address, self._on_push)
+                if self._running:  # a new connection is a new member for the broker
+                    asyncio.get_running_loop().create_task(self._heartbeat_safe())
+            return self._conn
 
     async def _req(self, code: int, header: dict[str, Any], timeout: float = 10.0
                    ) -> tuple[dict[str, Any], bytes]:
@@ -202,8 +247,10 @@ class PushConsumer:
             await self._heartbeat()
 
     async def _every(self, seconds: float, fn: Callable[[], Awaitable[None]]) -> None:
-        while True:
+        while self._running:  # also ends if a cancellation was swallowed inside ``fn``
             await asyncio.sleep(seconds)
+            if not self._running:
+                break
             try:
                 await fn()
             except OnceqError as exc:
@@ -212,10 +259,20 @@ class PushConsumer:
     # ================================================================ rebalance
     async def _rebalance_loop(self) -> None:
         assert self._wake is not None
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._timer.wait_time(self.clock()))
+        while self._running:
+            timeout = self._timer.wait_time(self.clock())
+            if timeout > 0 and not self._wake.is_set():
+                # not asyncio.wait_for: on 3.11 it can swallow the task's cancellation
+                # (a zero timeout turns it into TimeoutError), and shutdown then waits
+                # for this loop forever
+                waiter = asyncio.ensure_future(self._wake.wait())
+                try:
+                    await asyncio.wait({waiter}, timeout=timeout)
+                finally:
+                    waiter.cancel()
             self._wake.clear()
+            if not self._running:
+                break
             if not self._timer.due(self.clock()):
                 continue
             self._timer.done(self.clock())
@@ -266,7 +323,8 @@ class PushConsumer:
             for mq in plan.assign:
                 await self._take(mq)
 
-    async def _start_offset(self, mq: MessageQueue) -> int:
+    async def _start_offset(self, mq: MessageQueue) -> tuple[int, bool]:
+        """Where to start pulling ``mq``, and whether that offset is the group's stored one."""
         if self._local is not None:
             off = self._local.get(mq)
         else:
@@ -275,24 +333,27 @@ class PushConsumer:
                                                               "queue": mq.queue_id})
             off = int(hdr["offset"])
         if off >= 0:
-            return off
+            return off, True
         hdr, _ = await self._req(RequestCode.QUERY_OFFSETS, {"topic": mq.topic,
                                                               "queue": mq.queue_id})
         policy = self.config.consume_from
         if mq.topic.startswith(RETRY_PREFIX) or policy == ConsumeFrom.FIRST:
-            return int(hdr["min"])
+            return int(hdr["min"]), False
         if policy == ConsumeFrom.LAST:
-            return int(hdr["max"])
+            return int(hdr["max"]), False
         ts = self.config.consume_timestamp_ms or int((time.time() - 1800) * 1000)
         hdr, _ = await self._req(RequestCode.SEARCH_OFFSET, {"topic": mq.topic,
                                                               "queue": mq.queue_id, "ts": ts})
-        return int(hdr["offset"])
+        return int(hdr["offset"]), False
 
     async def _take(self, mq: MessageQueue) -> None:
-        offset = await self._start_offset(mq)
+        offset, stored = await self._start_offset(mq)
         pq = ProcessQueue(mq, offset, self.clock())
         self._pqs[mq] = pq
-        self._committed[mq] = offset
+        # a start position chosen by policy (LAST, FIRST, TIMESTAMP) is not stored yet: the
+        # first commit must store it, or the next owner would apply the policy again (LAST:
+        # skip whatever arrived meanwhile)
+        self._committed[mq] = offset if stored else -1
         self._inflight[mq] = set()
         self._pull_tasks[mq] = asyncio.get_running_loop().create_task(
             self._pull_loop(pq), name=f"onceq-pull-{mq.topic}-{mq.queue_id}")
@@ -334,12 +395,16 @@ class PushConsumer:
             self._local.set(mq, offset)
         else:
             await self._req(RequestCode.COMMIT_OFFSET, {"group": self.group, "topic": mq.topic,
-                                                        "queue": mq.queue_id, "offset": offset})
+                                                        "queue": mq.queue_id, "offset": offset,
+                                                        "client": self.client_id})
         self._committed[mq] = offset
 
     async def _commit_all(self) -> None:
         for mq, pq in list(self._pqs.items()):
-            await self._commit(mq, pq.ack_offset)
+            # revoked meanwhile (it committed on release; another member may own it now):
+            # a late commit of the old process queue would move the offset back
+            if not pq.dropped and self._pqs.get(mq) is pq:
+                await self._commit(mq, pq.ack_offset)
         if self._local is not None:
             self._local.save()
 
@@ -376,9 +441,10 @@ class PushConsumer:
                 continue
             failures = 0
             pq.last_pull = self.clock()
-            if "commit" in header:
-                self._committed[mq] = max(self._committed.get(mq, -1), header["commit"])
             status = hdr["st"]
+            if "commit" in header and status != PullStatus.LOCKED:  # a refused pull's
+                # commit was not applied: it must be sent again
+                self._committed[mq] = max(self._committed.get(mq, -1), header["commit"])
             if status == PullStatus.FOUND:
                 msgs = list(decode_records(payload)) if payload else []
                 if wanted is not None:
@@ -422,8 +488,10 @@ class PushConsumer:
             ctx = ConsumeContext(pq.mq, len(batch) - 1)
             status = await self._call_listener(batch, ctx)
         if status == ConsumeStatus.SUCCESS:
-            done = batch[:ctx.ack_index + 1]
-            failed = batch[ctx.ack_index + 1:]
+            # clamp: a negative index would slice from the end and drop failed messages
+            acked = min(max(ctx.ack_index, -1), len(batch) - 1) + 1
+            done = batch[:acked]
+            failed = batch[acked:]
         else:
             done, failed = [], batch
         self.stats["consumed"] += len(done)
@@ -442,14 +510,18 @@ class PushConsumer:
                 loop = asyncio.get_running_loop()
                 result = await asyncio.wait_for(
                     loop.run_in_executor(self._executor, self._listener, batch, ctx), timeout)
+            if inspect.isawaitable(result):  # e.g. an object with an async __call__
+                result = await asyncio.wait_for(result, timeout)
+            return ConsumeStatus.SUCCESS if result is None else ConsumeStatus(result)
         except TimeoutError:
             log.warning("listener exceeded the consume timeout of %.0fs on %s; retrying",
                         timeout, ctx.queue)
             return ConsumeStatus.RECONSUME_LATER
         except Exception:
-            log.exception("listener raised on %s; retrying the batch", ctx.queue)
+            # includes a result that is no ConsumeStatus: before, that escaped and left the
+            # batch in flight forever, holding the queue's commit offset back
+            log.exception("listener failed on %s; retrying the batch", ctx.queue)
             return ConsumeStatus.RECONSUME_LATER
-        return ConsumeStatus.SUCCESS if result is None else ConsumeStatus(result)
 
     async def _send_back(self, pq: ProcessQueue, failed: list[MessageExt], delay_level: int
                          ) -> list[MessageExt]:

@@ -56,5 +56,6 @@ class PushConsumerConfig:
                      "pull_expire_s", "commit_interval_s", "drain_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
-        MessageModel(self.model)
-        ConsumeFrom(self.consume_from)
+        # settings given as strings ("BROADCASTING", "FIRST") become the enums
+        self.model = MessageModel(self.model)
+        self.consume_from = ConsumeFrom(self.consume_from)
