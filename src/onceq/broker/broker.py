@@ -380,7 +380,13 @@ class Broker:
         offset = _int(h, "offset")
         if offset < 0:
             raise OnceqError(ErrorCode.INVALID_ARGUMENT, "offset must be >= 0")
-        self.store.commit_offset(_str(h, "group"), _str(h, "topic"), _int(h, "queue"), offset)
+        group, topic, queue = _str(h, "group"), _str(h, "topic"), _int(h, "queue")
+        client = h.get("client")
+        if (isinstance(client, str) and self.transition.applies(group, client)
+                and not self.transition.is_holder(group, client, topic, queue)):
+            self.store.get_topic(topic)
+            return 0, {"ignored": True}, b""  # a former owner: the holder's commits count
+        self.store.commit_offset(group, topic, queue, offset)
         return 0, None, b""
 
     def h_get_offset(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes

@@ -16,6 +16,7 @@ import errno
 import logging
 import os
 
+from .._aio import wait_event
 from ..protocol.errors import ErrorCode, OnceqError
 from ..storage.store import MessageStore
 
@@ -106,8 +107,7 @@ class Flusher:
         while True:
             try:
                 if self.sync_policy:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), self.interval)
+                    await wait_event(self._wake, self.interval)
                     self._wake.clear()
                 else:
                     await asyncio.sleep(self.interval)

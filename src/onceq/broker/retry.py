@@ -22,9 +22,9 @@ import logging
 import re
 from collections.abc import Callable
 
+from .._aio import wait_event
 from ..log.record import Message, decode_records, encode_part
 from ..protocol.codes import (
-    DLQ_PREFIX,
     PROP_DELIVER_AT,
     PROP_ORIGIN_OFFSET,
     PROP_ORIGIN_QUEUE,
@@ -202,14 +202,4 @@ class RetryService:
                 log.exception("schedule service failed; retrying")
                 wait = 1.0
             self._wake.clear()
-            # not asyncio.wait_for: on 3.11 a wake-up racing stop()'s cancel makes it swallow
-            # the cancellation, and this loop (and the broker's stop) would never end
-            waiter = asyncio.ensure_future(self._wake.wait())
-            try:
-                await asyncio.wait({waiter}, timeout=min(wait, 1.0))
-            finally:
-                waiter.cancel()
-
-
-def is_internal_topic(topic: str) -> bool:
-    return topic == SCHEDULE_TOPIC or topic.startswith((RETRY_PREFIX, DLQ_PREFIX))
+            await wait_event(self._wake, min(wait, 1.0))

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from .._aio import wait_event
 from ..log.record import Message as MessageExt
 from ..log.record import decode_records
 from ..protocol.codes import (
@@ -262,14 +263,7 @@ class PushConsumer:
         while self._running:
             timeout = self._timer.wait_time(self.clock())
             if timeout > 0 and not self._wake.is_set():
-                # not asyncio.wait_for: on 3.11 it can swallow the task's cancellation
-                # (a zero timeout turns it into TimeoutError), and shutdown then waits
-                # for this loop forever
-                waiter = asyncio.ensure_future(self._wake.wait())
-                try:
-                    await asyncio.wait({waiter}, timeout=timeout)
-                finally:
-                    waiter.cancel()
+                await wait_event(self._wake, timeout)
             self._wake.clear()
             if not self._running:
                 break
