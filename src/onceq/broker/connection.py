@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("onceq.broker")
 
 _HIGH_WATER = 8 * 1024 * 1024
+_FLUSH_AT = 256 * 1024
 
 
 class Connection(asyncio.Protocol):
@@ -29,6 +30,8 @@ class Connection(asyncio.Protocol):
         self._backlog: deque[tuple[int, int, int, int, bytes, bytes]] = deque()
         self._broken: ProtocolError | None = None
         self._write_paused = False
+        self._out: list[bytes] = []  # frames written this loop pass (one send for all)
+        self._out_size = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -86,15 +89,32 @@ class Connection(asyncio.Protocol):
 
     def respond(self, corr_id: int, code: int, header: dict[str, Any] | None = None,
                 payload: bytes = b"") -> None:
-        if not self.closed and self.transport is not None:
-            self.transport.write(encode_frame(RESPONSE, code, corr_id, header, payload))
+        self._write(encode_frame(RESPONSE, code, corr_id, header, payload))
 
     def push(self, code: int, header: dict[str, Any]) -> None:
-        if not self.closed and self.transport is not None:
-            self.transport.write(encode_frame(PUSH, code, 0, header))
+        self._write(encode_frame(PUSH, code, 0, header))
+
+    def _write(self, frame: bytes) -> None:
+        """Queue a frame; frames written in one loop pass go out in one send."""
+        if self.closed or self.transport is None:
+            return
+        if not self._out:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._out.append(frame)
+        self._out_size += len(frame)
+        if self._out_size >= _FLUSH_AT:
+            self._flush()  # large answers: hand them over now (backpressure sees them)
+
+    def _flush(self) -> None:
+        if self._out and not self.closed and self.transport is not None:
+            out = self._out
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+        self._out = []
+        self._out_size = 0
 
     def close(self) -> None:
         if not self.closed:
+            self._flush()
             self.closed = True
             if self.transport is not None:
                 self.transport.close()

@@ -47,6 +47,7 @@ class BrokerConnection(asyncio.Protocol):
         self._pending: dict[int, asyncio.Future[tuple[dict[str, Any], bytes]]] = {}
         self._ids = itertools.count(1)
         self._transport: asyncio.Transport | None = None
+        self._out: list[bytes] = []
         self._on_push = on_push
         self.closed = False
         self.lost = asyncio.get_event_loop().create_future()
@@ -122,8 +123,16 @@ class BrokerConnection(asyncio.Protocol):
         corr = next(self._ids) & 0xFFFFFFFF
         fut = asyncio.get_running_loop().create_future()
         self._pending[corr] = fut
-        self._transport.write(encode_frame(REQUEST, code, corr, header, payload))  # type: ignore[union-attr]
+        frame = encode_frame(REQUEST, code, corr, header, payload)
+        if not self._out:  # requests made in one loop pass go out in one send
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._out.append(frame)
         return fut
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        if out and not self.closed and self._transport is not None:
+            self._transport.write(out[0] if len(out) == 1 else b"".join(out))
 
     async def request(self, code: int, header: dict[str, Any] | None = None,
                       payload: bytes = b"", timeout: float | None = 10.0
@@ -150,6 +159,7 @@ class BrokerConnection(asyncio.Protocol):
         fut.add_done_callback(_swallow)
 
     def close(self) -> None:
+        self._flush()  # requests written this loop pass (a fire-and-forget send) still go
         self._fail(ConnectionLost("connection closed by client"))
 
 
