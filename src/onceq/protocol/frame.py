@@ -19,7 +19,6 @@ is the inverse. Neither touches sockets.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -43,16 +42,6 @@ HEADER_ALLOWANCE = 64 * 1024
 def max_frame_for_body(max_body: int) -> int:
     """The frame length limit that admits one batch of bodies up to ``max_body`` bytes."""
     return max_body + HEADER_ALLOWANCE
-
-
-@dataclass(slots=True)
-class Frame:
-    kind: int
-    code: int
-    corr_id: int
-    header: dict[str, Any]
-    payload: bytes | memoryview = b""
-    version: int = PROTOCOL_VERSION
 
 
 _packb = msgpack.Packer(use_bin_type=True).pack
@@ -88,9 +77,9 @@ def decode_header(raw: bytes | memoryview) -> dict[str, Any]:
 class FrameDecoder:
     """Incremental decoder: ``feed(bytes)`` then iterate ``frames()``.
 
-    Headers are decoded lazily by the caller (``Frame.header`` holds the raw map only after
-    ``decode_header``); a frame whose header is junk is still a well-framed frame, so the
-    connection can answer BAD_REQUEST and carry on.
+    Headers are returned raw and decoded by the caller with ``decode_header``: a frame whose
+    header is junk is still a well-framed frame, so the connection can answer BAD_REQUEST
+    and carry on.
     """
 
     __slots__ = ("_buf", "_max_frame", "broken")

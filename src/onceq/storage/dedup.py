@@ -32,11 +32,6 @@ class DedupWindow:
         """The live key table of one topic (key -> (queue_id, offset, ts_ms)); read only."""
         return self._keys.get(topic) or {}
 
-    def get(self, topic: str, key: bytes) -> tuple[int, int] | None:
-        """(queue_id, offset) of the copy stored within the window, or None."""
-        v = self.table(topic).get(key)
-        return None if v is None else (v[0], v[1])
-
     def add(self, topic: str, key: bytes, queue_id: int, offset: int, ts_ms: int) -> None:
         t = self._keys.get(topic)
         if t is None:
