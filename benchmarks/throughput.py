@@ -39,20 +39,23 @@ def _free_port() -> int:
 
 def start_broker(data_dir: str, flush: str) -> tuple[subprocess.Popen, str]:
     port = _free_port()
+    os.makedirs(data_dir, exist_ok=True)
+    err = open(os.path.join(data_dir, "broker.err"), "w+")  # noqa: SIM115 - read on failure
     proc = subprocess.Popen(
         [sys.executable, "-m", "onceq.cli.main", "broker", "start", "--data-dir", data_dir,
          "--port", str(port), "--flush", flush, "--log-level", "WARNING"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=err,
     )
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and proc.poll() is None:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
                 return proc, f"127.0.0.1:{port}"
         except OSError:
             time.sleep(0.05)
     proc.kill()
-    raise RuntimeError("broker did not start")
+    err.seek(0)
+    raise RuntimeError(f"broker did not start: {err.read()[-2000:]}")
 
 
 # ---------------------------------------------------------------- child roles

@@ -21,7 +21,8 @@ from ..protocol.codes import (
 )
 from ..protocol.errors import ErrorCode, OnceqError
 from .allocation import MessageQueue, allocate_average
-from .connection import BrokerConnection, ConnectionLost
+from .base import BrokerClient
+from .connection import ConnectionLost
 
 _U32 = struct.Struct("<I")
 
@@ -77,24 +78,11 @@ class ResendResult:
     error: str | None = None
 
 
-class Admin:
+class Admin(BrokerClient):
+    """Administration of topics and consumer groups."""
+
     def __init__(self, address: str = "127.0.0.1:9876") -> None:
-        self.address = address
-        self._conn: BrokerConnection | None = None
-
-    async def __aenter__(self) -> Admin:
-        self._conn = await BrokerConnection.open(self.address)
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        if self._conn is not None:
-            self._conn.close()
-
-    async def _request(self, code: int, header: dict[str, Any] | None = None,
-                       payload: bytes = b"") -> tuple[dict[str, Any], bytes]:
-        if self._conn is None or self._conn.closed:
-            self._conn = await BrokerConnection.open(self.address)
-        return await self._conn.request(code, header, payload)
+        super().__init__(address)
 
     async def _req(self, code: int, header: dict[str, Any] | None = None) -> dict[str, Any]:
         return (await self._request(code, header))[0]

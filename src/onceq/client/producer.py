@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import struct
 import time
@@ -13,7 +12,8 @@ from typing import Any
 from ..log.record import encode_part
 from ..protocol.codes import RequestCode
 from ..protocol.errors import ErrorCode, OnceqError
-from .connection import BrokerConnection, ConnectionLost
+from .base import BrokerClient
+from .connection import ConnectionLost
 from .message import Message, SendResult, UniqueKeyGenerator, encode_message
 
 log = logging.getLogger("onceq.client")
@@ -31,7 +31,7 @@ def _as_message(m: Message | bytes | str) -> Message:
     raise TypeError(f"cannot send {type(m).__name__}: use bytes, str or onceq.Message")
 
 
-class Producer:
+class Producer(BrokerClient):
     """Async producer.
 
     ``retries`` is the number of extra attempts after a failure (3 attempts in all by
@@ -43,45 +43,17 @@ class Producer:
 
     def __init__(self, address: str = "127.0.0.1:9876", *, retries: int = 2,
                  send_timeout: float = 3.0) -> None:
-        self.address = address
+        super().__init__(address)
         self.retries = retries
         self.send_timeout = send_timeout
-        self._conn: BrokerConnection | None = None
         self._queues: dict[str, int] = {}
         self._rr: dict[str, int] = {}
         self._keys = UniqueKeyGenerator()
-        self._connect_lock: asyncio.Lock | None = None
-
-    async def start(self) -> Producer:
-        await self._connection()
-        return self
-
-    async def __aenter__(self) -> Producer:
-        return await self.start()
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-    async def _connection(self) -> BrokerConnection:
-        if self._conn is not None and not self._conn.closed:
-            return self._conn
-        if self._connect_lock is None:
-            self._connect_lock = asyncio.Lock()
-        async with self._connect_lock:
-            if self._conn is None or self._conn.closed:
-                self._conn = await BrokerConnection.open(self.address)
-        return self._conn
 
     async def queue_count(self, topic: str, refresh: bool = False) -> int:
         n = self._queues.get(topic)
         if n is None or refresh:
-            conn = await self._connection()
-            hdr, _ = await conn.request(RequestCode.GET_TOPIC, {"topic": topic})
+            hdr, _ = await self._request(RequestCode.GET_TOPIC, {"topic": topic})
             n = self._queues[topic] = int(hdr["queues"])
         return n
 

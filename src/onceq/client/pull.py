@@ -12,7 +12,7 @@ from typing import Any
 from ..log.record import Message as MessageExt
 from ..log.record import decode_records
 from ..protocol.codes import PullStatus, RequestCode
-from .connection import BrokerConnection
+from .base import BrokerClient
 
 
 @dataclass(slots=True)
@@ -36,38 +36,16 @@ def parse_tags(expression: str | None) -> list[str] | None:
     return tags or None
 
 
-class PullConsumer:
+class PullConsumer(BrokerClient):
     """Pull messages queue by queue. Offsets are the caller's to keep, or the broker's via
     ``commit_offset``/``fetch_offset`` (the group's committed offsets)."""
 
     def __init__(self, address: str = "127.0.0.1:9876", group: str = "DEFAULT_GROUP", *,
                  client_id: str | None = None, verify_checksums: bool = True) -> None:
-        self.address = address
+        super().__init__(address)
         self.group = group
         self.client_id = client_id or default_client_id()
         self.verify = verify_checksums
-        self._conn: BrokerConnection | None = None
-
-    async def start(self) -> PullConsumer:
-        self._conn = await BrokerConnection.open(self.address)
-        return self
-
-    async def __aenter__(self) -> PullConsumer:
-        return await self.start()
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-    async def _request(self, code: int, header: dict[str, Any], timeout: float = 10.0
-                       ) -> tuple[dict[str, Any], bytes]:
-        if self._conn is None or self._conn.closed:
-            self._conn = await BrokerConnection.open(self.address)
-        return await self._conn.request(code, header, timeout=timeout)
 
     def _pull_header(self, topic: str, queue: int, offset: int, max_msgs: int,
                      tag_list: list[str] | None, suspend: float, commit_offset: int | None
@@ -116,9 +94,7 @@ class PullConsumer:
         too, so the caller can stop.
         """
         tag_list = parse_tags(tags)
-        if self._conn is None or self._conn.closed:
-            self._conn = await BrokerConnection.open(self.address)
-        conn = self._conn
+        conn = await self._connection()
         timeout = suspend + 10.0
         done = None  # offset up to which the caller has finished
         fut = conn.send_request(RequestCode.PULL, self._pull_header(
