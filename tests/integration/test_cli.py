@@ -231,8 +231,9 @@ def test_demo():
     out = r.stdout
     assert "onceq demo" in out
     cells = {row[0]: row[1] for row in table_rows(out) if len(row) == 2}
-    assert cells["messages produced"] == "500"
-    assert cells["messages consumed"] == "500"
-    assert cells["retried send recognised as duplicate"] == "True"
-    assert cells["duplicates"] == "0" and cells["lost"] == "0"
+    assert cells["orders produced"] == "500"
+    assert cells["orders handled"] == "500"
+    assert cells["retried send recognised as duplicate by the broker"] == "True"
+    assert cells["order that failed once, redelivered with reconsume count"] == "1"
+    assert cells["duplicate deliveries"] == "0" and cells["lost"] == "0"
     assert "demo finished" in out
