@@ -227,6 +227,12 @@ class AccessLockTable:
             self._unindex(client_id, key)
         return keys
 
+    def drop_topic(self, topic: str) -> None:
+        """Remove every lock on ``topic`` (it was deleted)."""
+        for key in [k for k in self._entries if k[1] == topic]:
+            entry = self._entries.pop(key)
+            self._unindex(entry.holder, key)
+
     # -- inspection ----------------------------------------------------------------------
 
     def holder(self, group: str, topic: str, queue_id: int) -> str | None:

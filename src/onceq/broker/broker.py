@@ -409,6 +409,7 @@ class Broker:
                        ) -> Response:
         name = _str(h, "topic")
         self.store.delete_topic(name)
+        self.transition.drop_topic(name)
         for key in [k for k in self.holds.held if k[0] == name]:
             self.holds.notify(key)
         log.info("topic %s deleted", name)
@@ -513,7 +514,9 @@ class Broker:
         """End of a drain: commit the final offset, drop held pulls, release the lock."""
         group = check_name("group", _str(h, "group"))
         client, topic, queue = _str(h, "client"), _str(h, "topic"), _int(h, "queue")
-        self.store.get_topic(topic)
+        if topic not in self.store.topics:  # deleted meanwhile: nothing left to release
+            self.transition.release(group, client, topic, queue)
+            return 0, {"released": False}, b""
         offset = _int(h, "offset", -1)
         for held in self.holds.drop_client((topic, queue), client):
             held.conn.respond(held.corr_id, 0,

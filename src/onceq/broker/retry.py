@@ -10,8 +10,8 @@ re-reads it and stores a copy with reconsume_times + 1 and the same unique key:
   delay, so every schedule queue is in due-time order and the schedule service only has to
   watch its head. Its progress is kept as the offsets of the ``%SCHEDULE%`` group, saved
   with the other consumer offsets, so delayed messages survive a restart; a message
-  re-delivered after a crash is recognised by the dedup window (its dedup key includes the
-  reconsume count).
+  moved again after a crash (its progress not yet saved) is recognised by the dedup window
+  when the restart comes within the window (120 s by default), else delivered twice.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class RetryService:
         # every queue of the topic, not just one per configured level: after a restart with
         # fewer delay levels the higher queues still hold retries (each carries its due
         # time), which would otherwise never be delivered
-        for level in range(max(len(self.levels), schedule.queues)):
+        for level in range(schedule.queues):
             start = offset = max(store.get_offset(SCHEDULE_GROUP, SCHEDULE_TOPIC, level), 0)
             while True:
                 r = store.get(SCHEDULE_TOPIC, level, offset, 64, 16 * 1024 * 1024)
@@ -169,12 +169,20 @@ class RetryService:
                     break
                 stop = False
                 for m in decode_records(r.payload):
-                    due = int(m.properties.get(PROP_DELIVER_AT, "0"))
+                    try:
+                        due = int(m.properties.get(PROP_DELIVER_AT, "0"))
+                    except ValueError:
+                        due = 0  # unreadable due time: deliver (or drop) it now
                     if due > now_ms:
                         next_due = min(next_due, (due - now_ms) / 1000)
                         stop = True
                         break
-                    self._deliver(m)
+                    try:
+                        self._deliver(m)
+                    except Exception:  # one bad message must not stop every retry behind it
+                        log.exception("dropping scheduled message %s at %s[%d]@%d: it cannot "
+                                      "be delivered", m.unique_key, SCHEDULE_TOPIC, level,
+                                      m.queue_offset)
                     offset = m.queue_offset + 1
                 if stop:
                     break

@@ -88,6 +88,13 @@ class TransitionLock:
             log.info("access lock %s %s:%d released: holder %s %s", group, topic, queue,
                      client, reason)
 
+    def drop_topic(self, topic: str) -> None:
+        """Forget the locks and deliver offsets of a deleted topic (a re-created topic
+        starts free)."""
+        for key in [k for k in self.deliver if k[1] == topic]:
+            del self.deliver[key]
+        self.table.drop_topic(topic)
+
     def status(self, group: str) -> list[dict]:
         rows = []
         for row in self.table.snapshot(group):

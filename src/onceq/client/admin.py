@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import struct
-import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,7 +10,6 @@ from typing import Any
 from ..log.record import Message as MessageExt
 from ..log.record import decode_records, encode_part
 from ..protocol.codes import (
-    PROP_ORIGIN_QUEUE,
     PROP_ORIGIN_TOPIC,
     RETRY_PREFIX,
     PullStatus,
@@ -224,8 +222,10 @@ class Admin(BrokerClient):
 
     async def resend_dead_letters(self, group: str, offsets: Iterable[int] | None = None
                                   ) -> list[ResendResult]:
-        """Send dead letters of ``group`` back to their origin topic (all of them when
-        ``offsets`` is None) so that the group consumes them again.
+        """Send dead letters of ``group`` back to the group (all of them when ``offsets`` is
+        None) through its retry topic ``%RETRY%<group>``: only this group consumes them
+        again (other groups of the origin topic already did), and consumers see the origin
+        topic as the message's topic.
 
         A resent message keeps its unique key (consumers can recognise it) and its
         reconsume count. The broker's dedup window keys on (topic, unique key, reconsume
@@ -246,26 +246,19 @@ class Admin(BrokerClient):
                     raise OnceqError(ErrorCode.INVALID_ARGUMENT,
                                      f"no dead letter of group {group!r} at offset {off}")
                 letters.append(got[0])
-        return [await self._resend(m) for m in letters]
+        return [await self._resend(m, group) for m in letters]
 
-    async def _resend(self, m: MessageExt) -> ResendResult:
+    async def _resend(self, m: MessageExt, group: str) -> ResendResult:
         res = ResendResult(m.queue_offset, m.unique_key)
         origin = m.properties.get(PROP_ORIGIN_TOPIC)
         if not origin or origin.startswith(RETRY_PREFIX):
             res.error = "no origin topic in its properties"
             return res
-        res.topic = origin
+        res.topic = retry_topic(group)
         try:
-            n = await self.queue_count(origin)
-            try:
-                qid = int(m.properties.get(PROP_ORIGIN_QUEUE, -1))
-            except ValueError:
-                qid = -1
-            if not 0 <= qid < n:  # the topic shrank or was re-created: keep keys together
-                qid = zlib.crc32(m.unique_key.encode()) % n
             part = encode_part(m.body, m.unique_key, m.born_ts_ms, m.tags, m.keys,
                                m.properties, m.flags, m.reconsume_times)
-            hdr, _ = await self._request(RequestCode.SEND, {"topic": origin, "queue": qid},
+            hdr, _ = await self._request(RequestCode.SEND, {"topic": res.topic, "queue": 0},
                                          _U32.pack(len(part)) + part)
         except ConnectionLost:
             raise

@@ -17,7 +17,7 @@ class ProcessQueue:
     """
 
     __slots__ = ("_ack", "_bytes", "_msgs", "dropped", "last_pull", "max_offset", "mq",
-                 "next_offset", "revoking")
+                 "next_offset", "released")
 
     def __init__(self, mq: MessageQueue, next_offset: int, now: float) -> None:
         self.mq = mq
@@ -28,7 +28,7 @@ class ProcessQueue:
         self._ack = next_offset  # offset to commit (moves forward only)
         self.last_pull = now
         self.dropped = False
-        self.revoking = False
+        self.released = False  # revoke finished: the next owner has these messages now
 
     # ------------------------------------------------------------ contents
     def add(self, msgs: Iterable[MessageExt]) -> None:
@@ -46,6 +46,14 @@ class ProcessQueue:
             if d.pop(m.queue_offset, None) is not None:
                 self._bytes -= len(m.body)
         return self.ack_offset
+
+    def rewind(self, offset: int) -> None:
+        """Continue at a lower ``offset`` the broker asked for (the queue shrank, e.g. after
+        a damaged log was cut back). Only with nothing in flight."""
+        assert not self._msgs
+        self.next_offset = offset
+        self.max_offset = offset - 1
+        self._ack = offset
 
     @property
     def ack_offset(self) -> int:

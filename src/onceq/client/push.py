@@ -24,7 +24,7 @@ from typing import Any
 
 from .._aio import wait_event
 from ..log.record import Message as MessageExt
-from ..log.record import decode_records
+from ..log.record import RecordError, decode_records
 from ..protocol.codes import (
     PROP_ORIGIN_TOPIC,
     RETRY_PREFIX,
@@ -189,11 +189,11 @@ class PushConsumer:
         self._wake.set()  # type: ignore[union-attr]
         for t in self._tasks:
             t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        # whatever ended a background task, the revoke, commit and unregister still happen
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         async with self._rebalance_lock:  # type: ignore[union-attr]
-            await asyncio.gather(*(self._revoke(mq) for mq in list(self._pqs)))
+            await asyncio.gather(*(self._revoke(mq) for mq in list(self._pqs)),
+                                 return_exceptions=True)
         if self._local is not None:
             self._local.save()
         if self.clustering:
@@ -219,9 +219,13 @@ class PushConsumer:
         # without the lock each opened its own (all but one leaked, never closed)
         async with self._connect_lock:
             if self._conn is None or self._conn.closed:
-                self._conn = await BrokerConnection.open(self.address, self._on_push)
-                if self._running:  # a new connection is a new member for the broker
-                    asyncio.get_running_loop().create_task(self._heartbeat_safe())
+                conn = await BrokerConnection.open(self.address, self._on_push)
+                if self._running:
+                    # a new connection is a new member for the broker: register before any
+                    # pull goes out on it, or the broker would not apply the access lock
+                    with contextlib.suppress(OnceqError):
+                        await conn.request(RequestCode.HEARTBEAT, self._heartbeat_header())
+                self._conn = conn
             return self._conn
 
     async def _req(self, code: int, header: dict[str, Any], timeout: float = 10.0
@@ -235,17 +239,16 @@ class PushConsumer:
             if self._wake is not None:
                 self._wake.set()
 
-    async def _heartbeat(self) -> None:
-        subs = {t: e for t, e in self._subs.items()}
-        await self._req(RequestCode.HEARTBEAT, {
+    def _heartbeat_header(self) -> dict[str, Any]:
+        return {
             "client": self.client_id,
-            "groups": [{"group": self.group, "model": self.config.model.value, "subs": subs,
+            "groups": [{"group": self.group, "model": self.config.model.value,
+                        "subs": dict(self._subs),
                         "meta": {"access_lock": self.config.access_lock}}],
-        })
+        }
 
-    async def _heartbeat_safe(self) -> None:
-        with contextlib.suppress(OnceqError):
-            await self._heartbeat()
+    async def _heartbeat(self) -> None:
+        await self._req(RequestCode.HEARTBEAT, self._heartbeat_header())
 
     async def _every(self, seconds: float, fn: Callable[[], Awaitable[None]]) -> None:
         while self._running:  # also ends if a cancellation was swallowed inside ``fn``
@@ -256,6 +259,8 @@ class PushConsumer:
                 await fn()
             except OnceqError as exc:
                 log.warning("%s: %s", getattr(fn, "__name__", fn), exc)
+            except Exception:  # keep the loop alive: shutdown must still commit and leave
+                log.exception("%s failed", getattr(fn, "__name__", fn))
 
     # ================================================================ rebalance
     async def _rebalance_loop(self) -> None:
@@ -274,6 +279,8 @@ class PushConsumer:
                 await self._rebalance()
             except OnceqError as exc:
                 log.warning("rebalance of %s failed: %s", self.group, exc)
+            except Exception:  # e.g. a user allocation strategy raising: try again later
+                log.exception("rebalance of %s failed", self.group)
 
     async def _desired(self) -> list[MessageQueue]:
         desired: list[MessageQueue] = []
@@ -356,13 +363,11 @@ class PushConsumer:
         pq = self._pqs.get(mq)
         if pq is None:
             return
-        pq.revoking = True
         pq.dropped = True
         task = self._pull_tasks.pop(mq, None)
         if task is not None:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await asyncio.gather(task, return_exceptions=True)
         running = self._inflight.get(mq, set())
         if running:
             _, pending = await asyncio.wait(running, timeout=self.config.drain_timeout_s)
@@ -377,6 +382,7 @@ class PushConsumer:
                     "queue": mq.queue_id, "offset": pq.ack_offset})
             else:
                 await self._commit(mq, pq.ack_offset)
+        pq.released = True
         self._pqs.pop(mq, None)
         self._inflight.pop(mq, None)
         self._committed.pop(mq, None)
@@ -440,7 +446,12 @@ class PushConsumer:
                 # commit was not applied: it must be sent again
                 self._committed[mq] = max(self._committed.get(mq, -1), header["commit"])
             if status == PullStatus.FOUND:
-                msgs = list(decode_records(payload)) if payload else []
+                try:
+                    msgs = list(decode_records(payload)) if payload else []
+                except RecordError as exc:  # damaged in transit: pull the same range again
+                    log.warning("pull %s at %d: %s; pulling again", mq, pq.next_offset, exc)
+                    await asyncio.sleep(cfg.locked_backoff_s)
+                    continue
                 if wanted is not None:
                     msgs = [m for m in msgs if m.tags in wanted]
                 if pq.dropped:
@@ -452,6 +463,16 @@ class PushConsumer:
                 # the previous owner is still draining this queue: retry shortly
                 self.stats["locked"] += 1
                 await asyncio.sleep(cfg.locked_backoff_s)
+            elif hdr["next"] < pq.next_offset:
+                # the broker moved us back (the queue ends below what we pulled): continue
+                # there once nothing is in flight, and commit the corrected offset
+                if len(pq):
+                    await asyncio.sleep(cfg.flow_pause_s)
+                    continue
+                log.warning("pull %s at %d: %s, continuing at %d", mq, pq.next_offset,
+                            PullStatus(status).name, hdr["next"])
+                pq.rewind(hdr["next"])
+                self._committed[mq] = -1  # let the next pull commit the lower offset
             else:
                 if status != PullStatus.NO_NEW_MESSAGE:
                     log.warning("pull %s at %d: %s, continuing at %d", mq, pq.next_offset,
@@ -488,6 +509,12 @@ class PushConsumer:
             failed = batch[acked:]
         else:
             done, failed = [], batch
+        if pq.released:
+            # finished after the drain timeout: the queue's next owner re-reads these
+            # messages from the committed offset; a send-back now would add a second copy
+            log.warning("listener finished on %s after its queue was released; result "
+                        "dropped", pq.mq)
+            return
         self.stats["consumed"] += len(done)
         if failed:
             self.stats["failed"] += len(failed)

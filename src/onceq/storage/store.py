@@ -246,6 +246,9 @@ class MessageStore:
                 )
             t = TopicConfig(name, queues, old.created_position, old.created_ms)
         else:
+            # the log must be durable up to created_position first: a log that ended below it
+            # after a power loss would make the new topic's records look like an old topic's
+            self.log.sync()
             t = TopicConfig(name, queues, self.log.end, int(self.clock() * 1000))
         for qid in range(old.queues if old else 0, queues):
             cq = self._open_queue(name, qid)
