@@ -102,6 +102,7 @@ class PushConsumer:
         self._subs: dict[str, str] = {}
         self._conn: BrokerConnection | None = None
         self._pqs: dict[MessageQueue, ProcessQueue] = {}
+        self._stale: set[MessageQueue] = set()  # queues whose topic went away under a pull
         self._pull_tasks: dict[MessageQueue, asyncio.Task[None]] = {}
         self._inflight: dict[MessageQueue, set[asyncio.Task[None]]] = {}
         self._committed: dict[MessageQueue, int] = {}
@@ -312,7 +313,8 @@ class PushConsumer:
             desired = await self._desired()
             now = self.clock()
             stalled = [mq for mq, pq in self._pqs.items()
-                       if pq.pull_expired(now, self.config.pull_expire_s)]
+                       if mq in self._stale or pq.pull_expired(now, self.config.pull_expire_s)]
+            self._stale.clear()
             plan = plan_rebalance(self._pqs, desired, stalled)
             if plan.revoke or plan.assign:
                 log.info("%s rebalance: revoke %s, assign %s", self.client_id,
@@ -435,6 +437,15 @@ class PushConsumer:
                 hdr, payload = await self._req(RequestCode.PULL, header,
                                                timeout=cfg.pull_suspend_s + 10)
             except OnceqError as exc:
+                if exc.code in (ErrorCode.TOPIC_NOT_EXIST, ErrorCode.INVALID_QUEUE):
+                    # the topic was deleted (maybe re-created, offsets from 0 again): the
+                    # next rebalance drops this queue and takes it afresh if it exists
+                    log.warning("pull %s: %s; queue dropped until the next rebalance", mq,
+                                exc.message)
+                    self._stale.add(mq)
+                    self._timer.notify()
+                    self._wake.set()  # type: ignore[union-attr]
+                    return
                 failures += 1
                 log.debug("pull %s failed: %s", mq, exc)
                 await asyncio.sleep(min(0.05 * 2 ** failures, 3.0))
