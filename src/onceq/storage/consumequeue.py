@@ -23,12 +23,13 @@ from ..log.segment import (
 
 
 class ConsumeQueue:
-    __slots__ = ("_fds", "dir", "max_offset", "min_offset", "per_file")
+    __slots__ = ("_dirty", "_fds", "dir", "max_offset", "min_offset", "per_file")
 
     def __init__(self, directory: str, entries_per_file: int) -> None:
         self.dir = directory
         self.per_file = entries_per_file
         self._fds: dict[int, int] = {}  # file base offset -> fd
+        self._dirty: set[int] = set()  # fds written since the last dirty_fds()
         self.min_offset = 0
         self.max_offset = 0  # next offset to be written
         os.makedirs(directory, exist_ok=True)
@@ -81,7 +82,7 @@ class ConsumeQueue:
         and the queue's offsets are never reused.
         """
         for base in list(self._fds):
-            os.close(self._fds.pop(base))
+            self._close(base)
             os.unlink(os.path.join(self.dir, file_name(base)))
         if offset > 0:
             base = offset - offset % self.per_file
@@ -103,6 +104,7 @@ class ConsumeQueue:
             n = min(room, count)
             chunk = view[: n * INDEX_ENTRY_SIZE]
             os.pwrite(fd, chunk, FILE_HEADER_SIZE + (offset - base) * INDEX_ENTRY_SIZE)
+            self._dirty.add(fd)
             view = view[n * INDEX_ENTRY_SIZE:]
             offset += n
             count -= n
@@ -113,6 +115,7 @@ class ConsumeQueue:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         os.write(fd, encode_file_header(INDEX_MAGIC, base))
         self._fds[base] = fd
+        self._dirty.add(fd)
         return fd
 
     def truncate(self, offset: int) -> None:
@@ -134,10 +137,11 @@ class ConsumeQueue:
         keep = offset - offset % self.per_file
         for base in list(self._fds):
             if base > keep:
-                os.close(self._fds.pop(base))
+                self._close(base)
                 os.unlink(os.path.join(self.dir, file_name(base)))
             elif base == keep:
                 os.ftruncate(self._fds[base], FILE_HEADER_SIZE + (offset - base) * INDEX_ENTRY_SIZE)
+                self._dirty.add(self._fds[base])
 
     # ---------------------------------------------------------------- reads
     def read(self, offset: int, count: int) -> bytes:
@@ -186,16 +190,25 @@ class ConsumeQueue:
         last = max(self._fds)  # kept: it tells ``load`` where the queue ends
         for base in sorted(self._fds):
             if base + self.per_file <= new_min and base != last:
-                os.close(self._fds.pop(base))
+                self._close(base)
                 os.unlink(os.path.join(self.dir, file_name(base)))
 
+    def _close(self, base: int) -> None:
+        fd = self._fds.pop(base)
+        self._dirty.discard(fd)
+        os.close(fd)
+
     def dirty_fds(self) -> list[int]:
-        return list(self._fds.values())
+        """The files written since the last call (to fsync before a checkpoint)."""
+        fds = list(self._dirty)
+        self._dirty.clear()
+        return fds
 
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        self._dirty.clear()
 
     def destroy(self) -> None:
         self.close()
