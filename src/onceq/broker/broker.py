@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import struct
 import time
@@ -181,10 +180,14 @@ class Broker:
         return await asyncio.shield(fut)
 
     async def _save_offsets(self) -> None:
-        if self.store._offsets_dirty:
-            self.store._offsets_dirty = False
-            data = json.dumps(self.store.offsets, sort_keys=True).encode()
+        data = self.store.offsets_snapshot()
+        if data is None:
+            return
+        try:
             await self._off_loop(self.store.write_offsets_file, data)
+        except OSError:
+            self.store.offsets_changed()  # written again on the next round and at close
+            raise
 
     def _expire_members(self) -> None:
         for group, cid in self.groups.expire(self.clock()):

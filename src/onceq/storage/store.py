@@ -7,6 +7,7 @@ flush service (``flush.py``) off the loop.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -441,10 +442,23 @@ class MessageStore:
         self._queue(topic, queue_id)
         return self.offsets.get(group, {}).get(topic, {}).get(str(queue_id), -1)
 
+    def offsets_snapshot(self) -> bytes | None:
+        """The consumer offsets as JSON if they changed since the last snapshot, else None.
+
+        A caller whose write of the snapshot fails calls ``offsets_changed`` to retry later.
+        """
+        if not self._offsets_dirty:
+            return None
+        self._offsets_dirty = False
+        return json.dumps(self.offsets, indent=1, sort_keys=True).encode()
+
+    def offsets_changed(self) -> None:
+        self._offsets_dirty = True
+
     def save_offsets(self) -> None:
-        if self._offsets_dirty:
-            self._offsets_dirty = False
-            save_json(self._offsets_path, self.offsets)
+        data = self.offsets_snapshot()
+        if data is not None:
+            self.write_offsets_file(data)
 
     # ================================================================ durability
     def write_checkpoint(self) -> None:
