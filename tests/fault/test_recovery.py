@@ -27,19 +27,12 @@ from onceq.log.segment import FILE_HEADER_SIZE
 from onceq.protocol.codes import PullStatus
 from onceq.storage.config import StoreConfig
 from onceq.storage.store import MessageStore
+from tests.clock import FakeClock
 
 SEG = 64 * 1024
 PER_FILE = 7
 TOPICS = {"Alpha": 3, "B.b": 2, "%RETRY%g": 1}
 T0 = 1_700_000_000.0
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = T0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @dataclass
@@ -60,7 +53,7 @@ class Written:
         return self.position + self.size
 
 
-def open_store(path: str, clock: Clock) -> MessageStore:
+def open_store(path: str, clock: FakeClock) -> MessageStore:
     store = MessageStore(
         StoreConfig(path, segment_size=SEG, index_entries_per_file=PER_FILE, max_body=6000),
         clock=clock,
@@ -76,7 +69,7 @@ def crash(store: MessageStore) -> None:
         cq.close()
 
 
-def write_workload(store: MessageStore, rng: random.Random, clock: Clock) -> list[Written]:
+def write_workload(store: MessageStore, rng: random.Random, clock: FakeClock) -> list[Written]:
     for name, n in TOPICS.items():
         store.create_topic(name, n)
     written: list[Written] = []
@@ -222,7 +215,7 @@ def check_state(store: MessageStore, survivors: dict, expect_range: dict) -> Non
        data=st.data())
 def test_recovery_after_damage(seed, kind, crashed, data):
     rng = random.Random(seed)
-    clock = Clock()
+    clock = FakeClock(T0)
     with tempfile.TemporaryDirectory() as root:
         store = open_store(root, clock)
         written = write_workload(store, rng, clock)
@@ -295,7 +288,7 @@ def test_recovery_after_damage(seed, kind, crashed, data):
 
 def test_crash_without_any_checkpoint_reindexes_everything():
     rng = random.Random(7)
-    clock = Clock()
+    clock = FakeClock(T0)
     with tempfile.TemporaryDirectory() as root:
         store = open_store(root, clock)
         written = write_workload(store, rng, clock)
@@ -316,7 +309,7 @@ def test_crash_without_any_checkpoint_reindexes_everything():
 def test_stale_index_entry_forces_a_full_rebuild():
     """An index entry that points at the wrong record is caught and the index rebuilt."""
     rng = random.Random(3)
-    clock = Clock()
+    clock = FakeClock(T0)
     with tempfile.TemporaryDirectory() as root:
         store = open_store(root, clock)
         written = write_workload(store, rng, clock)

@@ -12,20 +12,9 @@ import pytest
 from onceq.client.allocation import MessageQueue, allocate_average
 from onceq.client.process_queue import ProcessQueue
 from onceq.client.rebalance import RebalanceTimer, plan_rebalance
+from tests.clock import FakeClock
 
 QUEUES = [MessageQueue("T", i) for i in range(16)] + [MessageQueue("%RETRY%g", 0)]
-
-
-class FakeClock:
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt: float) -> float:
-        self.t += dt
-        return self.t
 
 
 # ================================================================ RebalanceTimer

@@ -13,27 +13,17 @@ from onceq.protocol.codes import PullStatus
 from onceq.protocol.errors import ErrorCode, OnceqError
 from onceq.storage.config import StoreConfig
 from onceq.storage.store import MessageStore
+from tests.clock import FakeClock
 
 SEG = 64 * 1024
 PER_FILE = 7
 T0 = 1_700_000_000.0
 
 
-class Clock:
-    def __init__(self, t: float = T0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
-
-
 def open_store(path, clock=None, **kw) -> MessageStore:
     cfg = dict(segment_size=SEG, index_entries_per_file=PER_FILE, max_body=8 * 1024)
     cfg.update(kw)
-    store = MessageStore(StoreConfig(str(path), **cfg), clock=clock or Clock())
+    store = MessageStore(StoreConfig(str(path), **cfg), clock=clock or FakeClock(T0))
     store.open()
     return store
 
@@ -74,7 +64,7 @@ def codes(exc_info) -> ErrorCode:
 # ================================================================== put / get
 def test_put_get_across_segment_rolls_and_index_files(tmp_path):
     rng = random.Random(1)
-    clock = Clock()
+    clock = FakeClock(T0)
     store = open_store(tmp_path, clock)
     store.create_topic("T", 3)
     written: dict[int, list[bytes]] = {0: [], 1: [], 2: []}
@@ -184,7 +174,7 @@ def test_tag_filtering(tmp_path):
 
 # ================================================================== search by time
 def test_search_offset_by_timestamp(tmp_path):
-    clock = Clock()
+    clock = FakeClock(T0)
     store = open_store(tmp_path, clock)
     store.create_topic("T", 2)
     stamps = []
@@ -207,7 +197,7 @@ def test_search_offset_by_timestamp(tmp_path):
 
 
 def test_store_timestamps_never_go_backwards(tmp_path):
-    clock = Clock()
+    clock = FakeClock(T0)
     store = open_store(tmp_path, clock)
     store.create_topic("T", 1)
     for step in (0, 10, -5, 1, -30, 2):
@@ -227,7 +217,7 @@ def test_store_timestamps_never_go_backwards(tmp_path):
 
 # ================================================================== retention
 def test_retention_by_bytes_and_offset_moved(tmp_path):
-    clock = Clock()
+    clock = FakeClock(T0)
     store = open_store(tmp_path, clock, retention_bytes=3 * SEG, retention_hours=0)
     store.create_topic("T", 2)
     store.create_topic("Quiet", 1)
@@ -275,7 +265,7 @@ def test_retention_by_bytes_and_offset_moved(tmp_path):
 def test_retention_by_age(tmp_path):
     import time
 
-    clock = Clock(time.time())
+    clock = FakeClock(time.time())
     store = open_store(tmp_path, clock, retention_hours=1)
     store.create_topic("T", 1)
     for i in range(100):
@@ -293,7 +283,7 @@ def test_retention_by_age(tmp_path):
 
 # ================================================================== dedup window
 def test_dedup_retry_returns_first_offsets_and_stores_nothing(tmp_path):
-    clock = Clock()
+    clock = FakeClock(T0)
     store = open_store(tmp_path, clock)
     store.create_topic("T", 2)
     store.create_topic("U", 1)
@@ -339,7 +329,7 @@ def test_dedup_retry_returns_first_offsets_and_stores_nothing(tmp_path):
 
 
 def test_dedup_window_expires(tmp_path):
-    clock = Clock()
+    clock = FakeClock(T0)
     store = open_store(tmp_path, clock, dedup_window_s=120)
     store.create_topic("T", 1)
     store.put("T", 0, [part(0)])
@@ -364,7 +354,7 @@ def test_dedup_window_expires(tmp_path):
 
 def test_dedup_two_copies_of_a_key_in_the_log(tmp_path):
     """A key stored twice (window grown across a restart) expires with its newest copy."""
-    clock = Clock()
+    clock = FakeClock(T0)
     store = open_store(tmp_path, clock, dedup_window_s=10)
     store.create_topic("T", 1)
     store.put("T", 0, [part(0)])
@@ -467,7 +457,7 @@ def test_topic_create_update_delete(tmp_path):
 
 
 def test_deleted_topic_records_do_not_reappear(tmp_path):
-    clock = Clock()
+    clock = FakeClock(T0)
     store = open_store(tmp_path, clock)
     store.create_topic("T", 3)
     store.create_topic("Other", 1)

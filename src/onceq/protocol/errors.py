@@ -25,10 +25,14 @@ class ErrorCode(IntEnum):
     MESSAGE_TOO_LARGE = 14
     INVALID_ARGUMENT = 15
     GROUP_NOT_EXIST = 16
+    NOT_HOLDER = 17
+    GROUP_ACTIVE = 18
     SERVICE_UNAVAILABLE = 30
     SYSTEM_BUSY = 31
     FLUSH_TIMEOUT = 32
     SHUTTING_DOWN = 33
+    DISK_FULL = 34
+    STORAGE_ERROR = 35
 
 
 RETRIABLE: frozenset[ErrorCode] = frozenset(
@@ -37,6 +41,8 @@ RETRIABLE: frozenset[ErrorCode] = frozenset(
         ErrorCode.SYSTEM_BUSY,
         ErrorCode.FLUSH_TIMEOUT,
         ErrorCode.SHUTTING_DOWN,
+        ErrorCode.DISK_FULL,
+        ErrorCode.STORAGE_ERROR,
     }
 )
 
@@ -54,10 +60,14 @@ DEFAULT_MESSAGES: dict[ErrorCode, str] = {
     ErrorCode.MESSAGE_TOO_LARGE: "message body exceeds the maximum body size",
     ErrorCode.INVALID_ARGUMENT: "invalid argument",
     ErrorCode.GROUP_NOT_EXIST: "consumer group does not exist",
+    ErrorCode.NOT_HOLDER: "the client does not hold this queue's access lock",
+    ErrorCode.GROUP_ACTIVE: "the consumer group has live members",
     ErrorCode.SERVICE_UNAVAILABLE: "service unavailable",
     ErrorCode.SYSTEM_BUSY: "broker busy, try again",
     ErrorCode.FLUSH_TIMEOUT: "flush to disk timed out",
     ErrorCode.SHUTTING_DOWN: "broker is shutting down",
+    ErrorCode.DISK_FULL: "disk full or above the usage limit: writes refused for now",
+    ErrorCode.STORAGE_ERROR: "storage I/O error: the write was rolled back",
 }
 
 
