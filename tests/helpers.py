@@ -13,6 +13,7 @@ from typing import Any
 from onceq.broker.broker import Broker
 from onceq.broker.config import BrokerConfig
 from onceq.storage.config import StoreConfig
+from onceq.storage.files import OS_FILES, FileOps
 
 
 def small_store(data_dir: str, **kw: Any) -> StoreConfig:
@@ -25,9 +26,10 @@ def small_store(data_dir: str, **kw: Any) -> StoreConfig:
 
 
 @asynccontextmanager
-async def running_broker(data_dir: str, store_kw: dict[str, Any] | None = None, **kw: Any):
+async def running_broker(data_dir: str, store_kw: dict[str, Any] | None = None,
+                         files: FileOps = OS_FILES, **kw: Any):
     kw.setdefault("port", 0)
-    broker = Broker(BrokerConfig(small_store(data_dir, **(store_kw or {})), **kw))
+    broker = Broker(BrokerConfig(small_store(data_dir, **(store_kw or {})), **kw), files=files)
     await broker.start()
     try:
         yield broker

@@ -575,10 +575,10 @@ async def test_sync_flush_ack_waits_for_the_covering_fsync(tmp_path, monkeypatch
     real = flush_mod._fsync_all
     done: list[float] = []
 
-    def slow_fsync(fds: list[int]) -> None:
+    def slow_fsync(fds: list[int], fsync) -> None:
         if fds:
             time.sleep(0.3)
-        real(fds)
+        real(fds, fsync)
         if fds:
             done.append(time.monotonic())
 
@@ -601,10 +601,10 @@ async def test_sync_send_in_flight_at_stop_is_answered(tmp_path, monkeypatch):
 
     real = flush_mod._fsync_all
 
-    def slow_fsync(fds: list[int]) -> None:
+    def slow_fsync(fds: list[int], fsync) -> None:
         if fds:
             time.sleep(0.2)
-        real(fds)
+        real(fds, fsync)
 
     monkeypatch.setattr(flush_mod, "_fsync_all", slow_fsync)
     async with running_broker(str(tmp_path), {"flush": "sync",
@@ -629,11 +629,11 @@ async def test_failed_fsync_is_not_acknowledged(tmp_path, monkeypatch):
     failures = [OSError(errno.EIO, "injected I/O error")]
     calls: list[list[int]] = []
 
-    def failing_fsync(fds: list[int]) -> None:
+    def failing_fsync(fds: list[int], fsync) -> None:
         calls.append(list(fds))
         if failures:
             raise failures.pop()
-        real(fds)
+        real(fds, fsync)
 
     async with running_broker(str(tmp_path), {"flush": "sync"}) as b:
         addr = f"127.0.0.1:{b.port}"

@@ -14,6 +14,7 @@ from ..log.record import tag_hash
 from ..protocol.codes import PullStatus, PushCode, RequestCode
 from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.frame import REQUEST, decode_header, max_frame_for_body
+from ..storage.files import OS_FILES, FileOps
 from ..storage.store import MessageStore, check_name
 from .config import BrokerConfig
 from .connection import Connection
@@ -75,11 +76,12 @@ def _answer_durable(conn: Connection, corr: int, header: dict[str, Any],
 
 
 class Broker:
-    def __init__(self, config: BrokerConfig, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, config: BrokerConfig, clock: Callable[[], float] = time.time,
+                 files: FileOps = OS_FILES) -> None:
         config.validate()
         self.config = config
         self.clock = clock
-        self.store = MessageStore(config.store, clock)
+        self.store = MessageStore(config.store, clock, files)
         self.connections: set[Connection] = set()
         self.groups = GroupRegistry(config.heartbeat_expiry_s, self._on_group_change)
         self.holds = PullHold(self._retry_pull)

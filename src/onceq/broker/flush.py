@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import errno
 import logging
-import os
+from collections.abc import Callable
 
 from .._aio import wait_event
 from ..protocol.errors import ErrorCode, OnceqError
@@ -23,10 +23,10 @@ from ..storage.store import MessageStore
 log = logging.getLogger("onceq.broker")
 
 
-def _fsync_all(fds: list[int]) -> None:
+def _fsync_all(fds: list[int], fsync: Callable[[int], None]) -> None:
     for fd in fds:
         try:
-            os.fsync(fd)
+            fsync(fd)
         except OSError as exc:
             if exc.errno != errno.EBADF:
                 raise  # a real I/O error: the bytes are not known to be on disk
@@ -70,7 +70,8 @@ class Flusher:
                 fds = list(set(fds) | self._retry_fds)
                 self._retry_fds.clear()
             if fds:
-                fut = asyncio.get_running_loop().run_in_executor(None, _fsync_all, fds)
+                fut = asyncio.get_running_loop().run_in_executor(None, _fsync_all, fds,
+                                                                 self.store.files.fsync)
                 self._inflight = fut
                 try:
                     # shielded: a cancelled flush task must not look finished while its

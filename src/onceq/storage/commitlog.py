@@ -2,8 +2,8 @@
 
 Positions are global byte positions across segments (segment base + offset in the segment's
 data area). A segment holds at most ``segment_size`` data bytes; a record never spans two
-segments. Writes go through ``os.write`` into the page cache; ``sync()`` fsyncs the
-segments touched since the last sync. Reads use ``os.pread``.
+segments. Writes go through ``pwrite`` into the page cache; ``sync()`` fsyncs the
+segments touched since the last sync. Reads use ``pread``. File calls go through ``FileOps``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from ..log.segment import (
     encode_file_header,
     file_name,
 )
+from .files import OS_FILES, FileOps
 
 log = logging.getLogger("onceq.storage")
 
@@ -42,14 +43,15 @@ class Segment:
 
 
 class CommitLog:
-    def __init__(self, directory: str, segment_size: int) -> None:
+    def __init__(self, directory: str, segment_size: int, files: FileOps = OS_FILES) -> None:
         if segment_size < 4096:
             raise ValueError("segment size must be at least 4096 bytes")
         self.dir = directory
+        self.files = files
         self.segment_size = segment_size
         self.segments: list[Segment] = []
         self._dirty: set[int] = set()  # fds written since the last sync
-        os.makedirs(directory, exist_ok=True)
+        files.makedirs(directory)
 
     # ---------------------------------------------------------------- recovery
     def recover(self, on_record: Callable[[RecordHead], None]) -> int:
@@ -57,41 +59,42 @@ class CommitLog:
 
         Calls ``on_record`` for every valid record in order; returns the end position.
         """
-        names = _segment_names(self.dir)
+        names = _segment_names(self.dir, self.files)
         expect = int(names[0]) if names else 0
         broken = False
+        fs = self.files
         for name in names:
             path = os.path.join(self.dir, name)
             base = int(name)
             if broken or base != expect:
                 log.warning("commit log: removing segment %s after the valid prefix", name)
-                os.unlink(path)
+                fs.unlink(path)
                 broken = True
                 continue
-            fd = os.open(path, os.O_RDWR)
+            fd = fs.open(path, os.O_RDWR)
             try:
-                decode_file_header(os.pread(fd, FILE_HEADER_SIZE, 0), LOG_MAGIC, base)
+                decode_file_header(fs.pread(fd, FILE_HEADER_SIZE, 0), LOG_MAGIC, base)
             except FileHeaderError as exc:
-                os.close(fd)
+                fs.close(fd)
                 log.warning("commit log: segment %s unusable (%s), removed", name, exc)
-                os.unlink(path)
+                fs.unlink(path)
                 broken = True
                 continue
             try:
                 valid = self._scan_segment(fd, base, on_record)
             except BaseException:
-                os.close(fd)
+                fs.close(fd)
                 raise
-            file_size = os.fstat(fd).st_size
+            file_size = fs.size(fd)
             if FILE_HEADER_SIZE + valid < file_size:
                 log.warning(
                     "commit log: truncating segment %s at %d (was %d bytes of data)",
                     name, valid, file_size - FILE_HEADER_SIZE,
                 )
-                os.ftruncate(fd, FILE_HEADER_SIZE + valid)
-                os.fsync(fd)
+                fs.ftruncate(fd, FILE_HEADER_SIZE + valid)
+                fs.fsync(fd)
                 broken = True
-            seg = Segment(base, path, fd, valid, os.fstat(fd).st_mtime)
+            seg = Segment(base, path, fd, valid, fs.mtime(fd))
             self.segments.append(seg)
             expect = base + valid
         if not self.segments:
@@ -112,7 +115,7 @@ class CommitLog:
             except TruncatedRecord:
                 if eof:
                     return valid
-                chunk = os.pread(fd, READ_CHUNK, file_pos)
+                chunk = self.files.pread(fd, READ_CHUNK, file_pos)
                 eof = len(chunk) < READ_CHUNK
                 file_pos += len(chunk)
                 buf = buf[p:] + chunk
@@ -126,10 +129,11 @@ class CommitLog:
     # ---------------------------------------------------------------- segments
     def _new_segment(self, base: int) -> Segment:
         path = os.path.join(self.dir, file_name(base))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.write(fd, encode_file_header(LOG_MAGIC, base))
-        os.fsync(fd)
-        _fsync_dir(self.dir)
+        fs = self.files
+        fd = fs.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        fs.write_all(fd, encode_file_header(LOG_MAGIC, base), 0)
+        fs.fsync(fd)
+        fs.fsync_dir(self.dir)
         seg = Segment(base, path, fd, 0)
         self.segments.append(seg)
         return seg
@@ -160,14 +164,9 @@ class CommitLog:
         """Append the reserved records to the active segment."""
         seg = self.segments[-1]
         data = b"".join(records)
-        view = memoryview(data)
         # positional writes: the fd's file offset is not the segment end after recovery
         # (the scan uses pread) nor after a truncation of a torn tail
-        at = FILE_HEADER_SIZE + seg.size
-        while view:
-            n = os.pwrite(seg.fd, view, at)
-            view = view[n:]
-            at += n
+        self.files.write_all(seg.fd, data, FILE_HEADER_SIZE + seg.size)
         seg.size += len(data)
         self._dirty.add(seg.fd)
 
@@ -177,7 +176,7 @@ class CommitLog:
         while size > 0:
             seg = self._find(position)
             n = min(size, seg.end - position)
-            out.append(os.pread(seg.fd, n, FILE_HEADER_SIZE + position - seg.base))
+            out.append(self.files.pread(seg.fd, n, FILE_HEADER_SIZE + position - seg.base))
             position += n
             size -= n
         return out[0] if len(out) == 1 else b"".join(out)
@@ -204,7 +203,7 @@ class CommitLog:
 
     def sync(self) -> None:
         for fd in self.take_dirty():
-            os.fsync(fd)
+            self.files.fsync(fd)
 
     # ---------------------------------------------------------------- retention
     def delete_segments(self, keep: Callable[[Segment, int], bool]) -> int:
@@ -216,31 +215,23 @@ class CommitLog:
         while len(self.segments) > 1 and not keep(self.segments[0], total):
             seg = self.segments.pop(0)
             total -= seg.size
-            os.close(seg.fd)
+            self.files.close(seg.fd)
             self._dirty.discard(seg.fd)
-            os.unlink(seg.path)
+            self.files.unlink(seg.path)
             log.info("commit log: retention deleted segment %s", file_name(seg.base))
         return self.start
 
     def close(self) -> None:
         for seg in self.segments:
-            os.close(seg.fd)
+            self.files.close(seg.fd)
         self.segments.clear()
 
 
-def _segment_names(directory: str) -> list[str]:
-    return sorted(n for n in os.listdir(directory) if n.isdigit() and len(n) == 20)
+def _segment_names(directory: str, files: FileOps) -> list[str]:
+    return sorted(n for n in files.listdir(directory) if n.isdigit() and len(n) == 20)
 
 
-def first_segment_base(directory: str) -> int:
+def first_segment_base(directory: str, files: FileOps = OS_FILES) -> int:
     """Base position of the oldest segment file in ``directory`` (0 when there is none)."""
-    names = _segment_names(directory)
+    names = _segment_names(directory, files)
     return int(names[0]) if names else 0
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -20,35 +20,39 @@ from ..log.segment import (
     encode_file_header,
     file_name,
 )
+from .files import OS_FILES, FileOps
 
 
 class ConsumeQueue:
-    __slots__ = ("_dirty", "_fds", "dir", "max_offset", "min_offset", "per_file")
+    __slots__ = ("_dirty", "_fds", "dir", "files", "max_offset", "min_offset", "per_file")
 
-    def __init__(self, directory: str, entries_per_file: int) -> None:
+    def __init__(self, directory: str, entries_per_file: int, files: FileOps = OS_FILES
+                 ) -> None:
         self.dir = directory
+        self.files = files
         self.per_file = entries_per_file
         self._fds: dict[int, int] = {}  # file base offset -> fd
         self._dirty: set[int] = set()  # fds written since the last dirty_fds()
         self.min_offset = 0
         self.max_offset = 0  # next offset to be written
-        os.makedirs(directory, exist_ok=True)
+        files.makedirs(directory)
 
     def load(self) -> None:
         """Open existing files; drop a torn trailing partial entry; find min/max offsets."""
-        bases = sorted(int(n) for n in os.listdir(self.dir) if n.isdigit() and len(n) == 20)
+        fs = self.files
+        bases = sorted(int(n) for n in fs.listdir(self.dir) if n.isdigit() and len(n) == 20)
         good: list[int] = []
         for base in bases:
             path = os.path.join(self.dir, file_name(base))
             if base % self.per_file or (good and base != good[-1] + self.per_file):
-                os.unlink(path)
+                fs.unlink(path)
                 continue
-            fd = os.open(path, os.O_RDWR)
+            fd = fs.open(path, os.O_RDWR)
             try:
-                decode_file_header(os.pread(fd, FILE_HEADER_SIZE, 0), INDEX_MAGIC, base)
+                decode_file_header(fs.pread(fd, FILE_HEADER_SIZE, 0), INDEX_MAGIC, base)
             except FileHeaderError:
-                os.close(fd)
-                os.unlink(path)
+                fs.close(fd)
+                fs.unlink(path)
                 continue
             self._fds[base] = fd
             good.append(base)
@@ -67,7 +71,7 @@ class ConsumeQueue:
         self.min_offset = self.first_offset_where(1, 1)
 
     def _entries_in(self, base: int) -> int:
-        size = os.fstat(self._fds[base]).st_size - FILE_HEADER_SIZE
+        size = self.files.size(self._fds[base]) - FILE_HEADER_SIZE
         return min(max(0, size) // INDEX_ENTRY_SIZE, self.per_file)
 
     def reset(self, offset: int) -> None:
@@ -83,11 +87,11 @@ class ConsumeQueue:
         """
         for base in list(self._fds):
             self._close(base)
-            os.unlink(os.path.join(self.dir, file_name(base)))
+            self.files.unlink(os.path.join(self.dir, file_name(base)))
         if offset > 0:
             base = offset - offset % self.per_file
             fd = self._create(base)
-            os.ftruncate(fd, FILE_HEADER_SIZE + (offset - base) * INDEX_ENTRY_SIZE)
+            self.files.ftruncate(fd, FILE_HEADER_SIZE + (offset - base) * INDEX_ENTRY_SIZE)
         self.min_offset = self.max_offset = offset
 
     # ---------------------------------------------------------------- writes
@@ -103,7 +107,7 @@ class ConsumeQueue:
             room = base + self.per_file - offset
             n = min(room, count)
             chunk = view[: n * INDEX_ENTRY_SIZE]
-            os.pwrite(fd, chunk, FILE_HEADER_SIZE + (offset - base) * INDEX_ENTRY_SIZE)
+            self.files.write_all(fd, chunk, FILE_HEADER_SIZE + (offset - base) * INDEX_ENTRY_SIZE)
             self._dirty.add(fd)
             view = view[n * INDEX_ENTRY_SIZE:]
             offset += n
@@ -112,8 +116,8 @@ class ConsumeQueue:
 
     def _create(self, base: int) -> int:
         path = os.path.join(self.dir, file_name(base))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.write(fd, encode_file_header(INDEX_MAGIC, base))
+        fd = self.files.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.files.write_all(fd, encode_file_header(INDEX_MAGIC, base), 0)
         self._fds[base] = fd
         self._dirty.add(fd)
         return fd
@@ -138,9 +142,10 @@ class ConsumeQueue:
         for base in list(self._fds):
             if base > keep:
                 self._close(base)
-                os.unlink(os.path.join(self.dir, file_name(base)))
+                self.files.unlink(os.path.join(self.dir, file_name(base)))
             elif base == keep:
-                os.ftruncate(self._fds[base], FILE_HEADER_SIZE + (offset - base) * INDEX_ENTRY_SIZE)
+                self.files.ftruncate(self._fds[base],
+                                     FILE_HEADER_SIZE + (offset - base) * INDEX_ENTRY_SIZE)
                 self._dirty.add(self._fds[base])
 
     # ---------------------------------------------------------------- reads
@@ -152,7 +157,7 @@ class ConsumeQueue:
         while count > 0:
             base = offset - offset % self.per_file
             n = min(count, base + self.per_file - offset)
-            out.append(os.pread(
+            out.append(self.files.pread(
                 self._fds[base], n * INDEX_ENTRY_SIZE,
                 FILE_HEADER_SIZE + (offset - base) * INDEX_ENTRY_SIZE,
             ))
@@ -191,12 +196,12 @@ class ConsumeQueue:
         for base in sorted(self._fds):
             if base + self.per_file <= new_min and base != last:
                 self._close(base)
-                os.unlink(os.path.join(self.dir, file_name(base)))
+                self.files.unlink(os.path.join(self.dir, file_name(base)))
 
     def _close(self, base: int) -> None:
         fd = self._fds.pop(base)
         self._dirty.discard(fd)
-        os.close(fd)
+        self.files.close(fd)
 
     def dirty_fds(self) -> list[int]:
         """The files written since the last call (to fsync before a checkpoint)."""
@@ -206,12 +211,12 @@ class ConsumeQueue:
 
     def close(self) -> None:
         for fd in self._fds.values():
-            os.close(fd)
+            self.files.close(fd)
         self._fds.clear()
         self._dirty.clear()
 
     def destroy(self) -> None:
         self.close()
-        for n in os.listdir(self.dir):
-            os.unlink(os.path.join(self.dir, n))
-        os.rmdir(self.dir)
+        for n in self.files.listdir(self.dir):
+            self.files.unlink(os.path.join(self.dir, n))
+        self.files.rmdir(self.dir)

@@ -8,33 +8,28 @@ import struct
 import zlib
 from typing import Any
 
+from .files import OS_FILES, FileOps
 
-def write_atomic(path: str, data: bytes) -> None:
+
+def write_atomic(path: str, data: bytes, files: FileOps = OS_FILES) -> None:
     tmp = f"{path}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = files.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
+        files.write_all(fd, data, 0)
+        files.fsync(fd)
     finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+        files.close(fd)
+    files.replace(tmp, path)
+    files.fsync_dir(os.path.dirname(path) or ".")
+
+
+def save_json(path: str, value: Any, files: FileOps = OS_FILES) -> None:
+    write_atomic(path, json.dumps(value, indent=1, sort_keys=True).encode(), files)
+
+
+def load_json(path: str, default: Any, files: FileOps = OS_FILES) -> Any:
     try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-
-
-def save_json(path: str, value: Any) -> None:
-    write_atomic(path, json.dumps(value, indent=1, sort_keys=True).encode())
-
-
-def load_json(path: str, default: Any) -> Any:
-    try:
-        with open(path, "rb") as f:
-            return json.loads(f.read())
+        return json.loads(files.read_file(path))
     except FileNotFoundError:
         return default
     except (ValueError, UnicodeDecodeError) as exc:

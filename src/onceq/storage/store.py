@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from .commitlog import CommitLog, first_segment_base
 from .config import StoreConfig
 from .consumequeue import ConsumeQueue
 from .dedup import DedupWindow
+from .files import OS_FILES, FileOps
 from .metadata import (
     decode_checkpoint,
     encode_checkpoint,
@@ -90,17 +90,19 @@ class _NeedFullRebuild(Exception):
 
 
 class MessageStore:
-    def __init__(self, config: StoreConfig, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, config: StoreConfig, clock: Callable[[], float] = time.time,
+                 files: FileOps = OS_FILES) -> None:
         config.validate()
         self.config = config
         self.clock = clock
+        self.files = files
         root = config.data_dir
         self._topics_path = os.path.join(root, "topics.json")
         self._offsets_path = os.path.join(root, "offsets.json")
         self._checkpoint_path = os.path.join(root, "checkpoint")
         self._queues_dir = os.path.join(root, "queues")
-        os.makedirs(self._queues_dir, exist_ok=True)
-        self.log = CommitLog(os.path.join(root, "commitlog"), config.segment_size)
+        files.makedirs(self._queues_dir)
+        self.log = CommitLog(os.path.join(root, "commitlog"), config.segment_size, files)
         self.topics: dict[str, TopicConfig] = {}
         self.queues: dict[tuple[str, int], ConsumeQueue] = {}
         self.offsets: dict[str, dict[str, dict[str, int]]] = {}
@@ -111,20 +113,19 @@ class MessageStore:
 
     # ================================================================ recovery
     def open(self) -> None:
-        raw_topics = load_json(self._topics_path, {})
+        raw_topics = load_json(self._topics_path, {}, self.files)
         for name, t in raw_topics.items():
             self.topics[name] = TopicConfig(
                 name, int(t["queues"]), int(t["created_position"]), int(t["created_ms"])
             )
-        self.offsets = load_json(self._offsets_path, {})
+        self.offsets = load_json(self._offsets_path, {}, self.files)
         for name, t in self.topics.items():
             for qid in range(t.queues):
                 self._open_queue(name, qid)
         self._drop_unknown_queue_dirs()
         loaded_max = {key: cq.max_offset for key, cq in self.queues.items()}
         try:
-            with open(self._checkpoint_path, "rb") as f:
-                checkpoint = decode_checkpoint(f.read())
+            checkpoint = decode_checkpoint(self.files.read_file(self._checkpoint_path))
         except FileNotFoundError:
             checkpoint = None
         try:
@@ -132,7 +133,7 @@ class MessageStore:
         except _NeedFullRebuild:
             log.warning("store: consume queues disagree with the commit log; rebuilding them")
             self.log.close()
-            self.log = CommitLog(self.log.dir, self.config.segment_size)
+            self.log = CommitLog(self.log.dir, self.config.segment_size, self.files)
             self.dedup = DedupWindow(self.config.dedup_window_s, self.config.dedup_max_keys)
             for cq in self.queues.values():
                 cq.reset(0)
@@ -143,17 +144,16 @@ class MessageStore:
         self.write_checkpoint()
 
     def _open_queue(self, topic: str, qid: int) -> ConsumeQueue:
-        cq = ConsumeQueue(
-            os.path.join(self._queues_dir, topic, str(qid)), self.config.index_entries_per_file
-        )
+        cq = ConsumeQueue(os.path.join(self._queues_dir, topic, str(qid)),
+                          self.config.index_entries_per_file, self.files)
         cq.load()
         self.queues[(topic, qid)] = cq
         return cq
 
     def _drop_unknown_queue_dirs(self) -> None:
-        for name in os.listdir(self._queues_dir):
+        for name in self.files.listdir(self._queues_dir):
             if name not in self.topics:
-                shutil.rmtree(os.path.join(self._queues_dir, name), ignore_errors=True)
+                self.files.rmtree(os.path.join(self._queues_dir, name))
 
     def _recover(self, checkpoint: int) -> None:
         """Scan the commit log; index every valid record that the consume queues lack.
@@ -164,7 +164,7 @@ class MessageStore:
         file) is completed from the log, and an index that contradicts the log raises
         ``_NeedFullRebuild``.
         """
-        start = first_segment_base(self.log.dir)
+        start = first_segment_base(self.log.dir, self.files)
         for cq in self.queues.values():
             cq.drop_below_position(start)  # so that emptying a queue keeps its next offset
             cq.truncate(cq.first_offset_where(0, checkpoint))
@@ -264,7 +264,7 @@ class MessageStore:
         self._save_topics()
         for qid in range(t.queues):
             self.queues.pop((name, qid)).destroy()
-        shutil.rmtree(os.path.join(self._queues_dir, name), ignore_errors=True)
+        self.files.rmtree(os.path.join(self._queues_dir, name))
         self.dedup.drop_topic(name)
         for group in self.offsets.values():
             group.pop(name, None)
@@ -278,7 +278,8 @@ class MessageStore:
         return t
 
     def _save_topics(self) -> None:
-        save_json(self._topics_path, {n: t.to_json() for n, t in self.topics.items()})
+        save_json(self._topics_path, {n: t.to_json() for n, t in self.topics.items()},
+                  self.files)
 
     def _queue(self, topic: str, queue_id: int) -> ConsumeQueue:
         cq = self.queues.get((topic, queue_id))
@@ -472,11 +473,11 @@ class MessageStore:
         for fd in index_fds:
             # an index file closed meanwhile (topic deleted) raises OSError
             with contextlib.suppress(OSError):
-                os.fsync(fd)
-        write_atomic(self._checkpoint_path, encode_checkpoint(end))
+                self.files.fsync(fd)
+        write_atomic(self._checkpoint_path, encode_checkpoint(end), self.files)
 
     def write_offsets_file(self, data: bytes) -> None:
-        write_atomic(self._offsets_path, data)
+        write_atomic(self._offsets_path, data, self.files)
 
     def run_retention(self) -> int:
         """Delete whole segments past the age or size limit; return segments deleted."""
@@ -487,7 +488,7 @@ class MessageStore:
         def keep(seg, total: int) -> bool:
             if cfg.retention_bytes and total > cfg.retention_bytes:
                 return False
-            return not (max_age and now - os.fstat(seg.fd).st_mtime > max_age)
+            return not (max_age and now - self.files.mtime(seg.fd) > max_age)
 
         before = len(self.log.segments)
         start = self.log.delete_segments(keep)
