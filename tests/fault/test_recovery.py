@@ -4,8 +4,10 @@ A workload is written over several topics and queues with small segments and sma
 files, the store is closed or dropped as in a crash (the page cache keeps the writes; no
 checkpoint, no offsets file), the files are damaged, and the store is reopened. Then:
 
-* every message whose record lies entirely before the damage is readable at its original
-  offset with identical content, and nothing else is (nothing is invented);
+* every message whose record does not overlap the damage is readable at its original
+  offset with identical content, and nothing else is (nothing is invented); the offsets of
+  damaged records are pulled as DAMAGED (later records and segments are all kept), except
+  a torn write at the very end of the log, which is cut;
 * the next put of each queue continues right after the last surviving offset;
 * the dedup window knows exactly the surviving messages;
 * reopening again (cleanly or after another crash) gives the same state.
@@ -26,6 +28,7 @@ from onceq.log.record import REC_HEADER_SIZE, decode_records, encode_part
 from onceq.log.segment import FILE_HEADER_SIZE
 from onceq.protocol.codes import PullStatus
 from onceq.storage.config import StoreConfig
+from onceq.storage.metadata import decode_checkpoint
 from onceq.storage.store import MessageStore
 from tests.clock import FakeClock
 
@@ -104,7 +107,9 @@ def write_workload(store: MessageStore, rng: random.Random, clock: FakeClock) ->
     return written
 
 
-def read_queue(store: MessageStore, topic: str, qid: int) -> list:
+def read_queue(store: MessageStore, topic: str, qid: int, damaged: list | None = None
+               ) -> list:
+    """Every readable message of a queue; offsets pulled as DAMAGED go to ``damaged``."""
     lo, hi = store.min_max(topic, qid)
     offset, out = lo, []
     while True:
@@ -112,8 +117,16 @@ def read_queue(store: MessageStore, topic: str, qid: int) -> list:
         if res.status == PullStatus.NO_NEW_MESSAGE:
             assert offset == hi
             return out
+        if res.status == PullStatus.DAMAGED:
+            assert damaged is not None, (topic, qid, offset)
+            assert res.next_offset > offset and res.count == 0
+            damaged.extend(range(offset, res.next_offset))
+            offset = res.next_offset
+            continue
         assert res.status == PullStatus.FOUND
-        out.extend(decode_records(res.payload))
+        msgs = list(decode_records(res.payload))
+        assert [m.queue_offset for m in msgs] == list(range(offset, offset + len(msgs)))
+        out.extend(msgs)
         offset = res.next_offset
 
 
@@ -134,15 +147,24 @@ def record_at(written: list[Written], position: int) -> Written:
 
 
 # ------------------------------------------------------------------ damage kinds
-def damage(kind: str, root: str, written: list[Written], data) -> tuple[int, int]:
-    """Damage the files; return the surviving range of commit-log positions [lo, hi)."""
-    everything = (0, 1 << 62)
+@dataclass
+class Expect:
+    """What a damage costs: records overlapping ``lost`` byte ranges are lost (skipped as
+    damaged, or cut with a torn tail); records ending after ``cut`` are cut; records before
+    ``head`` went with a deleted first segment."""
+
+    lost: list[tuple[int, int]]
+    cut: int | None = None
+    head: int = 0
+
+
+def damage(kind: str, root: str, written: list[Written], data) -> Expect:
     segs = segment_files(root)
     if kind == "truncate_last_segment":
         base, path = segs[-1]
         cut = data.draw(st.integers(0, os.path.getsize(path) - 1), label="cut")
         os.truncate(path, cut)
-        return 0, base + max(0, cut - FILE_HEADER_SIZE) if cut >= FILE_HEADER_SIZE else base
+        return Expect([], cut=base + max(0, cut - FILE_HEADER_SIZE))
     if kind == "flip_byte":
         base, path = data.draw(st.sampled_from(segs), label="segment")
         i = data.draw(st.integers(0, os.path.getsize(path) - 1), label="index")
@@ -151,52 +173,68 @@ def damage(kind: str, root: str, written: list[Written], data) -> tuple[int, int
             b = f.read(1)[0]
             f.seek(i)
             f.write(bytes([b ^ data.draw(st.integers(1, 255), label="xor")]))
-        if 10 <= i < 16:  # the header's reserved fields: not checked, nothing lost
-            return everything
-        if i < FILE_HEADER_SIZE:
-            return 0, base
-        return 0, record_at(written, base + i - FILE_HEADER_SIZE).position
+        if i < FILE_HEADER_SIZE:  # a damaged file header is rewritten: nothing lost
+            return Expect([])
+        return Expect([(base + i - FILE_HEADER_SIZE, base + i - FILE_HEADER_SIZE + 1)])
+    if kind == "zero_range":
+        base, path = data.draw(st.sampled_from(segs), label="segment")
+        size = os.path.getsize(path) - FILE_HEADER_SIZE
+        if size <= 0:
+            return Expect([])
+        i = data.draw(st.integers(0, size - 1), label="start")
+        n = data.draw(st.integers(1, min(3000, size - i)), label="length")
+        with open(path, "r+b") as f:
+            f.seek(FILE_HEADER_SIZE + i)
+            before = f.read(n)
+            f.seek(FILE_HEADER_SIZE + i)
+            f.write(bytes(n))
+        # only the bytes that were not zero already are damaged
+        return Expect([(base + i + j, base + i + j + 1) for j, b in enumerate(before) if b])
     if kind == "append_garbage":
         with open(segs[-1][1], "ab") as f:
             f.write(data.draw(st.binary(min_size=1, max_size=500), label="garbage"))
-        return everything
+        return Expect([])
     if kind == "zero_tail":  # a crash that extended the file but lost the data
         with open(segs[-1][1], "ab") as f:
             f.write(bytes(data.draw(st.integers(1, 5000), label="zeros")))
-        return everything
+        return Expect([])
     if kind == "delete_queue_dir":
         topic = data.draw(st.sampled_from(sorted(TOPICS)), label="topic")
         qid = data.draw(st.integers(0, TOPICS[topic] - 1), label="qid")
         shutil.rmtree(os.path.join(root, "queues", topic, str(qid)))
-        return everything
+        return Expect([])
     if kind == "delete_checkpoint":
         os.unlink(os.path.join(root, "checkpoint"))
-        return everything
+        return Expect([])
     if kind == "truncate_index_file":
         path = data.draw(st.sampled_from(index_files(root)), label="index file")
         os.truncate(path, data.draw(st.integers(0, os.path.getsize(path)), label="cut"))
-        return everything
+        return Expect([])
     if kind == "corrupt_checkpoint":
         with open(os.path.join(root, "checkpoint"), "r+b") as f:
             f.write(b"\xff\xff")
-        return everything
+        return Expect([])
     if kind == "delete_first_segment":
         os.unlink(segs[0][1])
-        return segs[1][0], 1 << 62
+        return Expect([], head=segs[1][0])
     raise AssertionError(kind)
 
 
 KINDS = [
-    "truncate_last_segment", "flip_byte", "append_garbage", "zero_tail", "delete_queue_dir",
+    "truncate_last_segment", "flip_byte", "zero_range", "append_garbage", "zero_tail",
+    "delete_queue_dir",
     "delete_checkpoint", "truncate_index_file", "corrupt_checkpoint", "delete_first_segment",
 ]
 
 
-def check_state(store: MessageStore, survivors: dict, expect_range: dict) -> None:
+def check_state(store: MessageStore, survivors: dict, expect_range: dict,
+                damaged: dict) -> None:
     for key, msgs in survivors.items():
         topic, qid = key
         assert store.min_max(topic, qid) == expect_range[key], key
-        got = read_queue(store, topic, qid)
+        bad: list[int] = []
+        got = read_queue(store, topic, qid, bad)
+        assert bad == damaged[key], key
         assert len(got) == len(msgs), key
         for m, w in zip(got, msgs, strict=True):
             assert (m.topic, m.queue_id, m.queue_offset, m.position) == (
@@ -208,6 +246,51 @@ def check_state(store: MessageStore, survivors: dict, expect_range: dict) -> Non
             res = store.get(topic, qid, lo - 1, 1, 1 << 20)
             assert res.status == PullStatus.OFFSET_MOVED and res.next_offset == lo
         assert store.get(topic, qid, hi + 1, 1, 1 << 20).status == PullStatus.OFFSET_ILLEGAL
+
+
+def expectations(written: list[Written], exp: Expect, checkpoint: int | None):
+    """Per queue: readable records, offset range and damaged offsets after recovery."""
+    def overlaps(w: Written) -> bool:
+        return any(w.position < b and a < w.end for a, b in exp.lost)
+
+    last = max(written, key=lambda w: w.position)
+    torn = set()
+    damaged_ids = set()
+    for w in written:
+        if exp.cut is not None and w.end > exp.cut:
+            torn.add(id(w))
+        elif overlaps(w):
+            # the last record of the log, unchecked by a checkpoint: a torn write, cut
+            if w is last and (checkpoint is None or w.position >= checkpoint):
+                torn.add(id(w))
+            else:
+                damaged_ids.add(id(w))
+    keys = [(t, q) for t, n in TOPICS.items() for q in range(n)]
+    survivors, expect_range, damaged = {}, {}, {}
+    for k in keys:
+        mine = [w for w in written if (w.topic, w.queue_id) == k]
+        kept = [w for w in mine if w.position >= exp.head and id(w) not in torn]
+        survivors[k] = [w for w in kept if id(w) not in damaged_ids]
+        damaged[k] = [w.offset for w in kept if id(w) in damaged_ids]
+        if kept:
+            # what is kept forms one contiguous run of offsets
+            assert [w.offset for w in kept] == list(range(kept[0].offset, kept[-1].offset + 1))
+            expect_range[k] = (kept[0].offset, kept[-1].offset + 1)
+        elif exp.head > 0:  # the head was lost: the queue is empty at its old end
+            expect_range[k] = (len(mine), len(mine))
+        else:  # the tail was cut: the queue restarts where its kept records end
+            expect_range[k] = (0, 0)
+    lost = [w for w in written if id(w) in torn or id(w) in damaged_ids
+            or w.position < exp.head]
+    return survivors, expect_range, damaged, lost
+
+
+def read_checkpoint(root: str) -> int | None:
+    try:
+        with open(os.path.join(root, "checkpoint"), "rb") as f:
+            return decode_checkpoint(f.read())
+    except FileNotFoundError:
+        return None
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -223,37 +306,23 @@ def test_recovery_after_damage(seed, kind, crashed, data):
             crash(store)
         else:
             store.close()
-        lo, hi = damage(kind, root, written, data)
+        checkpoint = read_checkpoint(root)
+        exp = damage(kind, root, written, data)
         clock.t += 10
-
-        keys = [(t, q) for t, n in TOPICS.items() for q in range(n)]
-        survivors = {k: [w for w in written if (w.topic, w.queue_id) == k
-                         and lo <= w.position and w.end <= hi] for k in keys}
-        expect_range = {}
-        for k in keys:
-            all_k = [w for w in written if (w.topic, w.queue_id) == k]
-            s = survivors[k]
-            if s:
-                # survivors form one contiguous run of offsets
-                assert [w.offset for w in s] == list(range(s[0].offset, s[-1].offset + 1))
-                expect_range[k] = (s[0].offset, s[-1].offset + 1)
-            elif lo > 0:  # the head was lost: the queue is empty at its old end
-                expect_range[k] = (len(all_k), len(all_k))
-            else:  # the tail was lost: the queue restarts where its survivors end
-                expect_range[k] = (0, 0)
+        survivors, expect_range, damaged, lost = expectations(written, exp, checkpoint)
+        keys = list(survivors)
 
         store = open_store(root, clock)
-        check_state(store, survivors, expect_range)
+        check_state(store, survivors, expect_range, damaged)
 
         # the dedup window knows exactly the surviving messages
-        lost = [w for w in written if not (lo <= w.position and w.end <= hi)]
-        kept = [w for w in written if lo <= w.position and w.end <= hi]
+        kept = [w for k in keys for w in survivors[k]]
         if kept:
             w = rng.choice(kept)
             res = store.put(w.topic, (w.queue_id + 1) % TOPICS[w.topic], [w.part])
             assert res.duplicates == [0] and res.offsets == [w.offset]
             assert res.duplicate_queues == [w.queue_id]
-        if lost and lo == 0:
+        if lost and exp.head == 0:  # a lost message sent again is stored again
             w = lost[0]
             res = store.put(w.topic, w.queue_id, [w.part])
             assert res.duplicates == [] and res.offsets == [expect_range[w.topic, w.queue_id][1]]
@@ -274,15 +343,15 @@ def test_recovery_after_damage(seed, kind, crashed, data):
             survivors[k].append(Written(topic, qid, b, p, uk, res.end_position - REC_HEADER_SIZE
                                         - len(topic) - len(p)))
             expect_range[k] = (a, b + 1)
-        check_state(store, survivors, expect_range)
+        check_state(store, survivors, expect_range, damaged)
 
         # stable across another clean reopen and another crash
         store.close()
         store = open_store(root, clock)
-        check_state(store, survivors, expect_range)
+        check_state(store, survivors, expect_range, damaged)
         crash(store)
         store = open_store(root, clock)
-        check_state(store, survivors, expect_range)
+        check_state(store, survivors, expect_range, damaged)
         store.close()
 
 

@@ -218,6 +218,25 @@ def check_record(buf: bytes | memoryview, pos: int, expect_position: int) -> Rec
     return RecordHead(total, qid, qoff, rpos, sts, topic, uk, tag_hash(tags), key)
 
 
+def record_matches(buf: bytes | memoryview, pos: int, size: int, topic_bytes: bytes,
+                   queue_id: int, queue_offset: int, position: int) -> bool:
+    """Whether ``buf[pos:pos+size]`` is the intact record an index entry promises.
+
+    Checks the size, the magic, the queue, offset and position the record claims, its topic
+    and its checksum: a record read through a stale or damaged index entry never passes.
+    """
+    if size < REC_HEADER_SIZE or len(buf) - pos < size:
+        return False
+    total, crc, magic, _r, qid, qoff, rpos, _ts, tlen = REC_HEADER.unpack_from(buf, pos)
+    if (total != size or magic != RECORD_MAGIC or qid != queue_id or qoff != queue_offset
+            or rpos != position or tlen != len(topic_bytes)):
+        return False
+    view = memoryview(buf)
+    if view[pos + size - tlen:pos + size] != topic_bytes:
+        return False
+    return zlib.crc32(view[pos + 8:pos + size]) == crc
+
+
 @dataclass(slots=True)
 class Message:
     """A stored message as a consumer sees it."""

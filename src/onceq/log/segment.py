@@ -12,6 +12,14 @@ FILE_HEADER_SIZE = FILE_HEADER.size  # 24
 
 INDEX_ENTRY = struct.Struct("<qIIq")  # position, size, tag hash, store timestamp (ms)
 INDEX_ENTRY_SIZE = INDEX_ENTRY.size  # 24
+# an index entry of this size marks a damaged offset (no real record is this small); its
+# position and timestamp keep the index ordered for the bisections over those fields
+DAMAGED_ENTRY_SIZE = 1
+
+
+def damaged_entry(position: int, store_ts_ms: int) -> bytes:
+    """The index entry of an offset whose record was lost to damage."""
+    return INDEX_ENTRY.pack(position, DAMAGED_ENTRY_SIZE, 0, store_ts_ms)
 
 
 class FileHeaderError(ValueError):

@@ -12,6 +12,7 @@ class RequestCode(IntEnum):
     PULL = 20
     QUERY_OFFSETS = 21  # min/max offset of a queue
     SEARCH_OFFSET = 22  # first offset stored at or after a timestamp
+    BROKER_STATUS = 23  # store health: damaged offset and commit-log ranges
     COMMIT_OFFSET = 30
     GET_OFFSET = 31
     CONSUMER_SEND_BACK = 32  # a failed message goes to the group's retry topic (or DLQ)
@@ -61,3 +62,4 @@ class PullStatus(IntEnum):
     OFFSET_MOVED = 2  # requested offset is below the queue's minimum (retention)
     OFFSET_ILLEGAL = 3  # requested offset is beyond the queue's maximum
     LOCKED = 4  # the queue is locked by another client of the group (transition state)
+    DAMAGED = 5  # offsets [requested, next) were lost to disk damage: continue at next

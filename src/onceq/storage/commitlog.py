@@ -10,10 +10,16 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from ..log.record import RecordError, RecordHead, TruncatedRecord, check_record
+from ..log.record import (
+    RECORD_MAGIC,
+    RecordError,
+    RecordHead,
+    TruncatedRecord,
+    check_record,
+)
 from ..log.segment import (
     FILE_HEADER_SIZE,
     LOG_MAGIC,
@@ -27,6 +33,7 @@ from .files import OS_FILES, FileOps
 log = logging.getLogger("onceq.storage")
 
 READ_CHUNK = 8 * 1024 * 1024
+_MAGIC = bytes([RECORD_MAGIC])
 
 
 @dataclass(slots=True)
@@ -54,77 +61,132 @@ class CommitLog:
         files.makedirs(directory)
 
     # ---------------------------------------------------------------- recovery
-    def recover(self, on_record: Callable[[RecordHead], None]) -> int:
-        """Open the segments, keep the longest valid prefix, truncate the rest.
+    def open(self, empty_base: int = 0) -> list[tuple[int, int]]:
+        """Open every segment without reading its records; return the missing ranges.
 
-        Calls ``on_record`` for every valid record in order; returns the end position.
+        Older segments are trusted at start (their records are checked on read and by
+        ``onceq broker verify``), so opening costs the same whatever the data size. A
+        damaged file header is rewritten from the file name (records carry their own
+        position and checksum). A segment missing between two others leaves a gap of
+        positions, returned as ``(start, end)`` ranges; later segments are kept.
         """
-        names = _segment_names(self.dir, self.files)
-        expect = int(names[0]) if names else 0
-        broken = False
         fs = self.files
-        for name in names:
+        gaps: list[tuple[int, int]] = []
+        for name in _segment_names(self.dir, fs):
             path = os.path.join(self.dir, name)
             base = int(name)
-            if broken or base != expect:
-                log.warning("commit log: removing segment %s after the valid prefix", name)
-                fs.unlink(path)
-                broken = True
-                continue
             fd = fs.open(path, os.O_RDWR)
             try:
                 decode_file_header(fs.pread(fd, FILE_HEADER_SIZE, 0), LOG_MAGIC, base)
             except FileHeaderError as exc:
-                fs.close(fd)
-                log.warning("commit log: segment %s unusable (%s), removed", name, exc)
-                fs.unlink(path)
-                broken = True
-                continue
-            try:
-                valid = self._scan_segment(fd, base, on_record)
-            except BaseException:
-                fs.close(fd)
-                raise
-            file_size = fs.size(fd)
-            if FILE_HEADER_SIZE + valid < file_size:
-                log.warning(
-                    "commit log: truncating segment %s at %d (was %d bytes of data)",
-                    name, valid, file_size - FILE_HEADER_SIZE,
-                )
-                fs.ftruncate(fd, FILE_HEADER_SIZE + valid)
+                size = fs.size(fd)
+                (log.error if size > FILE_HEADER_SIZE else log.warning)(
+                    "commit log: segment %s header damaged (%s); rewritten", name, exc)
+                fs.write_all(fd, encode_file_header(LOG_MAGIC, base), 0)
                 fs.fsync(fd)
-                broken = True
-            seg = Segment(base, path, fd, valid, fs.mtime(fd))
-            self.segments.append(seg)
-            expect = base + valid
+            if self.segments and base < self.segments[-1].end:
+                # overlapping segments cannot come from onceq: keep the older bytes
+                log.error("commit log: segment %s overlaps the previous one; ignored", name)
+                fs.close(fd)
+                continue
+            if self.segments and base > self.segments[-1].end:
+                gaps.append((self.segments[-1].end, base))
+                log.error("commit log: positions [%d, %d) are missing (a segment file was "
+                          "lost); later segments are kept", self.segments[-1].end, base)
+            size = max(0, fs.size(fd) - FILE_HEADER_SIZE)
+            self.segments.append(Segment(base, path, fd, size, fs.mtime(fd)))
         if not self.segments:
-            self._new_segment(expect)
+            self._new_segment(empty_base)
+        return gaps
+
+    def scan_tail(self, start: int, on_record: Callable[[RecordHead], None],
+                  on_damage: Callable[[int, int], None]) -> int:
+        """Check every record from ``start`` to the end of the log; return the end.
+
+        ``on_record`` gets each valid record in order. Bytes that hold no valid record are
+        skipped: the scan resyncs at the next valid record (its magic, checksum and own
+        position all agree) and reports the skipped range to ``on_damage`` before that
+        record. Unreadable bytes after the last valid record are a torn write: they are
+        truncated (nothing after them can have been acknowledged). The scanned segments
+        are marked dirty so that the next sync makes the recovered tail durable.
+        """
+        pending: list[tuple[int, int]] = []
+        last_valid = start
+        for seg in self.segments:
+            if seg.end <= start and seg is not self.segments[-1]:
+                continue
+            self._dirty.add(seg.fd)
+            for ev in self.scan_segment(seg, max(0, start - seg.base)):
+                if isinstance(ev, RecordHead):
+                    for a, b in pending:
+                        on_damage(a, b)
+                    pending.clear()
+                    on_record(ev)
+                    last_valid = ev.position + ev.size
+                else:
+                    pending.append(ev)
+        if pending:
+            cut = max(last_valid, pending[0][0])
+            for seg in self.segments:
+                if seg.end > cut:
+                    keep = max(0, cut - seg.base)
+                    log.warning("commit log: truncating a torn tail of segment %s at %d "
+                                "(was %d bytes of data)", file_name(seg.base), keep, seg.size)
+                    self.files.ftruncate(seg.fd, FILE_HEADER_SIZE + keep)
+                    self.files.fsync(seg.fd)
+                    seg.size = keep
         return self.end
 
-    def _scan_segment(self, fd: int, base: int, on_record: Callable[[RecordHead], None]) -> int:
-        """Return how many data bytes of the segment are valid records."""
-        valid = 0
+    def scan_segment(self, seg: Segment, start_off: int = 0, stop_off: int | None = None
+                     ) -> Iterator[RecordHead | tuple[int, int]]:
+        """Records of ``seg`` from data offset ``start_off``, with damaged ranges between.
+
+        Yields each valid record's head, and ``(start, end)`` positions of every range of
+        bytes that holds no valid record (the scan resyncs at the next record magic whose
+        record has a valid checksum and claims its own position). Stops at the segment
+        end, or at the first record boundary at or after ``stop_off``.
+        """
+        fs = self.files
+        seg_size = seg.size
         buf = b""
-        buf_start = 0  # data offset of buf[0]
-        file_pos = FILE_HEADER_SIZE
-        eof = False
+        buf_start = off = start_off
+        bad: int | None = None
+        eof = start_off >= seg_size
         while True:
-            p = valid - buf_start
+            if bad is None and (off >= seg_size or (stop_off is not None and off >= stop_off)):
+                return
+            p = off - buf_start
             try:
-                head = check_record(buf, p, base + valid)
+                head = check_record(buf, p, seg.base + off)
             except TruncatedRecord:
-                if eof:
-                    return valid
-                chunk = self.files.pread(fd, READ_CHUNK, file_pos)
-                eof = len(chunk) < READ_CHUNK
-                file_pos += len(chunk)
-                buf = buf[p:] + chunk
-                buf_start = valid
-                continue
+                if not eof:
+                    read_at = buf_start + len(buf)
+                    chunk = fs.pread(seg.fd, min(READ_CHUNK, seg_size - read_at),
+                                     FILE_HEADER_SIZE + read_at)
+                    eof = read_at + len(chunk) >= seg_size or not chunk
+                    buf = buf[p:] + chunk
+                    buf_start = off
+                    continue
             except RecordError:
-                return valid
-            on_record(head)
-            valid += head.size
+                pass
+            else:
+                if bad is not None:
+                    yield (seg.base + bad, seg.base + off)
+                    bad = None
+                yield head
+                off += head.size
+                continue
+            # no valid record at ``off``: look for the next candidate
+            if bad is None:
+                bad = off
+            i = buf.find(_MAGIC, p + 9)  # the magic is byte 8 of a record
+            if i >= 0:
+                off = buf_start + i - 8
+            elif eof:
+                yield (seg.base + bad, seg.base + buf_start + len(buf))
+                return
+            else:
+                off = max(off + 1, buf_start + len(buf) - 8)
 
     # ---------------------------------------------------------------- segments
     def _new_segment(self, base: int) -> Segment:

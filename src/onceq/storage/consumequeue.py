@@ -24,7 +24,8 @@ from .files import OS_FILES, FileOps
 
 
 class ConsumeQueue:
-    __slots__ = ("_dirty", "_fds", "dir", "files", "max_offset", "min_offset", "per_file")
+    __slots__ = ("_dirty", "_fds", "dir", "files", "lost_entries", "max_offset", "min_offset",
+                 "per_file")
 
     def __init__(self, directory: str, entries_per_file: int, files: FileOps = OS_FILES
                  ) -> None:
@@ -35,6 +36,7 @@ class ConsumeQueue:
         self._dirty: set[int] = set()  # fds written since the last dirty_fds()
         self.min_offset = 0
         self.max_offset = 0  # next offset to be written
+        self.lost_entries = False  # ``load`` found damaged files: rebuild from the log
         files.makedirs(directory)
 
     def load(self) -> None:
@@ -46,6 +48,7 @@ class ConsumeQueue:
             path = os.path.join(self.dir, file_name(base))
             if base % self.per_file or (good and base != good[-1] + self.per_file):
                 fs.unlink(path)
+                self.lost_entries = True
                 continue
             fd = fs.open(path, os.O_RDWR)
             try:
@@ -53,6 +56,7 @@ class ConsumeQueue:
             except FileHeaderError:
                 fs.close(fd)
                 fs.unlink(path)
+                self.lost_entries = True
                 continue
             self._fds[base] = fd
             good.append(base)
@@ -60,6 +64,7 @@ class ConsumeQueue:
         for base in good[:-1]:
             if self._entries_in(base) < self.per_file:
                 self._cut(base + self._entries_in(base))
+                self.lost_entries = True
                 break
         if not self._fds:
             self.min_offset = self.max_offset = 0
@@ -113,6 +118,13 @@ class ConsumeQueue:
             offset += n
             count -= n
         self.max_offset = offset
+
+    def write_entry(self, offset: int, entry: bytes) -> None:
+        """Overwrite the entry of ``offset`` (in [min, max)): a repaired or damaged entry."""
+        base = offset - offset % self.per_file
+        fd = self._fds[base]
+        self.files.write_all(fd, entry, FILE_HEADER_SIZE + (offset - base) * INDEX_ENTRY_SIZE)
+        self._dirty.add(fd)
 
     def _create(self, base: int) -> int:
         path = os.path.join(self.dir, file_name(base))

@@ -37,18 +37,41 @@ def load_json(path: str, default: Any, files: FileOps = OS_FILES) -> Any:
 
 
 _CHECKPOINT = struct.Struct("<qI")
+_CRC = struct.Struct("<I")
 
 
-def encode_checkpoint(position: int) -> bytes:
+def encode_checkpoint(position: int, queue_ends: dict[str, int] | None = None) -> bytes:
+    """The checkpoint: the indexed-up-to position, then the queues' next offsets.
+
+    ``queue_ends`` (``"topic/queue" -> next offset``) lets recovery notice an index file
+    that lost entries below the checkpoint without scanning the log before it.
+    """
     raw = struct.pack("<q", position)
-    return _CHECKPOINT.pack(position, zlib.crc32(raw))
+    out = _CHECKPOINT.pack(position, zlib.crc32(raw))
+    if queue_ends is not None:
+        extra = json.dumps(queue_ends, separators=(",", ":"), sort_keys=True).encode()
+        out += extra + _CRC.pack(zlib.crc32(extra))
+    return out
 
 
 def decode_checkpoint(raw: bytes) -> int | None:
     """The indexed-up-to position, or None for a missing or damaged checkpoint."""
-    if len(raw) != _CHECKPOINT.size:
+    if len(raw) < _CHECKPOINT.size:
         return None
-    position, crc = _CHECKPOINT.unpack(raw)
+    position, crc = _CHECKPOINT.unpack_from(raw)
     if zlib.crc32(struct.pack("<q", position)) != crc or position < 0:
         return None
     return position
+
+
+def decode_checkpoint_ends(raw: bytes) -> dict[str, int] | None:
+    """The queues' next offsets recorded with the checkpoint (None when absent or damaged)."""
+    extra = raw[_CHECKPOINT.size:-_CRC.size]
+    if len(raw) <= _CHECKPOINT.size + _CRC.size or _CRC.unpack(raw[-_CRC.size:])[0] != (
+            zlib.crc32(extra)):
+        return None
+    try:
+        ends = json.loads(extra)
+    except ValueError:
+        return None
+    return ends if isinstance(ends, dict) else None

@@ -21,18 +21,22 @@ from ..log.record import (
     RecordHead,
     build_record_parts,
     check_part,
+    check_record,
+    record_matches,
     tag_hash,
 )
-from ..log.segment import INDEX_ENTRY
+from ..log.segment import DAMAGED_ENTRY_SIZE, INDEX_ENTRY, INDEX_ENTRY_SIZE, damaged_entry
 from ..protocol.codes import PullStatus
 from ..protocol.errors import ErrorCode, OnceqError
-from .commitlog import CommitLog, first_segment_base
+from .commitlog import CommitLog
 from .config import StoreConfig
 from .consumequeue import ConsumeQueue
+from .damage import DamageRegistry
 from .dedup import DedupWindow
 from .files import OS_FILES, FileOps
 from .metadata import (
     decode_checkpoint,
+    decode_checkpoint_ends,
     encode_checkpoint,
     load_json,
     save_json,
@@ -43,6 +47,8 @@ log = logging.getLogger("onceq.storage")
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_%|.\-]{1,127}$")
 MAX_QUEUES = 1024
+REPAIR_NEIGHBOURS = 16  # index entries tried on each side of a bad one to bound a repair scan
+REPAIR_SCAN_BYTES = 64 * 1024 * 1024  # at most this much log is scanned to repair an entry
 
 
 def check_name(kind: str, name: object) -> str:
@@ -86,7 +92,17 @@ class GetResult:
 
 
 class _NeedFullRebuild(Exception):
-    pass
+    """The trusted index contradicts the log: rebuild every index from the whole log."""
+
+
+def _first_offset_past(cq: ConsumeQueue, position: int) -> int:
+    """First offset whose record does not end before ``position``."""
+    off = cq.first_offset_where(0, position)
+    if off > cq.min_offset:
+        pos, size, _th, _ts = cq.entry(off - 1)
+        if size != DAMAGED_ENTRY_SIZE and pos + size > position:
+            off -= 1
+    return off
 
 
 class MessageStore:
@@ -109,39 +125,91 @@ class MessageStore:
         self.dedup = DedupWindow(config.dedup_window_s, config.dedup_max_keys)
         self._offsets_dirty = False
         self.recovered_records = 0
+        self.damage = DamageRegistry(os.path.join(root, "damaged.json"), files)
+        self._damage_dirty = False
         self._last_store_ms = 0  # store times never go backwards (search_offset bisects them)
 
     # ================================================================ recovery
     def open(self) -> None:
+        """Load topics, offsets and indexes, check the log tail, and make it durable.
+
+        Only the log after the last checkpoint is scanned (like Kafka's recovery point):
+        older records are indexed and fsynced already, trusted at start and checked on
+        read, so opening takes the same time whatever the amount of data kept.
+        """
         raw_topics = load_json(self._topics_path, {}, self.files)
         for name, t in raw_topics.items():
             self.topics[name] = TopicConfig(
                 name, int(t["queues"]), int(t["created_position"]), int(t["created_ms"])
             )
         self.offsets = load_json(self._offsets_path, {}, self.files)
+        self.damage.load()
+        try:
+            raw_checkpoint = self.files.read_file(self._checkpoint_path)
+        except FileNotFoundError:
+            raw_checkpoint = b""
+        checkpoint = decode_checkpoint(raw_checkpoint)
+        ends = decode_checkpoint_ends(raw_checkpoint) or {}
+        lost_index = False
         for name, t in self.topics.items():
             for qid in range(t.queues):
-                self._open_queue(name, qid)
+                qdir = os.path.join(self._queues_dir, name, str(qid))
+                try:
+                    self.files.listdir(qdir)
+                except FileNotFoundError:
+                    # an index that vanished while the log may hold its records
+                    lost_index = lost_index or checkpoint is None or (
+                        t.created_position < checkpoint)
+                cq = self._open_queue(name, qid)
+                # fewer entries than the checkpoint saw: an index file was cut
+                lost_index = lost_index or cq.lost_entries or (
+                    cq.max_offset < ends.get(f"{name}/{qid}", 0))
         self._drop_unknown_queue_dirs()
         loaded_max = {key: cq.max_offset for key, cq in self.queues.items()}
+        for a, b in self.log.open(empty_base=checkpoint or 0):
+            self.damage.add_log(a, b)
+        full = checkpoint is None or lost_index
+        if lost_index:
+            log.error("store: consume-queue index files are damaged or missing; rebuilding "
+                      "the indexes from the whole commit log")
+            for cq in self.queues.values():
+                cq.reset(0)
         try:
-            checkpoint = decode_checkpoint(self.files.read_file(self._checkpoint_path))
-        except FileNotFoundError:
-            checkpoint = None
-        try:
-            self._recover(checkpoint if checkpoint is not None else 0)
-        except _NeedFullRebuild:
-            log.warning("store: consume queues disagree with the commit log; rebuilding them")
-            self.log.close()
-            self.log = CommitLog(self.log.dir, self.config.segment_size, self.files)
+            self._recover(None if full else checkpoint)
+        except _NeedFullRebuild as exc:
+            log.error("store: consume queues disagree with the commit log (%s); rebuilding "
+                      "them from the whole commit log", exc)
+            full = True
             self.dedup = DedupWindow(self.config.dedup_window_s, self.config.dedup_max_keys)
             for cq in self.queues.values():
                 cq.reset(0)
-            self._recover(0)
+            self._recover(None)
+        if full:
             for key, cq in self.queues.items():
                 if cq.max_offset == 0 and loaded_max[key] > 0:
                     cq.reset(loaded_max[key])  # no record left: never reuse its offsets
+        self._move_back_topics()
+        if self.damage.keep_only(set(self.queues), self.log.start) or self._damage_dirty:
+            self.damage.save()
+            self._damage_dirty = False
+        # the scanned tail and the rebuilt index entries are fsynced here, before the broker
+        # answers anything (a "duplicate" answer promises a durable first copy)
         self.write_checkpoint()
+
+    def _move_back_topics(self) -> None:
+        """Topic creation positions beyond the recovered log end are moved back to it.
+
+        Otherwise the records the topic receives next, written from the log end, would lie
+        below its creation position and be taken for an older topic's after a restart.
+        """
+        end = self.log.end
+        moved = [t for t in self.topics.values() if t.created_position > end]
+        for t in moved:
+            log.error("store: topic %s was created at position %d, beyond the recovered log "
+                      "end %d; moved back", t.name, t.created_position, end)
+            t.created_position = end
+        if moved:
+            self._save_topics()
 
     def _open_queue(self, topic: str, qid: int) -> ConsumeQueue:
         cq = ConsumeQueue(os.path.join(self._queues_dir, topic, str(qid)),
@@ -155,28 +223,58 @@ class MessageStore:
             if name not in self.topics:
                 self.files.rmtree(os.path.join(self._queues_dir, name))
 
-    def _recover(self, checkpoint: int) -> None:
-        """Scan the commit log; index every valid record that the consume queues lack.
+    def _mark_damaged(self, key: tuple[str, int], lo: int, hi: int, why: str) -> None:
+        if self.damage.add_offsets(key[0], key[1], lo, hi):
+            self._damage_dirty = True
+        log.error("store: %s queue %d offsets %d..%d are damaged (%s); they are skipped",
+                  key[0], key[1], lo, hi - 1, why)
 
-        Index entries at or after ``checkpoint`` may not have reached the disk before a
-        crash: they are dropped and rebuilt from the log. Entries before it are trusted but
-        checked against the log: a queue whose index lost entries (a deleted or cut index
-        file) is completed from the log, and an index that contradicts the log raises
-        ``_NeedFullRebuild``.
+    def _recover(self, checkpoint: int | None) -> None:
+        """Index the log records after ``checkpoint`` (the whole log when None).
+
+        Index entries at or after the checkpoint may not have reached the disk before a
+        crash: they are dropped and rebuilt from the log. Entries before it are trusted;
+        the last one of each queue is checked against the log (an index that contradicts
+        the log raises ``_NeedFullRebuild``). Damaged bytes in the scanned range cost only
+        the records they hold: the scan resyncs at the next valid record, and the offsets
+        missing between two records of a queue are marked damaged. When two records claim
+        one offset the later one wins: it is the one that was acknowledged.
         """
-        start = first_segment_base(self.log.dir, self.files)
-        for cq in self.queues.values():
+        log_ = self.log
+        start = log_.start
+        scan_from = start if checkpoint is None else min(max(checkpoint, start), log_.end)
+        hints: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        for key, cq in self.queues.items():
             cq.drop_below_position(start)  # so that emptying a queue keeps its next offset
-            cq.truncate(cq.first_offset_where(0, checkpoint))
-        indexed = {key: (cq.min_offset, cq.max_offset) for key, cq in self.queues.items()}
-        last_seen: dict[tuple[str, int], int] = {}  # position of the last indexed record
+            cut = _first_offset_past(cq, scan_from)
+            if cut < cq.max_offset:  # unchecked entries: where the log held their records
+                hints[key] = [(cut + i, e[0]) for i, e in enumerate(
+                    INDEX_ENTRY.iter_unpack(cq.read(cut, cq.max_offset - cut)))]
+            cq.truncate(cut)
+        damage_seen: list[tuple[int, int]] = []
+        if checkpoint is not None:
+            self._check_last_entries()
+        base: dict[tuple[str, int], int] = {}  # first offset of each queue's pending entries
         pending: dict[tuple[str, int], list[bytes]] = {}
-        next_off: dict[tuple[str, int], int] = {}
         window_start = int(self.clock() * 1000) - self.dedup.window_ms
         topics = self.topics
         dedup = self.dedup
+        queues = self.queues
         count = 0
-        max_ts = self._last_store_ms
+        damaged_bytes = sum(min(b, log_.end) - max(a, scan_from)
+                            for a, b in self.damage.log_ranges if b > scan_from and a < log_.end)
+        max_ts = max([self._last_store_ms] + [
+            cq.entry(cq.max_offset - 1)[3] for cq in queues.values()
+            if cq.max_offset > cq.min_offset])
+
+        def on_damage(a: int, b: int) -> None:
+            nonlocal damaged_bytes
+            damaged_bytes += b - a
+            damage_seen.append((a, b))
+            if self.damage.add_log(a, b):
+                self._damage_dirty = True
+            log.error("store: commit log positions [%d, %d) hold no valid record (damaged); "
+                      "skipped, later records kept", a, b)
 
         def on_record(h: RecordHead) -> None:
             nonlocal count, max_ts
@@ -189,49 +287,127 @@ class MessageStore:
                 max_ts = h.store_ts_ms
             if dedup.enabled and h.store_ts_ms >= window_start and h.unique_key:
                 dedup.add(h.topic, h.dedup_key, h.queue_id, h.queue_offset, h.store_ts_ms)
-            expect = next_off.get(key)
-            if expect is None:
-                lo, hi = indexed[key]
-                if h.queue_offset < hi:  # already indexed
-                    if h.queue_offset < lo:
-                        raise _NeedFullRebuild  # the index lost its head
-                    if h.queue_offset == hi - 1:
-                        last_seen[key] = h.position
-                    return
-                if h.queue_offset > hi:
-                    if lo != hi:
-                        raise _NeedFullRebuild
-                    # first record of an empty queue whose head was deleted by retention
-                    self.queues[key].reset(h.queue_offset)
-            elif h.queue_offset != expect:
-                if h.queue_offset > expect:
-                    raise _NeedFullRebuild
-                log.warning("store: record at %d repeats offset %d of %s; skipped",
-                            h.position, h.queue_offset, key)
-                return
-            next_off[key] = h.queue_offset + 1
-            pending.setdefault(key, []).append(
+            entries = pending.get(key)
+            if entries is None:
+                cq = queues[key]
+                entries = pending[key] = []
+                base[key] = cq.max_offset
+            first = base[key]
+            expect = first + len(entries)
+            off = h.queue_offset
+            if off < expect:
+                # a repeated offset: an earlier write that failed after reaching the log
+                log.warning("store: record at %d repeats offset %d of %s; the later record "
+                            "replaces the earlier one", h.position, off, key)
+                if off >= first:
+                    del entries[off - first:]
+                else:
+                    cq = queues[key]
+                    if off < cq.min_offset:
+                        return  # below what the queue still holds: nothing to replace
+                    cq.truncate(off)
+                    entries.clear()
+                    base[key] = cq.max_offset
+            elif off > expect:
+                cq = queues[key]
+                if not entries and cq.max_offset == cq.min_offset and checkpoint is None \
+                        and (damaged_bytes == 0 or t.created_position < start):
+                    # first record of a queue whose head was deleted by retention
+                    cq.reset(off)
+                    base[key] = off
+                elif damaged_bytes:
+                    self._mark_damaged(key, expect, off, "records lost in damaged log bytes")
+                    entries.extend([damaged_entry(h.position, h.store_ts_ms)] * (off - expect))
+                elif checkpoint is not None:
+                    raise _NeedFullRebuild(f"{key} index lacks offsets {expect}..{off - 1}")
+                else:
+                    self._mark_damaged(key, expect, off, "records missing from the log")
+                    entries.extend([damaged_entry(h.position, h.store_ts_ms)] * (off - expect))
+            entries.append(
                 INDEX_ENTRY.pack(h.position, h.size, h.tags_hash, h.store_ts_ms)
             )
 
-        end = self.log.recover(on_record)
-        start = self.log.start
-        for key, (lo, hi) in indexed.items():
-            # the last trusted entry must point at the record the log holds for it
-            if hi > lo:
-                pos = self.queues[key].entry(hi - 1)[0]
-                if start <= pos < end and last_seen.get(key) != pos:
-                    raise _NeedFullRebuild
+        end = log_.scan_tail(scan_from, on_record, on_damage)
+        for key, hint in hints.items():
+            # the last records of a queue lost in damaged bytes: their offsets stay taken
+            cq = queues[key]
+            have = base.get(key, cq.max_offset) + len(pending.get(key, ()))
+            for off, pos in reversed(hint):
+                if off < have:
+                    break
+                if any(a <= pos < b for a, b in damage_seen):
+                    self._mark_damaged(key, have, off + 1, "records lost in damaged log bytes")
+                    pending.setdefault(key, [])
+                    base.setdefault(key, cq.max_offset)
+                    pending[key].extend([damaged_entry(pos, max_ts)] * (off + 1 - have))
+                    break
         self.recovered_records = count
         self._last_store_ms = max_ts
         for key, entries in pending.items():
-            self.queues[key].append(b"".join(entries), len(entries))
-        for cq in self.queues.values():
+            if entries:
+                queues[key].append(b"".join(entries), len(entries))
+        for cq in queues.values():
             if cq.max_offset > cq.min_offset:
-                cq.truncate(cq.first_offset_where(0, end))  # entries past a truncated tail
-            cq.drop_below_position(start)
+                cq.truncate(_first_offset_past(cq, end))  # entries past a truncated tail
+            cq.drop_below_position(log_.start)
+        if checkpoint is not None:
+            self._dedup_below(scan_from, window_start)
         dedup.expire(int(self.clock() * 1000))
-        log.info("store: recovered %d records, commit log [%d, %d)", count, start, end)
+        log.info("store: recovered %d records from position %d, commit log [%d, %d)",
+                 count, scan_from, log_.start, end)
+
+    def _check_last_entries(self) -> None:
+        """The last trusted entry of each queue must point at its record in the log."""
+        for (topic, qid), cq in self.queues.items():
+            if cq.max_offset > cq.min_offset:
+                off = cq.max_offset - 1
+                pos, size, _th, _ts = cq.entry(off)
+                if size == DAMAGED_ENTRY_SIZE or pos < self.log.start:
+                    continue
+                if self._read_record(topic, qid, off, pos, size) is not None:
+                    continue
+                try:  # another valid record there: a stale index (damaged bytes are
+                    # left to reads, which skip them)
+                    check_record(self._read_range(pos, size), 0, pos)
+                except RecordError:
+                    continue
+                raise _NeedFullRebuild(f"entry {off} of {topic} queue {qid}")
+
+    def _dedup_below(self, scan_from: int, window_start: int) -> None:
+        """Put the records stored in the dedup window before ``scan_from`` in the window.
+
+        Found through each queue's index (bisected on store time), so the cost depends on
+        the traffic of the window, not on the data kept.
+        """
+        dedup = self.dedup
+        if not dedup.enabled:
+            return
+        for (topic, qid), cq in self.queues.items():
+            lo = cq.first_offset_where(3, window_start)
+            hi = min(cq.first_offset_where(0, scan_from), cq.max_offset)
+            for i, (pos, size, _th, _ts) in enumerate(
+                    INDEX_ENTRY.iter_unpack(cq.read(lo, hi - lo) if hi > lo else b"")):
+                if size == DAMAGED_ENTRY_SIZE or pos < self.log.start:
+                    continue
+                head = self._read_record(topic, qid, lo + i, pos, size, decode=True)
+                if isinstance(head, RecordHead) and head.unique_key:
+                    dedup.add(topic, head.dedup_key, qid, lo + i, head.store_ts_ms)
+
+    def _read_record(self, topic: str, qid: int, offset: int, pos: int, size: int,
+                     decode: bool = False) -> bytes | RecordHead | None:
+        """The record an index entry points at, or None when it is not that record."""
+        try:
+            raw = self.log.read(pos, size)
+        except KeyError:
+            return None
+        if not record_matches(raw, 0, size, topic.encode(), qid, offset, pos):
+            return None
+        if decode:
+            try:
+                return check_record(raw, 0, pos)
+            except RecordError:
+                return None
+        return raw
 
     # ================================================================ topics
     def create_topic(self, name: str, queues: int) -> TopicConfig:
@@ -387,6 +563,22 @@ class MessageStore:
         self, topic: str, queue_id: int, offset: int, max_msgs: int, max_bytes: int,
         tag_hashes: frozenset[int] | None = None,
     ) -> GetResult:
+        """Up to ``max_msgs`` records from ``offset``, each checked against its index entry.
+
+        A record that is not the one its index entry promises (size, queue, offset,
+        position, topic, checksum) is never returned: the entry is repaired from a bounded
+        scan of the log around it, or the offset is marked damaged. A pull that starts at
+        damaged offsets gets ``DAMAGED`` with ``next_offset`` after them.
+        """
+        for _ in range(3):  # a repaired entry is read again
+            res = self._get(topic, queue_id, offset, max_msgs, max_bytes, tag_hashes)
+            if res is not None:
+                return res
+        raise OnceqError(ErrorCode.STORAGE_ERROR, f"{topic} queue {queue_id} offset {offset}: "
+                         "index repair did not converge")
+
+    def _get(self, topic: str, queue_id: int, offset: int, max_msgs: int, max_bytes: int,
+             tag_hashes: frozenset[int] | None) -> GetResult | None:
         cq = self._queue(topic, queue_id)
         lo, hi = cq.min_offset, cq.max_offset
         if offset < lo:
@@ -398,29 +590,107 @@ class MessageStore:
         raw = cq.read(offset, max_msgs)
         log_start = self.log.start
         ranges: list[list[int]] = []
+        picked: list[tuple[int, int, int]] = []  # (offset, position, size)
         total = 0
         scanned = 0
-        count = 0
         for pos, size, th, _ts in INDEX_ENTRY.iter_unpack(raw):
+            if size == DAMAGED_ENTRY_SIZE:
+                if scanned:
+                    break
+                run = 1
+                for e in INDEX_ENTRY.iter_unpack(raw[INDEX_ENTRY_SIZE:]):
+                    if e[1] != DAMAGED_ENTRY_SIZE:
+                        break
+                    run += 1
+                return GetResult(PullStatus.DAMAGED, b"", 0, offset + run, lo, hi)
             if pos < log_start:
                 return GetResult(PullStatus.OFFSET_MOVED, b"", 0, lo, lo, hi)
-            if count and total + size > max_bytes:
+            if picked and total + size > max_bytes:
                 break
             scanned += 1
             if tag_hashes is not None and th not in tag_hashes:
                 continue
-            count += 1
+            picked.append((offset + scanned - 1, pos, size))
             total += size
             if ranges and ranges[-1][0] + ranges[-1][1] == pos:
                 ranges[-1][1] += size
             else:
                 ranges.append([pos, size])
-        read = self.log.read
-        payload = b"".join(read(p, s) for p, s in ranges)
+        payload = b"".join(self._read_range(p, s) for p, s in ranges)
+        tb = topic.encode()
+        p = 0
+        for i, (off, pos, size) in enumerate(picked):
+            if not record_matches(payload, p, size, tb, queue_id, off, pos):
+                if self._repair_entry(topic, queue_id, off):
+                    return None  # read again through the repaired entry
+                if i == 0:
+                    return GetResult(PullStatus.DAMAGED, b"", 0, off + 1, lo, hi)
+                return GetResult(PullStatus.FOUND, payload[:p], i, off, lo, hi)
+            p += size
         nxt = offset + scanned
-        if count == 0 and nxt == hi:
+        if not picked and nxt == hi:
             return GetResult(PullStatus.NO_NEW_MESSAGE, b"", 0, hi, lo, hi)
-        return GetResult(PullStatus.FOUND, payload, count, nxt, lo, hi)
+        return GetResult(PullStatus.FOUND, payload, len(picked), nxt, lo, hi)
+
+    def _read_range(self, pos: int, size: int) -> bytes:
+        """Log bytes [pos, pos+size), zero-filled where the log has none (never valid)."""
+        try:
+            data = self.log.read(pos, size)
+        except KeyError:  # a position in a lost segment
+            data = b""
+        if len(data) < size:
+            data += bytes(size - len(data))
+        return data
+
+    def _repair_entry(self, topic: str, qid: int, offset: int) -> bool:
+        """Find the record of ``offset`` near where it must be; fix its entry or mark it.
+
+        The record lies between the ends of the nearest earlier and later entries that
+        check out, so only that stretch (at most ``REPAIR_SCAN_BYTES``) is scanned.
+        Returns True when the entry was repaired, False when the offset is now marked
+        damaged.
+        """
+        cq = self.queues[(topic, qid)]
+        log_ = self.log
+        lo_pos = hi_pos = None
+        ts = 0
+        for k in range(offset - 1, max(cq.min_offset, offset - REPAIR_NEIGHBOURS) - 1, -1):
+            pos, size, _th, ets = cq.entry(k)
+            if size != DAMAGED_ENTRY_SIZE and self._read_record(topic, qid, k, pos, size):
+                lo_pos, ts = pos + size, ets
+                break
+        for k in range(offset + 1, min(cq.max_offset, offset + REPAIR_NEIGHBOURS + 1)):
+            pos, size, _th, _ets = cq.entry(k)
+            if size != DAMAGED_ENTRY_SIZE and self._read_record(topic, qid, k, pos, size):
+                hi_pos = pos
+                break
+        if lo_pos is None:
+            lo_pos = max(log_.start, (log_.end if hi_pos is None else hi_pos)
+                         - REPAIR_SCAN_BYTES)
+        if hi_pos is None or hi_pos - lo_pos > REPAIR_SCAN_BYTES:
+            hi_pos = min(log_.end, lo_pos + REPAIR_SCAN_BYTES)
+        t = self.topics[topic]
+        for seg in log_.segments:
+            if seg.end <= lo_pos or seg.base >= hi_pos:
+                continue
+            for ev in log_.scan_segment(seg, max(0, lo_pos - seg.base), hi_pos - seg.base):
+                if (isinstance(ev, RecordHead) and ev.topic == topic and ev.queue_id == qid
+                        and ev.queue_offset == offset and ev.position >= t.created_position):
+                    cq.write_entry(offset, INDEX_ENTRY.pack(ev.position, ev.size,
+                                                            ev.tags_hash, ev.store_ts_ms))
+                    log.error("store: index entry of %s queue %d offset %d pointed at the "
+                              "wrong bytes; repaired from the log", topic, qid, offset)
+                    return True
+        cq.write_entry(offset, damaged_entry(lo_pos, ts))
+        self._mark_damaged((topic, qid), offset, offset + 1, "record unreadable")
+        if self._damage_dirty:
+            self.damage.save()
+            self._damage_dirty = False
+        return False
+
+    def damaged(self) -> dict:
+        """The damaged ranges (commit-log positions and queue offsets) as JSON."""
+        return self.damage.to_json()
 
     def min_max(self, topic: str, queue_id: int) -> tuple[int, int]:
         cq = self._queue(topic, queue_id)
@@ -474,7 +744,10 @@ class MessageStore:
             # an index file closed meanwhile (topic deleted) raises OSError
             with contextlib.suppress(OSError):
                 self.files.fsync(fd)
-        write_atomic(self._checkpoint_path, encode_checkpoint(end), self.files)
+        # every entry counted here was written before: after a crash the index holds at
+        # least as many (a power cut losing unsynced entries costs a full rebuild)
+        ends = {f"{t}/{q}": cq.max_offset for (t, q), cq in list(self.queues.items())}
+        write_atomic(self._checkpoint_path, encode_checkpoint(end, ends), self.files)
 
     def write_offsets_file(self, data: bytes) -> None:
         write_atomic(self._offsets_path, data, self.files)

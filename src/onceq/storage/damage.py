@@ -1,0 +1,86 @@
+"""The damaged ranges of a store: commit-log positions and queue offsets lost to disk damage.
+
+Recovery and reads find damage (a record whose checksum fails, a segment file that went
+missing); the broker skips it and keeps everything else. This registry remembers what was
+lost so that pulls, ``onceq broker verify`` and the broker status report it after restarts
+too. It is persisted as ``damaged.json`` in the data directory (written atomically).
+"""
+
+from __future__ import annotations
+
+from .files import OS_FILES, FileOps
+from .metadata import load_json, save_json
+
+
+def add_range(ranges: list[list[int]], start: int, end: int) -> bool:
+    """Merge ``[start, end)`` into sorted disjoint ``ranges``; True when they changed."""
+    if end <= start:
+        return False
+    out: list[list[int]] = []
+    placed = False
+    for a, b in ranges:
+        if b < start or a > end:
+            if a > end and not placed:
+                out.append([start, end])
+                placed = True
+            out.append([a, b])
+        else:
+            start, end = min(a, start), max(b, end)
+    if not placed:
+        out.append([start, end])
+    out.sort()
+    changed = out != ranges
+    ranges[:] = out
+    return changed
+
+
+def find_range(ranges: list[list[int]], value: int) -> tuple[int, int] | None:
+    for a, b in ranges:
+        if a <= value < b:
+            return a, b
+    return None
+
+
+class DamageRegistry:
+    def __init__(self, path: str, files: FileOps = OS_FILES) -> None:
+        self.path = path
+        self.files = files
+        self.log_ranges: list[list[int]] = []  # commit-log positions [start, end)
+        self.queues: dict[tuple[str, int], list[list[int]]] = {}  # queue offsets [lo, hi)
+
+    def load(self) -> None:
+        raw = load_json(self.path, {}, self.files)
+        self.log_ranges = [[int(a), int(b)] for a, b in raw.get("log", [])]
+        self.queues = {}
+        for topic, qs in raw.get("queues", {}).items():
+            for qid, ranges in qs.items():
+                self.queues[(topic, int(qid))] = [[int(a), int(b)] for a, b in ranges]
+
+    def to_json(self) -> dict:
+        queues: dict[str, dict[str, list[list[int]]]] = {}
+        for (topic, qid), ranges in sorted(self.queues.items()):
+            if ranges:
+                queues.setdefault(topic, {})[str(qid)] = ranges
+        return {"log": self.log_ranges, "queues": queues}
+
+    def save(self) -> None:
+        save_json(self.path, self.to_json(), self.files)
+
+    def add_log(self, start: int, end: int) -> bool:
+        return add_range(self.log_ranges, start, end)
+
+    def add_offsets(self, topic: str, queue_id: int, lo: int, hi: int) -> bool:
+        return add_range(self.queues.setdefault((topic, queue_id), []), lo, hi)
+
+    def offsets(self, topic: str, queue_id: int) -> list[list[int]]:
+        return self.queues.get((topic, queue_id), [])
+
+    def keep_only(self, queues: set[tuple[str, int]], log_start: int) -> bool:
+        """Forget ranges of queues that no longer exist and log ranges below ``log_start``."""
+        before = self.to_json()
+        self.queues = {k: v for k, v in self.queues.items() if k in queues}
+        self.log_ranges = [[max(a, log_start), b] for a, b in self.log_ranges if b > log_start]
+        return self.to_json() != before
+
+    def empty(self) -> bool:
+        return not self.log_ranges and not any(self.queues.values())
