@@ -115,6 +115,7 @@ class Broker:
             RequestCode.CONSUMER_SEND_BACK: self.h_send_back,
             RequestCode.RELEASE_QUEUE: self.h_release_queue,
             RequestCode.QUERY_ACCESS_LOCKS: self.h_query_access_locks,
+            RequestCode.BROKER_STATUS: self.h_broker_status,
         }
 
     # ================================================================ lifecycle
@@ -338,8 +339,11 @@ class Broker:
             return None
         if r.status == PullStatus.FOUND and req["client"] is not None:
             self.transition.delivered(req["group"], req["topic"], req["queue"], r.next_offset)
-        return 0, {"st": int(r.status), "next": r.next_offset, "min": r.min_offset,
-                   "max": r.max_offset, "n": r.count}, r.payload
+        hdr = {"st": int(r.status), "next": r.next_offset, "min": r.min_offset,
+               "max": r.max_offset, "n": r.count}
+        if r.status == PullStatus.DAMAGED:  # offsets [damaged[0], damaged[1]) are lost
+            hdr["damaged"] = [req["offset"], r.next_offset]
+        return 0, hdr, r.payload
 
     def _locked(self, topic: str, queue: int, offset: int) -> dict[str, Any]:
         """A refused pull: "queue is locked by another client", same next offset."""
@@ -539,6 +543,13 @@ class Broker:
         group = check_name("group", _str(h, "group"))
         return 0, {"group": group, "enabled": self.config.access_lock,
                    "queues": self.transition.status(group)}, b""
+
+    def h_broker_status(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                        ) -> Response:
+        """Store health: log range, flush policy, damaged positions and offsets."""
+        store = self.store
+        return 0, {"log_start": store.log.start, "log_end": store.log.end,
+                   "flush": self.config.store.flush, "damaged": store.damaged()}, b""
 
     def _on_internal_put(self, topic: str, queue: int) -> None:
         self.holds.notify((topic, queue))

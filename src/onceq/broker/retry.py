@@ -162,8 +162,8 @@ class RetryService:
             start = offset = max(store.get_offset(SCHEDULE_GROUP, SCHEDULE_TOPIC, level), 0)
             while True:
                 r = store.get(SCHEDULE_TOPIC, level, offset, 64, 16 * 1024 * 1024)
-                if r.status == PullStatus.OFFSET_MOVED:
-                    offset = r.next_offset
+                if r.status in (PullStatus.OFFSET_MOVED, PullStatus.DAMAGED):
+                    offset = r.next_offset  # damaged retries are lost: skip them
                     continue
                 if r.status != PullStatus.FOUND:
                     break

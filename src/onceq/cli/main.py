@@ -235,8 +235,10 @@ def demo(messages: int, queues: int) -> None:
 
 
 from .consumer_cmds import register  # noqa: E402 - consume, group, dlq
+from .verify_cmd import register as register_verify  # noqa: E402 - broker verify/status
 
 register(main)
+register_verify(broker)
 
 if __name__ == "__main__":
     main()

@@ -185,6 +185,11 @@ class Admin(BrokerClient):
         return (await self._req(RequestCode.QUERY_ACCESS_LOCKS, {"group": group}))["queues"]
 
     # ---------------------------------------------------------------- dead letters
+    async def broker_status(self) -> dict[str, Any]:
+        """Store health: ``log_start``, ``log_end``, ``flush`` and ``damaged`` (the commit-log
+        positions and, per topic and queue, the offsets lost to disk damage)."""
+        return await self._req(RequestCode.BROKER_STATUS)
+
     async def dead_letter_offsets(self, group: str) -> tuple[int, int] | None:
         """(min, max) offsets of the group's dead-letter queue; None when it has none
         (GROUP_NOT_EXIST when the broker does not know the group at all)."""

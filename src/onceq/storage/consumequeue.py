@@ -73,7 +73,12 @@ class ConsumeQueue:
         self.min_offset = min(self._fds)
         self.max_offset = last + self._entries_in(last)
         # a queue restarted at k > 0 leaves zero-filled entries before k in its first file
-        self.min_offset = self.first_offset_where(1, 1)
+        # (only there: a zeroed entry further on is damage, repaired on read)
+        if self.max_offset > self.min_offset and self.entry(self.min_offset)[1] == 0:
+            first_end = min(self.max_offset, self.min_offset + self.per_file)
+            saved, self.max_offset = self.max_offset, first_end
+            self.min_offset = self.first_offset_where(1, 1)
+            self.max_offset = saved
 
     def _entries_in(self, base: int) -> int:
         size = self.files.size(self._fds[base]) - FILE_HEADER_SIZE

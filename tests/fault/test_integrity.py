@@ -1,0 +1,327 @@
+"""Damage that costs only itself: damaged records, index entries, topics beyond the end,
+repeated offsets, a recovered tail made durable, and start-up that reads only the tail."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from onceq.log.record import REC_HEADER_SIZE, decode_records, encode_part
+from onceq.log.segment import FILE_HEADER_SIZE, INDEX_ENTRY_SIZE
+from onceq.protocol.codes import PullStatus
+from onceq.storage.config import StoreConfig
+from onceq.storage.files import OS_FILES, FileOps
+from onceq.storage.store import MessageStore
+from onceq.storage.verify import verify_store
+from tests.clock import FakeClock
+from tests.powercut import PowerCutFiles
+
+SEG = 64 * 1024
+T0 = 1_700_000_000.0
+BODY = 300
+
+
+def open_store(root: str, files: FileOps = OS_FILES, **kw) -> MessageStore:
+    cfg = dict(segment_size=SEG, index_entries_per_file=100, max_body=8 * 1024)
+    cfg.update(kw)
+    store = MessageStore(StoreConfig(root, **cfg), clock=FakeClock(T0), files=files)
+    store.open()
+    return store
+
+
+def crash(store: MessageStore) -> None:
+    """A killed process: no checkpoint, no fsync (the page cache keeps the writes)."""
+    store.log.close()
+    for cq in store.queues.values():
+        cq.close()
+
+
+def body(i: int) -> bytes:
+    return f"m{i:05d}".encode().ljust(BODY, b".")
+
+
+def send(store: MessageStore, topic: str, first: int, n: int, queues: int = 1) -> dict:
+    """Send messages first..first+n-1 round-robin over queues; return {uk: (q, offset)}."""
+    acked = {}
+    for i in range(first, first + n):
+        uk = f"UK{i:06d}"
+        q = i % queues
+        r = store.put(topic, q, [encode_part(body(i), uk, 1)])
+        acked[uk] = (q, r.offsets[0])
+    return acked
+
+
+def read_queue(store: MessageStore, topic: str, qid: int) -> tuple[dict, list[int]]:
+    """{offset: message} readable, and the offsets pulled as DAMAGED."""
+    lo, hi = store.min_max(topic, qid)
+    off, got, bad = lo, {}, []
+    while off < hi:
+        r = store.get(topic, qid, off, 16, 1 << 20)
+        if r.status == PullStatus.DAMAGED:
+            bad.extend(range(off, r.next_offset))
+        else:
+            assert r.status == PullStatus.FOUND, r
+            for m in decode_records(r.payload):
+                got[m.queue_offset] = m
+        assert r.next_offset > off
+        off = r.next_offset
+    return got, bad
+
+
+def segments(root: str) -> list[str]:
+    d = os.path.join(root, "commitlog")
+    return [os.path.join(d, n) for n in sorted(os.listdir(d)) if n.isdigit()]
+
+
+def flip(path: str, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([b ^ 0x5A]))
+
+
+def test_a_flipped_byte_in_an_old_segment_costs_one_message(tmp_path):
+    """The user's case: 2,000 sends over 10 segments, one byte flipped mid segment 2."""
+    for crashed in (False, True):
+        root = str(tmp_path / f"c{crashed}")
+        store = open_store(root, segment_size=SEG)
+        store.create_topic("T", 4)
+        acked = send(store, "T", 0, 2000, queues=4)
+        assert len(store.log.segments) >= 10
+        if crashed:
+            crash(store)  # no checkpoint since open: the whole log is the tail
+        else:
+            store.close()
+        seg2 = segments(root)[1]
+        flip(seg2, FILE_HEADER_SIZE + (os.path.getsize(seg2) - FILE_HEADER_SIZE) // 2)
+        store = open_store(root, segment_size=SEG)
+        assert len(segments(root)) == len(store.log.segments) >= 10  # nothing deleted
+        readable, damaged = {}, []
+        for q in range(4):
+            got, bad = read_queue(store, "T", q)
+            readable.update({(q, o): m for o, m in got.items()})
+            damaged.extend((q, o) for o in bad)
+        assert len(damaged) == 1
+        assert len(readable) == 1999
+        for uk, (q, off) in acked.items():
+            if (q, off) not in damaged:
+                m = readable[q, off]
+                assert m.unique_key == uk and m.body == body(int(uk[2:]))
+        q, off = damaged[0]
+        assert store.damaged()["queues"] == {"T": {str(q): [[off, off + 1]]}}
+        # reported offline too, and still after a restart
+        store.close()
+        report = verify_store(root)
+        assert report.damaged
+        assert [(d.topic, d.queue_id, d.first, d.last) for d in report.queues] == [
+            ("T", q, off, off)]
+        store = open_store(root, segment_size=SEG)
+        assert read_queue(store, "T", q)[1] == [off]
+        store.close()
+
+
+def _entry_path(root: str, topic: str, qid: int, offset: int, per_file: int = 100) -> tuple:
+    base = offset - offset % per_file
+    path = os.path.join(root, "queues", topic, str(qid), f"{base:020d}")
+    return path, FILE_HEADER_SIZE + (offset - base) * INDEX_ENTRY_SIZE
+
+
+def test_swapped_and_zeroed_index_entries_are_repaired_from_the_log(tmp_path):
+    root = str(tmp_path)
+    store = open_store(root)
+    store.create_topic("T", 1)
+    acked = send(store, "T", 0, 60)
+    store.close()  # the checkpoint covers every entry: they are trusted at start
+    p10, at10 = _entry_path(root, "T", 0, 10)
+    _p20, at20 = _entry_path(root, "T", 0, 20)
+    _p30, at30 = _entry_path(root, "T", 0, 30)
+    with open(p10, "r+b") as f:
+        f.seek(at10)
+        e10 = f.read(INDEX_ENTRY_SIZE)
+        f.seek(at20)
+        e20 = f.read(INDEX_ENTRY_SIZE)
+        f.seek(at10)
+        f.write(e20)
+        f.seek(at20)
+        f.write(e10)
+        f.seek(at30)
+        f.write(bytes(INDEX_ENTRY_SIZE))
+    assert {d.first for d in verify_store(root).queues} == {10, 20, 30}
+    store = open_store(root)
+    for off in (10, 20, 30):
+        r = store.get("T", 0, off, 1, 1 << 20)
+        assert r.status == PullStatus.FOUND and r.count == 1 and r.next_offset == off + 1
+        (m,) = decode_records(r.payload)
+        assert m.queue_offset == off and m.unique_key == f"UK{off:06d}"
+    got, bad = read_queue(store, "T", 0)
+    assert bad == [] and {m.unique_key: (0, o) for o, m in got.items()} == acked
+    assert store.damaged()["queues"] == {}
+    store.close()
+    assert not verify_store(root).damaged  # the repaired entries reached the disk
+
+
+def test_an_unrepairable_entry_is_marked_damaged_not_returned_as_found(tmp_path):
+    root = str(tmp_path)
+    store = open_store(root)
+    store.create_topic("T", 1)
+    send(store, "T", 0, 40)
+    store.close()
+    # the record of offset 30 is damaged below the checkpoint: found only by reading it
+    store = open_store(root)
+    pos, _size, _th, _ts = store.queues["T", 0].entry(30)
+    seg = store.log._find(pos)
+    store.close()
+    flip(seg.path, FILE_HEADER_SIZE + pos - seg.base + REC_HEADER_SIZE + 5)
+    store = open_store(root)
+    r = store.get("T", 0, 28, 10, 1 << 20)  # stops before the damaged record
+    assert r.status == PullStatus.FOUND and r.count == 2 and r.next_offset == 30
+    r = store.get("T", 0, 30, 10, 1 << 20)
+    assert r.status == PullStatus.DAMAGED and r.next_offset == 31 and r.payload == b""
+    r = store.get("T", 0, 31, 10, 1 << 20)
+    assert r.status == PullStatus.FOUND and r.count == 9
+    assert store.damaged()["queues"] == {"T": {"0": [[30, 31]]}}
+    store.close()
+    store = open_store(root)  # persisted: the index entry is marked
+    assert store.get("T", 0, 30, 10, 1 << 20).status == PullStatus.DAMAGED
+    store.close()
+
+
+def test_topic_created_beyond_the_recovered_end_keeps_its_messages(tmp_path):
+    root = str(tmp_path)
+    store = open_store(root)
+    store.create_topic("A", 1)
+    send(store, "A", 0, 100)
+    store.close()
+    # a creation position beyond the log end (the log lost its tail after the topic was made)
+    with open(os.path.join(root, "topics.json")) as f:
+        topics = json.load(f)
+    end = os.path.getsize(segments(root)[-1]) - FILE_HEADER_SIZE + (len(segments(root)) - 1) * SEG
+    topics["B"] = {"queues": 1, "created_position": end + 5000, "created_ms": 1}
+    with open(os.path.join(root, "topics.json"), "w") as f:
+        json.dump(topics, f)
+    store = open_store(root)
+    assert store.topics["B"].created_position == store.log.end
+    acked = send(store, "B", 0, 100)
+    store.close()
+    store = open_store(root)
+    got, bad = read_queue(store, "B", 0)
+    assert bad == [] and {m.unique_key: (0, o) for o, m in got.items()} == acked
+    store.close()
+
+
+def test_recovery_keeps_the_later_record_of_a_repeated_offset(tmp_path):
+    """A write that reached the log but failed (never acknowledged) and a later, acknowledged
+    write of the same offset: after a crash the acknowledged one is at the offset."""
+    root = str(tmp_path)
+    store = open_store(root)
+    store.create_topic("T", 1)
+    send(store, "T", 0, 5)
+    store.write_checkpoint()
+    store.put("T", 0, [encode_part(b"failed", "FAILED", 1)])  # offset 5, then "fails":
+    store.queues["T", 0].truncate(5)  # the index append did not happen
+    r = store.put("T", 0, [encode_part(b"acked", "ACKED", 1)])
+    assert r.offsets == [5]
+    crash(store)
+    store = open_store(root)
+    got, bad = read_queue(store, "T", 0)
+    assert bad == [] and sorted(got) == [0, 1, 2, 3, 4, 5]
+    assert got[5].unique_key == "ACKED" and got[5].body == b"acked"
+    store.close()
+
+
+def test_sync_recovered_tail_is_fsynced_before_anything_is_answered(tmp_path):
+    """Written but not fsynced, process killed: recovery finds the records in the page
+    cache; they must reach the disk during open, or a power cut loses them after the
+    broker answered a producer's retry "duplicate"."""
+    root = str(tmp_path)
+    files = PowerCutFiles()
+    store = open_store(root, files, flush="sync")
+    store.create_topic("T", 1)
+    send(store, "T", 0, 10)
+    store.write_checkpoint()
+    acked = send(store, "T", 10, 5)  # written, the fsync never ran
+    crash(store)  # SIGKILL
+    store = open_store(root, files, flush="sync")
+    # the producer retries: answered as a duplicate of the stored message
+    r = store.put("T", 0, [encode_part(body(12), "UK000012", 1)])
+    assert r.duplicates == [0] and r.offsets == [acked["UK000012"][1]]
+    crash(store)
+    files.cut_power()
+    store = open_store(root, files, flush="sync")
+    got, bad = read_queue(store, "T", 0)
+    assert bad == [] and sorted(got) == list(range(15))
+    store.close()
+
+
+def test_power_cut_model_loses_unsynced_writes(tmp_path):
+    """The model itself: what was not fsynced is gone after a cut (so the test above can
+    fail)."""
+    root = str(tmp_path)
+    files = PowerCutFiles()
+    store = open_store(root, files)
+    store.create_topic("T", 1)
+    send(store, "T", 0, 10)
+    store.write_checkpoint()
+    send(store, "T", 10, 5)
+    assert files.unsynced_bytes() > 0
+    crash(store)
+    files.cut_power()
+    store = open_store(root, files)
+    assert store.min_max("T", 0) == (0, 10)
+    store.close()
+
+
+class CountingFiles(FileOps):
+    def __init__(self) -> None:
+        self.read = 0
+
+    def pread(self, fd: int, size: int, offset: int) -> bytes:
+        data = super().pread(fd, size, offset)
+        self.read += len(data)
+        return data
+
+
+def test_open_reads_only_the_tail_after_the_checkpoint(tmp_path):
+    root = str(tmp_path)
+    store = open_store(root, dedup_window_s=0)
+    store.create_topic("T", 2)
+    send(store, "T", 0, 3000, queues=2)
+    store.write_checkpoint()
+    tail = sum(len(encode_part(body(i), "UK000000", 1)) + REC_HEADER_SIZE + 1
+               for i in range(20))
+    send(store, "T", 3000, 20, queues=2)
+    crash(store)
+    files = CountingFiles()
+    store = open_store(root, files, dedup_window_s=0)
+    log_bytes = store.log.end - store.log.start
+    assert log_bytes > 900_000
+    # the tail, the segment headers and a few index entries: not the log
+    assert files.read < tail + 64 * len(store.log.segments) + 4096, (files.read, tail)
+    assert store.min_max("T", 0) == (0, 1510) and store.min_max("T", 1) == (0, 1510)
+    store.close()
+
+
+def test_verify_command_exit_codes_and_json(tmp_path):
+    root = str(tmp_path)
+    store = open_store(root)
+    store.create_topic("T", 1)
+    send(store, "T", 0, 300)
+    store.close()
+    cmd = [sys.executable, "-m", "onceq.cli.main", "broker", "verify", "--data-dir", root]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "no damage found" in r.stdout
+    seg = segments(root)[0]
+    flip(seg, FILE_HEADER_SIZE + 1000)
+    r = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stderr
+    report = json.loads(r.stdout)
+    assert report["damaged"] and report["records"] == 299
+    assert len(report["log"]) == 1 and report["log"][0]["start"] <= 1000 < report["log"][0]["end"]
+    assert [(q["topic"], q["queue"], q["first"] == q["last"]) for q in report["queues"]] == [
+        ("T", 0, True)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "damaged" in r.stdout
