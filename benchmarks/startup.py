@@ -1,0 +1,152 @@
+"""Broker start-up time (open to serving) against the amount of data kept.
+
+For each size (default 1 GiB and 4 GiB) a data directory is filled through the real store
+API (``MessageStore.put``, batches of 256 messages of 2 KiB on 8 queues, async flush, default
+1 GiB segments; the store clock is set one hour back so the data is older than the dedup
+window). Then ``onceq broker start`` is spawned on it and timed from spawn until it accepts
+a connection and answers a ping:
+
+* ``clean``: after a clean shutdown (the checkpoint is at the log end);
+* ``crash``: after a crash that left ``--tail-mib`` of log after the last checkpoint.
+
+``--src`` runs another source tree (e.g. a ``git worktree`` of an older commit) for a
+before/after comparison; the same data directory is used for both trees.
+
+Usage: python benchmarks/startup.py [--sizes-gib 1 4] [--tail-mib 64] [--src DIR ...]
+Prints one JSON document. Needs about the largest size free in the data directory's file
+system; the data is deleted at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SRC = os.path.join(os.path.dirname(HERE), "src")
+BODY = 2048
+BATCH = 256
+QUEUES = 8
+TOPIC = "bench"
+
+_BUILD = r"""
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+from onceq.log.record import encode_part
+from onceq.storage.config import StoreConfig
+from onceq.storage.store import MessageStore
+data_dir, total, tail = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+clock = lambda: time.time() - 3600  # older than the dedup window
+store = MessageStore(StoreConfig(data_dir), clock=clock)
+store.open()
+if "bench" not in store.topics:
+    store.create_topic("bench", 8)
+body = os.urandom(2048)
+n = 0
+checkpointed = False
+while store.log.end < total:
+    if not checkpointed and store.log.end >= total - tail:
+        store.write_checkpoint()
+        checkpointed = True
+    parts = [encode_part(body, "U%012d" % (n + i), 1) for i in range(256)]
+    store.put("bench", n // 256 % 8, parts)
+    n += 256
+# a crash: no final checkpoint (the page cache keeps the writes)
+store.log.close()
+for cq in store.queues.values():
+    cq.close()
+print(n)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _ping(port: int) -> None:
+    sys.path.insert(0, SRC)
+    from onceq.client.admin import Admin
+
+    async with Admin(f"127.0.0.1:{port}") as admin:
+        await admin.ping()
+
+
+def time_start(src: str, data_dir: str) -> float:
+    """Seconds from spawning a broker on ``data_dir`` until it answers a ping; stops it."""
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": src}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "onceq.cli.main", "broker", "start", "--data-dir", data_dir,
+         "--port", str(port), "--log-level", "WARNING"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+    )
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(proc.stderr.read().decode()[-2000:])
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    break
+            except OSError:
+                time.sleep(0.01)
+        asyncio.run(_ping(port))
+        return time.perf_counter() - t0
+    finally:
+        proc.terminate()  # SIGTERM: a clean shutdown (writes the checkpoint)
+        proc.wait(timeout=600)
+
+
+def build(src: str, data_dir: str, size: int, tail: int) -> int:
+    out = subprocess.run([sys.executable, "-c", _BUILD, src, data_dir, str(size), str(tail)],
+                         check=True, capture_output=True, text=True)
+    return int(out.stdout.strip())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes-gib", type=float, nargs="+", default=[1, 4])
+    ap.add_argument("--tail-mib", type=int, default=64)
+    ap.add_argument("--src", nargs="+", default=[SRC],
+                    help="source trees to time (default: this one)")
+    ap.add_argument("--dir", default=None, help="where to put the data (default: a temp dir)")
+    args = ap.parse_args()
+    results = []
+    for gib in args.sizes_gib:
+        size = int(gib * 1024 ** 3)
+        tail = args.tail_mib * 1024 ** 2
+        root = tempfile.mkdtemp(prefix="onceq-startup-", dir=args.dir)
+        try:
+            data = os.path.join(root, "data")
+            t0 = time.perf_counter()
+            messages = build(SRC, data, size, tail)
+            build_s = time.perf_counter() - t0
+            row = {"data_gib": gib, "messages": messages, "build_s": round(build_s, 1),
+                   "unchecked_tail_mib": args.tail_mib, "trees": {}}
+            for src in args.src:
+                # the first start follows the crash; it checkpoints, so the second is clean
+                crash_s = time_start(src, data)
+                clean_s = time_start(src, data)
+                row["trees"][src] = {"crash_start_s": round(crash_s, 3),
+                                     "clean_start_s": round(clean_s, 3)}
+                # the next tree finds a crashed store again
+                build(SRC, data, size + tail, tail)
+            results.append(row)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    print(json.dumps({"benchmark": "startup", "body_bytes": BODY, "batch": BATCH,
+                      "queues": QUEUES, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
