@@ -237,6 +237,29 @@ def record_matches(buf: bytes | memoryview, pos: int, size: int, topic_bytes: by
     return zlib.crc32(view[pos + 8:pos + size]) == crc
 
 
+def first_mismatch(buf: bytes, picked: list[tuple[int, int, int]], topic_bytes: bytes,
+                   queue_id: int) -> int:
+    """Index in ``picked`` ((offset, position, size) of consecutive records in ``buf``) of
+    the first record that is not what its index entry promises; -1 when all are."""
+    unpack = REC_HEADER.unpack_from
+    crc32 = zlib.crc32
+    view = memoryview(buf)
+    tlen = len(topic_bytes)
+    n = len(buf)
+    p = 0
+    for i, (off, pos, size) in enumerate(picked):
+        end = p + size
+        if size < REC_HEADER_SIZE or end > n:
+            return i
+        total, crc, magic, _r, qid, qoff, rpos, _ts, tl = unpack(buf, p)
+        if (total != size or magic != RECORD_MAGIC or qid != queue_id or qoff != off
+                or rpos != pos or tl != tlen or buf[end - tlen:end] != topic_bytes
+                or crc32(view[p + 8:end]) != crc):
+            return i
+        p = end
+    return -1
+
+
 @dataclass(slots=True)
 class Message:
     """A stored message as a consumer sees it."""

@@ -22,6 +22,7 @@ from ..log.record import (
     build_record_parts,
     check_part,
     check_record,
+    first_mismatch,
     record_matches,
     tag_hash,
 )
@@ -617,16 +618,15 @@ class MessageStore:
             else:
                 ranges.append([pos, size])
         payload = b"".join(self._read_range(p, s) for p, s in ranges)
-        tb = topic.encode()
-        p = 0
-        for i, (off, pos, size) in enumerate(picked):
-            if not record_matches(payload, p, size, tb, queue_id, off, pos):
-                if self._repair_entry(topic, queue_id, off):
-                    return None  # read again through the repaired entry
-                if i == 0:
-                    return GetResult(PullStatus.DAMAGED, b"", 0, off + 1, lo, hi)
-                return GetResult(PullStatus.FOUND, payload[:p], i, off, lo, hi)
-            p += size
+        i = first_mismatch(payload, picked, topic.encode(), queue_id)
+        if i >= 0:
+            off = picked[i][0]
+            if self._repair_entry(topic, queue_id, off):
+                return None  # read again through the repaired entry
+            if i == 0:
+                return GetResult(PullStatus.DAMAGED, b"", 0, off + 1, lo, hi)
+            good = sum(size for _o, _p, size in picked[:i])
+            return GetResult(PullStatus.FOUND, payload[:good], i, off, lo, hi)
         nxt = offset + scanned
         if not picked and nxt == hi:
             return GetResult(PullStatus.NO_NEW_MESSAGE, b"", 0, hi, lo, hi)
