@@ -325,3 +325,29 @@ def test_verify_command_exit_codes_and_json(tmp_path):
         ("T", 0, True)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "damaged" in r.stdout
+
+
+def test_topic_created_after_a_record_that_is_then_cut_as_a_torn_tail(tmp_path):
+    """The creation position of a new topic is the log end; damage to the last record
+    before it makes recovery cut the log below that position. The topic's next messages
+    must still count as its own after a clean restart."""
+    root = str(tmp_path)
+    store = open_store(root)
+    store.create_topic("A", 1)
+    send(store, "A", 0, 100)
+    store.write_checkpoint()
+    send(store, "A", 100, 1)  # the last record before the new topic, after the checkpoint
+    store.create_topic("B", 1)
+    created = store.topics["B"].created_position
+    crash(store)
+    flip(segments(root)[-1], os.path.getsize(segments(root)[-1]) - 3)  # inside that record
+    store = open_store(root)
+    assert store.log.end < created
+    assert store.topics["B"].created_position == store.log.end
+    acked = send(store, "B", 0, 100)
+    store.close()
+    store = open_store(root)
+    got, bad = read_queue(store, "B", 0)
+    assert bad == [] and {m.unique_key: (0, o) for o, m in got.items()} == acked
+    assert store.min_max("A", 0) == (0, 100)
+    store.close()
