@@ -23,10 +23,13 @@ T0 = 1_700_000_000.0
 BODY = 300
 
 
+def cfg(root: str, **kw) -> StoreConfig:
+    kw = {"segment_size": SEG, "index_entries_per_file": 100, "max_body": 8 * 1024, **kw}
+    return StoreConfig(root, **kw)
+
+
 def open_store(root: str, files: FileOps = OS_FILES, **kw) -> MessageStore:
-    cfg = dict(segment_size=SEG, index_entries_per_file=100, max_body=8 * 1024)
-    cfg.update(kw)
-    store = MessageStore(StoreConfig(root, **cfg), clock=FakeClock(T0), files=files)
+    store = MessageStore(cfg(root, **kw), clock=FakeClock(T0), files=files)
     store.open()
     return store
 
@@ -285,22 +288,58 @@ class CountingFiles(FileOps):
 
 
 def test_open_reads_only_the_tail_after_the_checkpoint(tmp_path):
+    """With data older than the dedup window (or no window), start-up reads the log after
+    the checkpoint, the segment headers and a few index entries: not the log."""
+    for window in (0, 120):
+        root = str(tmp_path / str(window))
+        clock = FakeClock(T0)
+        store = MessageStore(cfg(root, dedup_window_s=window), clock=clock)
+        store.open()
+        store.create_topic("T", 2)
+        send(store, "T", 0, 3000, queues=2)
+        store.write_checkpoint()
+        clock.advance(600)
+        tail = sum(len(encode_part(body(i), "UK000000", 1)) + REC_HEADER_SIZE + 1
+                   for i in range(20))
+        send(store, "T", 3000, 20, queues=2)
+        crash(store)
+        files = CountingFiles()
+        store = MessageStore(cfg(root, dedup_window_s=window), clock=clock, files=files)
+        store.open()
+        assert store.log.end - store.log.start > 900_000
+        assert files.read < tail + 64 * len(store.log.segments) + 8192, (files.read, tail)
+        assert store.min_max("T", 0) == (0, 1510) and store.min_max("T", 1) == (0, 1510)
+        if window:  # the tail's keys are known, the old ones expired
+            assert store.put("T", 0, [encode_part(body(3000), "UK003000", 1)]).duplicates == [0]
+            assert store.put("T", 0, [encode_part(body(0), "UK000000", 1)]).duplicates == []
+        store.close()
+
+
+def test_dedup_window_before_the_checkpoint_is_rebuilt_within_its_key_bound(tmp_path):
     root = str(tmp_path)
-    store = open_store(root, dedup_window_s=0)
-    store.create_topic("T", 2)
-    send(store, "T", 0, 3000, queues=2)
-    store.write_checkpoint()
-    tail = sum(len(encode_part(body(i), "UK000000", 1)) + REC_HEADER_SIZE + 1
-               for i in range(20))
-    send(store, "T", 3000, 20, queues=2)
-    crash(store)
+    clock = FakeClock(T0)
+
+    def make(files: FileOps = OS_FILES) -> MessageStore:
+        s = MessageStore(cfg(root, dedup_max_keys=500), clock=clock, files=files)
+        s.open()
+        return s
+
+    store = make()
+    store.create_topic("T", 3)
+    for k in range(0, 2000, 10):  # all inside the window, below the checkpoint
+        send(store, "T", k, 10, queues=3)
+        clock.advance(0.01)
+    store.close()
     files = CountingFiles()
-    store = open_store(root, files, dedup_window_s=0)
-    log_bytes = store.log.end - store.log.start
-    assert log_bytes > 900_000
-    # the tail, the segment headers and a few index entries: not the log
-    assert files.read < tail + 64 * len(store.log.segments) + 4096, (files.read, tail)
-    assert store.min_max("T", 0) == (0, 1510) and store.min_max("T", 1) == (0, 1510)
+    store = make(files)
+    # the newest 500 records are read (not the 2,000 of the window)
+    assert files.read < 600 * (BODY + 120), files.read
+    for i, dup in ((1999, True), (1500, True), (1000, False)):
+        uk = f"UK{i:06d}"
+        r = store.put("T", i % 3, [encode_part(body(i), uk, 1)])
+        assert (r.duplicates == [0]) is dup, i
+        if dup:
+            assert r.offsets == [i // 3]
     store.close()
 
 

@@ -255,9 +255,11 @@ class MessageStore:
         damage_seen: list[tuple[int, int]] = []
         if checkpoint is not None:
             self._check_last_entries()
+        window_start = int(self.clock() * 1000) - self.dedup.window_ms
+        if checkpoint is not None:  # before the tail: the window is filled oldest first
+            self._dedup_below(scan_from, window_start)
         base: dict[tuple[str, int], int] = {}  # first offset of each queue's pending entries
         pending: dict[tuple[str, int], list[bytes]] = {}
-        window_start = int(self.clock() * 1000) - self.dedup.window_ms
         topics = self.topics
         dedup = self.dedup
         queues = self.queues
@@ -351,8 +353,6 @@ class MessageStore:
             if cq.max_offset > cq.min_offset:
                 cq.truncate(_first_offset_past(cq, end))  # entries past a truncated tail
             cq.drop_below_position(log_.start)
-        if checkpoint is not None:
-            self._dedup_below(scan_from, window_start)
         dedup.expire(int(self.clock() * 1000))
         log.info("store: recovered %d records from position %d, commit log [%d, %d)",
                  count, scan_from, log_.start, end)
@@ -377,22 +377,49 @@ class MessageStore:
     def _dedup_below(self, scan_from: int, window_start: int) -> None:
         """Put the records stored in the dedup window before ``scan_from`` in the window.
 
-        Found through each queue's index (bisected on store time), so the cost depends on
-        the traffic of the window, not on the data kept.
+        The indexes (bisected on store time) give where the window starts in the log; that
+        stretch is read in one pass, oldest first. At most ``dedup_max_keys`` records are
+        wanted, so the cost depends on the window's traffic, not on the data kept.
         """
         dedup = self.dedup
         if not dedup.enabled:
             return
-        for (topic, qid), cq in self.queues.items():
-            lo = cq.first_offset_where(3, window_start)
-            hi = min(cq.first_offset_where(0, scan_from), cq.max_offset)
-            for i, (pos, size, _th, _ts) in enumerate(
-                    INDEX_ENTRY.iter_unpack(cq.read(lo, hi - lo) if hi > lo else b"")):
-                if size == DAMAGED_ENTRY_SIZE or pos < self.log.start:
+        spans = [(cq, cq.max_offset) for cq in self.queues.values()
+                 if cq.first_offset_where(3, window_start) < cq.max_offset]
+        if not spans:
+            return
+        since = window_start
+
+        def count(ts: int) -> int:
+            return sum(hi - cq.first_offset_where(3, ts) for cq, hi in spans)
+
+        if count(since) > dedup.max_keys:  # only the newest max_keys records are kept
+            lo_t, hi_t = since, max(cq.entry(hi - 1)[3] for cq, hi in spans) + 1
+            while lo_t < hi_t:
+                mid = (lo_t + hi_t) // 2
+                if count(mid) > dedup.max_keys:
+                    lo_t = mid + 1
+                else:
+                    hi_t = mid
+            since = max(lo_t - 1, since)  # one ms more: the window trims the extra keys
+        firsts = [cq.first_offset_where(3, since) for cq, _hi in spans]
+        starts = [cq.entry(f)[0] for (cq, hi), f in zip(spans, firsts, strict=True) if f < hi]
+        if not starts:
+            return
+        from_pos = max(min(starts), self.log.start)
+        topics = self.topics
+        for seg in self.log.segments:
+            if seg.end <= from_pos or seg.base >= scan_from:
+                continue
+            for h in self.log.scan_segment(seg, max(0, from_pos - seg.base),
+                                           scan_from - seg.base):
+                if (not isinstance(h, RecordHead) or h.position >= scan_from
+                        or h.store_ts_ms < since or not h.unique_key):
                     continue
-                head = self._read_record(topic, qid, lo + i, pos, size, decode=True)
-                if isinstance(head, RecordHead) and head.unique_key:
-                    dedup.add(topic, head.dedup_key, qid, lo + i, head.store_ts_ms)
+                t = topics.get(h.topic)
+                if t is None or h.queue_id >= t.queues or h.position < t.created_position:
+                    continue
+                dedup.add(h.topic, h.dedup_key, h.queue_id, h.queue_offset, h.store_ts_ms)
 
     def _read_record(self, topic: str, qid: int, offset: int, pos: int, size: int,
                      decode: bool = False) -> bytes | RecordHead | None:
