@@ -12,6 +12,7 @@ from onceq.log.record import REC_HEADER_SIZE, decode_records, encode_part
 from onceq.log.segment import FILE_HEADER_SIZE, INDEX_ENTRY_SIZE
 from onceq.protocol.codes import PullStatus
 from onceq.storage.config import StoreConfig
+from onceq.storage.damage import add_range
 from onceq.storage.files import OS_FILES, FileOps
 from onceq.storage.store import MessageStore
 from onceq.storage.verify import verify_store
@@ -189,7 +190,25 @@ def test_an_unrepairable_entry_is_marked_damaged_not_returned_as_found(tmp_path)
     store.close()
     store = open_store(root)  # persisted: the index entry is marked
     assert store.get("T", 0, 30, 10, 1 << 20).status == PullStatus.DAMAGED
+    assert store.damaged()["queues"] == {"T": {"0": [[30, 31]]}}
+    store.delete_topic("T")  # a topic created again under the name starts clean
+    store.create_topic("T", 1)
+    send(store, "T", 0, 40)
+    assert store.damaged()["queues"] == {}
     store.close()
+    assert verify_store(root).queues == []  # the old record's bytes are still listed
+
+
+def test_add_range_merges_and_orders():
+    ranges: list[list[int]] = []
+    assert add_range(ranges, 10, 12)
+    assert add_range(ranges, 1, 3)
+    assert not add_range(ranges, 10, 11)
+    assert add_range(ranges, 12, 15)  # adjacent: merged
+    assert add_range(ranges, 2, 11)  # bridges both
+    assert ranges == [[1, 15]]
+    assert add_range(ranges, 20, 21) and ranges == [[1, 15], [20, 21]]
+    assert not add_range(ranges, 5, 5)
 
 
 def test_topic_created_beyond_the_recovered_end_keeps_its_messages(tmp_path):

@@ -75,12 +75,5 @@ class DamageRegistry:
     def offsets(self, topic: str, queue_id: int) -> list[list[int]]:
         return self.queues.get((topic, queue_id), [])
 
-    def keep_only(self, queues: set[tuple[str, int]], log_start: int) -> bool:
-        """Forget ranges of queues that no longer exist and log ranges below ``log_start``."""
-        before = self.to_json()
-        self.queues = {k: v for k, v in self.queues.items() if k in queues}
-        self.log_ranges = [[max(a, log_start), b] for a, b in self.log_ranges if b > log_start]
-        return self.to_json() != before
-
     def empty(self) -> bool:
         return not self.log_ranges and not any(self.queues.values())

@@ -190,7 +190,11 @@ class MessageStore:
                 if cq.max_offset == 0 and loaded_max[key] > 0:
                     cq.reset(loaded_max[key])  # no record left: never reuse its offsets
         self._move_back_topics()
-        if self.damage.keep_only(set(self.queues), self.log.start) or self._damage_dirty:
+        live = self.damaged()
+        if live != self.damage.to_json() or self._damage_dirty:
+            self.damage.log_ranges = live["log"]
+            self.damage.queues = {(t, int(q)): r for t, qs in live["queues"].items()
+                                  for q, r in qs.items()}
             self.damage.save()
             self._damage_dirty = False
         # the scanned tail and the rebuilt index entries are fsynced here, before the broker
@@ -716,8 +720,24 @@ class MessageStore:
         return False
 
     def damaged(self) -> dict:
-        """The damaged ranges (commit-log positions and queue offsets) as JSON."""
-        return self.damage.to_json()
+        """The damaged ranges (commit-log positions and queue offsets) as JSON.
+
+        Queue ranges are the offsets the queue still holds whose index entry is a damage
+        marker (a topic deleted and created again starts clean)."""
+        live = DamageRegistry(self.damage.path, self.files)
+        live.log_ranges = [[max(a, self.log.start), b] for a, b in self.damage.log_ranges
+                           if b > self.log.start]
+        for (topic, qid), ranges in self.damage.queues.items():
+            cq = self.queues.get((topic, qid))
+            if cq is None:
+                continue
+            for a, b in ranges:
+                a, b = max(a, cq.min_offset), min(b, cq.max_offset)
+                for i, e in enumerate(INDEX_ENTRY.iter_unpack(cq.read(a, b - a) if b > a
+                                                              else b"")):
+                    if e[1] == DAMAGED_ENTRY_SIZE:
+                        live.add_offsets(topic, qid, a + i, a + i + 1)
+        return live.to_json()
 
     def min_max(self, topic: str, queue_id: int) -> tuple[int, int]:
         cq = self._queue(topic, queue_id)

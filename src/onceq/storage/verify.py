@@ -24,7 +24,6 @@ from ..log.segment import (
     decode_file_header,
 )
 from .commitlog import CommitLog, Segment
-from .damage import DamageRegistry
 from .files import OS_FILES, FileOps
 from .metadata import load_json
 
@@ -175,15 +174,6 @@ def verify_store(data_dir: str, files: FileOps = OS_FILES) -> VerifyReport:
     finally:
         log_.close()
     report.log.sort(key=lambda d: d.start)
-    # what a broker already marked (damaged.json), for queues whose index says nothing
-    reg = DamageRegistry(os.path.join(data_dir, "damaged.json"), files)
-    reg.load()
-    known = {(d.topic, d.queue_id, o) for d in report.queues
-             for o in range(d.first, d.last + 1)}
-    for (topic, qid), ranges in sorted(reg.queues.items()):
-        for lo, hi in ranges:
-            if any((topic, qid, o) not in known for o in range(lo, hi)):
-                report.queues.append(QueueDamage(topic, qid, lo, hi - 1, "marked damaged"))
     return report
 
 
