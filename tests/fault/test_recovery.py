@@ -30,6 +30,7 @@ from onceq.protocol.codes import PullStatus
 from onceq.storage.config import StoreConfig
 from onceq.storage.metadata import decode_checkpoint
 from onceq.storage.store import MessageStore
+from onceq.storage.verify import verify_store
 from tests.clock import FakeClock
 
 SEG = 64 * 1024
@@ -353,6 +354,11 @@ def test_recovery_after_damage(seed, kind, crashed, data):
         store = open_store(root, clock)
         check_state(store, survivors, expect_range, damaged)
         store.close()
+        # the offline verifier names the same damaged offsets, and no other index problem
+        report = verify_store(root)
+        assert {(d.topic, d.queue_id, o) for d in report.queues
+                for o in range(d.first, d.last + 1)} == {
+            (t, q, o) for (t, q), offs in damaged.items() for o in offs}
 
 
 def test_crash_without_any_checkpoint_reindexes_everything():

@@ -25,7 +25,7 @@ from ..log.segment import (
 )
 from .commitlog import CommitLog, Segment
 from .files import OS_FILES, FileOps
-from .metadata import load_json
+from .metadata import decode_checkpoint, load_json
 
 
 @dataclass(slots=True)
@@ -118,12 +118,17 @@ class _QueueCheck:
         else:
             qs.append(QueueDamage(self.topic, self.qid, off, off, reason))
 
-    def record(self, h: RecordHead | None, log_end: int) -> None:
-        """Check index entries up to record ``h`` (None: the end of the log)."""
-        while self.current is not None:
-            off, (pos, size, _th, _ts) = self.current
-            if h is not None and off > h.queue_offset:
+    def record(self, h: RecordHead | None, log_end: int, checkpoint: int = 0) -> None:
+        """Check index entries up to record ``h`` (None: the end of the log).
+
+        A record below ``checkpoint`` must have an entry; after it, entries may still be
+        missing after a crash (a start indexes them)."""
+        while True:
+            if self.current is None or (h is not None and self.current[0] > h.queue_offset):
+                if h is not None and h.position < checkpoint:
+                    self._bad(h.queue_offset, "no index entry (rebuilt at start)")
                 return
+            off, (pos, size, _th, _ts) = self.current
             if h is not None and off == h.queue_offset:
                 if size == DAMAGED_ENTRY_SIZE:
                     self._bad(off, "marked damaged, yet its record is intact")
@@ -148,6 +153,10 @@ def verify_store(data_dir: str, files: FileOps = OS_FILES) -> VerifyReport:
     if not log_.segments:
         return report
     start, end = log_.start, log_.end
+    try:
+        checkpoint = decode_checkpoint(files.read_file(os.path.join(data_dir, "checkpoint")))
+    except FileNotFoundError:
+        checkpoint = None
     checks = {}
     for name, t in topics.items():
         for qid in range(int(t["queues"])):
@@ -168,7 +177,7 @@ def verify_store(data_dir: str, files: FileOps = OS_FILES) -> VerifyReport:
                     continue  # a deleted topic's record
                 check = checks.get((ev.topic, ev.queue_id))
                 if check is not None:
-                    check.record(ev, end)
+                    check.record(ev, end, checkpoint or 0)
         for check in checks.values():
             check.record(None, end)
     finally:
