@@ -215,6 +215,10 @@ def damage(kind: str, root: str, written: list[Written], data) -> Expect:
         with open(os.path.join(root, "checkpoint"), "r+b") as f:
             f.write(b"\xff\xff")
         return Expect([])
+    if kind == "delete_middle_segment":  # a lost file: its records only are lost
+        i = data.draw(st.integers(1, len(segs) - 2), label="segment")
+        os.unlink(segs[i][1])
+        return Expect([(segs[i][0], segs[i + 1][0])])
     if kind == "delete_first_segment":
         os.unlink(segs[0][1])
         return Expect([], head=segs[1][0])
@@ -225,6 +229,7 @@ KINDS = [
     "truncate_last_segment", "flip_byte", "zero_range", "append_garbage", "zero_tail",
     "delete_queue_dir",
     "delete_checkpoint", "truncate_index_file", "corrupt_checkpoint", "delete_first_segment",
+    "delete_middle_segment",
 ]
 
 

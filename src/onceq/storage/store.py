@@ -256,7 +256,9 @@ class MessageStore:
                 hints[key] = [(cut + i, e[0]) for i, e in enumerate(
                     INDEX_ENTRY.iter_unpack(cq.read(cut, cq.max_offset - cut)))]
             cq.truncate(cut)
-        damage_seen: list[tuple[int, int]] = []
+        # damage already known in the scanned range: segment files found missing at open
+        damage_seen = [(a, b) for a, b in self.damage.log_ranges
+                       if b > scan_from and a < log_.end]
         if checkpoint is not None:
             self._check_last_entries()
         window_start = int(self.clock() * 1000) - self.dedup.window_ms
@@ -268,8 +270,7 @@ class MessageStore:
         dedup = self.dedup
         queues = self.queues
         count = 0
-        damaged_bytes = sum(min(b, log_.end) - max(a, scan_from)
-                            for a, b in self.damage.log_ranges if b > scan_from and a < log_.end)
+        damaged_bytes = sum(b - a for a, b in damage_seen)
         max_ts = max([self._last_store_ms] + [
             cq.entry(cq.max_offset - 1)[3] for cq in queues.values()
             if cq.max_offset > cq.min_offset])
@@ -667,8 +668,19 @@ class MessageStore:
         """Log bytes [pos, pos+size), zero-filled where the log has none (never valid)."""
         try:
             data = self.log.read(pos, size)
-        except KeyError:  # a position in a lost segment
-            data = b""
+        except KeyError:  # the range reaches a lost segment: read what is there
+            parts = []
+            end = pos + size
+            for seg in self.log.segments:
+                if seg.end <= pos or seg.base >= end:
+                    continue
+                if seg.base > pos:
+                    parts.append(bytes(seg.base - pos))
+                    pos = seg.base
+                n = min(end, seg.end) - pos
+                parts.append(self.log.read(pos, n))
+                pos += n
+            data = b"".join(parts)
         if len(data) < size:
             data += bytes(size - len(data))
         return data
