@@ -21,9 +21,7 @@ from ..log.record import (
     RecordHead,
     build_record_parts,
     check_part,
-    check_record,
     first_mismatch,
-    record_matches,
     tag_hash,
 )
 from ..log.segment import DAMAGED_ENTRY_SIZE, INDEX_ENTRY, INDEX_ENTRY_SIZE, damaged_entry
@@ -43,6 +41,7 @@ from .metadata import (
     save_json,
     write_atomic,
 )
+from .recovery import NeedFullRebuild, Recovery, read_range, read_record
 
 log = logging.getLogger("onceq.storage")
 
@@ -90,20 +89,6 @@ class GetResult:
     next_offset: int
     min_offset: int
     max_offset: int
-
-
-class _NeedFullRebuild(Exception):
-    """The trusted index contradicts the log: rebuild every index from the whole log."""
-
-
-def _first_offset_past(cq: ConsumeQueue, position: int) -> int:
-    """First offset whose record does not end before ``position``."""
-    off = cq.first_offset_where(0, position)
-    if off > cq.min_offset:
-        pos, size, _th, _ts = cq.entry(off - 1)
-        if size != DAMAGED_ENTRY_SIZE and pos + size > position:
-            off -= 1
-    return off
 
 
 class MessageStore:
@@ -177,7 +162,7 @@ class MessageStore:
                 cq.reset(0)
         try:
             self._recover(None if full else checkpoint)
-        except _NeedFullRebuild as exc:
+        except NeedFullRebuild as exc:
             log.error("store: consume queues disagree with the commit log (%s); rebuilding "
                       "them from the whole commit log", exc)
             full = True
@@ -235,212 +220,13 @@ class MessageStore:
                   key[0], key[1], lo, hi - 1, why)
 
     def _recover(self, checkpoint: int | None) -> None:
-        """Index the log records after ``checkpoint`` (the whole log when None).
-
-        Index entries at or after the checkpoint may not have reached the disk before a
-        crash: they are dropped and rebuilt from the log. Entries before it are trusted;
-        the last one of each queue is checked against the log (an index that contradicts
-        the log raises ``_NeedFullRebuild``). Damaged bytes in the scanned range cost only
-        the records they hold: the scan resyncs at the next valid record, and the offsets
-        missing between two records of a queue are marked damaged. When two records claim
-        one offset the later one wins: it is the one that was acknowledged.
-        """
-        log_ = self.log
-        start = log_.start
-        scan_from = start if checkpoint is None else min(max(checkpoint, start), log_.end)
-        hints: dict[tuple[str, int], list[tuple[int, int]]] = {}
-        for key, cq in self.queues.items():
-            cq.drop_below_position(start)  # so that emptying a queue keeps its next offset
-            cut = _first_offset_past(cq, scan_from)
-            if cut < cq.max_offset:  # unchecked entries: where the log held their records
-                hints[key] = [(cut + i, e[0]) for i, e in enumerate(
-                    INDEX_ENTRY.iter_unpack(cq.read(cut, cq.max_offset - cut)))]
-            cq.truncate(cut)
-        # damage already known in the scanned range: segment files found missing at open
-        damage_seen = [(a, b) for a, b in self.damage.log_ranges
-                       if b > scan_from and a < log_.end]
-        if checkpoint is not None:
-            self._check_last_entries()
-        window_start = int(self.clock() * 1000) - self.dedup.window_ms
-        if checkpoint is not None:  # before the tail: the window is filled oldest first
-            self._dedup_below(scan_from, window_start)
-        base: dict[tuple[str, int], int] = {}  # first offset of each queue's pending entries
-        pending: dict[tuple[str, int], list[bytes]] = {}
-        topics = self.topics
-        dedup = self.dedup
-        queues = self.queues
-        count = 0
-        damaged_bytes = sum(b - a for a, b in damage_seen)
-        max_ts = max([self._last_store_ms] + [
-            cq.entry(cq.max_offset - 1)[3] for cq in queues.values()
-            if cq.max_offset > cq.min_offset])
-
-        def on_damage(a: int, b: int) -> None:
-            nonlocal damaged_bytes
-            damaged_bytes += b - a
-            damage_seen.append((a, b))
-            if self.damage.add_log(a, b):
-                self._damage_dirty = True
-            log.error("store: commit log positions [%d, %d) hold no valid record (damaged); "
-                      "skipped, later records kept", a, b)
-
-        def on_record(h: RecordHead) -> None:
-            nonlocal count, max_ts
-            count += 1
-            t = topics.get(h.topic)
-            if t is None or h.queue_id >= t.queues or h.position < t.created_position:
-                return  # a deleted topic's record
-            key = (h.topic, h.queue_id)
-            if h.store_ts_ms > max_ts:
-                max_ts = h.store_ts_ms
-            if dedup.enabled and h.store_ts_ms >= window_start and h.unique_key:
-                dedup.add(h.topic, h.dedup_key, h.queue_id, h.queue_offset, h.store_ts_ms)
-            entries = pending.get(key)
-            if entries is None:
-                cq = queues[key]
-                entries = pending[key] = []
-                base[key] = cq.max_offset
-            first = base[key]
-            expect = first + len(entries)
-            off = h.queue_offset
-            if off < expect:
-                # a repeated offset: an earlier write that failed after reaching the log
-                log.warning("store: record at %d repeats offset %d of %s; the later record "
-                            "replaces the earlier one", h.position, off, key)
-                if off >= first:
-                    del entries[off - first:]
-                else:
-                    cq = queues[key]
-                    if off < cq.min_offset:
-                        return  # below what the queue still holds: nothing to replace
-                    cq.truncate(off)
-                    entries.clear()
-                    base[key] = cq.max_offset
-            elif off > expect:
-                cq = queues[key]
-                if not entries and cq.max_offset == cq.min_offset and checkpoint is None \
-                        and (damaged_bytes == 0 or t.created_position < start):
-                    # first record of a queue whose head was deleted by retention
-                    cq.reset(off)
-                    base[key] = off
-                elif damaged_bytes:
-                    self._mark_damaged(key, expect, off, "records lost in damaged log bytes")
-                    entries.extend([damaged_entry(h.position, h.store_ts_ms)] * (off - expect))
-                elif checkpoint is not None:
-                    raise _NeedFullRebuild(f"{key} index lacks offsets {expect}..{off - 1}")
-                else:
-                    self._mark_damaged(key, expect, off, "records missing from the log")
-                    entries.extend([damaged_entry(h.position, h.store_ts_ms)] * (off - expect))
-            entries.append(
-                INDEX_ENTRY.pack(h.position, h.size, h.tags_hash, h.store_ts_ms)
-            )
-
-        end = log_.scan_tail(scan_from, on_record, on_damage)
-        for key, hint in hints.items():
-            # the last records of a queue lost in damaged bytes: their offsets stay taken
-            cq = queues[key]
-            have = base.get(key, cq.max_offset) + len(pending.get(key, ()))
-            for off, pos in reversed(hint):
-                if off < have:
-                    break
-                if any(a <= pos < b for a, b in damage_seen):
-                    self._mark_damaged(key, have, off + 1, "records lost in damaged log bytes")
-                    pending.setdefault(key, [])
-                    base.setdefault(key, cq.max_offset)
-                    pending[key].extend([damaged_entry(pos, max_ts)] * (off + 1 - have))
-                    break
-        self.recovered_records = count
-        self._last_store_ms = max_ts
-        for key, entries in pending.items():
-            if entries:
-                queues[key].append(b"".join(entries), len(entries))
-        for cq in queues.values():
-            if cq.max_offset > cq.min_offset:
-                cq.truncate(_first_offset_past(cq, end))  # entries past a truncated tail
-            cq.drop_below_position(log_.start)
-        dedup.expire(int(self.clock() * 1000))
-        log.info("store: recovered %d records from position %d, commit log [%d, %d)",
-                 count, scan_from, log_.start, end)
-
-    def _check_last_entries(self) -> None:
-        """The last trusted entry of each queue must point at its record in the log."""
-        for (topic, qid), cq in self.queues.items():
-            if cq.max_offset > cq.min_offset:
-                off = cq.max_offset - 1
-                pos, size, _th, _ts = cq.entry(off)
-                if size == DAMAGED_ENTRY_SIZE or pos < self.log.start:
-                    continue
-                if self._read_record(topic, qid, off, pos, size) is not None:
-                    continue
-                try:  # another valid record there: a stale index (damaged bytes are
-                    # left to reads, which skip them)
-                    check_record(self._read_range(pos, size), 0, pos)
-                except RecordError:
-                    continue
-                raise _NeedFullRebuild(f"entry {off} of {topic} queue {qid}")
-
-    def _dedup_below(self, scan_from: int, window_start: int) -> None:
-        """Put the records stored in the dedup window before ``scan_from`` in the window.
-
-        The indexes (bisected on store time) give where the window starts in the log; that
-        stretch is read in one pass, oldest first. At most ``dedup_max_keys`` records are
-        wanted, so the cost depends on the window's traffic, not on the data kept.
-        """
-        dedup = self.dedup
-        if not dedup.enabled:
-            return
-        spans = [(cq, cq.max_offset) for cq in self.queues.values()
-                 if cq.first_offset_where(3, window_start) < cq.max_offset]
-        if not spans:
-            return
-        since = window_start
-
-        def count(ts: int) -> int:
-            return sum(hi - cq.first_offset_where(3, ts) for cq, hi in spans)
-
-        if count(since) > dedup.max_keys:  # only the newest max_keys records are kept
-            lo_t, hi_t = since, max(cq.entry(hi - 1)[3] for cq, hi in spans) + 1
-            while lo_t < hi_t:
-                mid = (lo_t + hi_t) // 2
-                if count(mid) > dedup.max_keys:
-                    lo_t = mid + 1
-                else:
-                    hi_t = mid
-            since = max(lo_t - 1, since)  # one ms more: the window trims the extra keys
-        firsts = [cq.first_offset_where(3, since) for cq, _hi in spans]
-        starts = [cq.entry(f)[0] for (cq, hi), f in zip(spans, firsts, strict=True) if f < hi]
-        if not starts:
-            return
-        from_pos = max(min(starts), self.log.start)
-        topics = self.topics
-        for seg in self.log.segments:
-            if seg.end <= from_pos or seg.base >= scan_from:
-                continue
-            for h in self.log.scan_segment(seg, max(0, from_pos - seg.base),
-                                           scan_from - seg.base):
-                if (not isinstance(h, RecordHead) or h.position >= scan_from
-                        or h.store_ts_ms < since or not h.unique_key):
-                    continue
-                t = topics.get(h.topic)
-                if t is None or h.queue_id >= t.queues or h.position < t.created_position:
-                    continue
-                dedup.add(h.topic, h.dedup_key, h.queue_id, h.queue_offset, h.store_ts_ms)
-
-    def _read_record(self, topic: str, qid: int, offset: int, pos: int, size: int,
-                     decode: bool = False) -> bytes | RecordHead | None:
-        """The record an index entry points at, or None when it is not that record."""
-        try:
-            raw = self.log.read(pos, size)
-        except KeyError:
-            return None
-        if not record_matches(raw, 0, size, topic.encode(), qid, offset, pos):
-            return None
-        if decode:
-            try:
-                return check_record(raw, 0, pos)
-            except RecordError:
-                return None
-        return raw
+        """Index the log after ``checkpoint`` (the whole log when None); see recovery.py."""
+        rec = Recovery(self.log, self.queues, self.topics, self.dedup, self.damage,
+                       int(self.clock() * 1000), self._last_store_ms, self._mark_damaged)
+        rec.run(checkpoint)
+        self.recovered_records = rec.records
+        self._last_store_ms = rec.last_store_ms
+        self._damage_dirty = self._damage_dirty or rec.damage_changed
 
     # ================================================================ topics
     def create_topic(self, name: str, queues: int) -> TopicConfig:
@@ -649,7 +435,7 @@ class MessageStore:
                 ranges[-1][1] += size
             else:
                 ranges.append([pos, size])
-        payload = b"".join(self._read_range(p, s) for p, s in ranges)
+        payload = b"".join(read_range(self.log, p, s) for p, s in ranges)
         i = first_mismatch(payload, picked, topic.encode(), queue_id)
         if i >= 0:
             off = picked[i][0]
@@ -663,27 +449,6 @@ class MessageStore:
         if not picked and nxt == hi:
             return GetResult(PullStatus.NO_NEW_MESSAGE, b"", 0, hi, lo, hi)
         return GetResult(PullStatus.FOUND, payload, len(picked), nxt, lo, hi)
-
-    def _read_range(self, pos: int, size: int) -> bytes:
-        """Log bytes [pos, pos+size), zero-filled where the log has none (never valid)."""
-        try:
-            data = self.log.read(pos, size)
-        except KeyError:  # the range reaches a lost segment: read what is there
-            parts = []
-            end = pos + size
-            for seg in self.log.segments:
-                if seg.end <= pos or seg.base >= end:
-                    continue
-                if seg.base > pos:
-                    parts.append(bytes(seg.base - pos))
-                    pos = seg.base
-                n = min(end, seg.end) - pos
-                parts.append(self.log.read(pos, n))
-                pos += n
-            data = b"".join(parts)
-        if len(data) < size:
-            data += bytes(size - len(data))
-        return data
 
     def _repair_entry(self, topic: str, qid: int, offset: int) -> bool:
         """Find the record of ``offset`` near where it must be; fix its entry or mark it.
@@ -699,12 +464,12 @@ class MessageStore:
         ts = 0
         for k in range(offset - 1, max(cq.min_offset, offset - REPAIR_NEIGHBOURS) - 1, -1):
             pos, size, _th, ets = cq.entry(k)
-            if size != DAMAGED_ENTRY_SIZE and self._read_record(topic, qid, k, pos, size):
+            if size != DAMAGED_ENTRY_SIZE and read_record(self.log, topic, qid, k, pos, size):
                 lo_pos, ts = pos + size, ets
                 break
         for k in range(offset + 1, min(cq.max_offset, offset + REPAIR_NEIGHBOURS + 1)):
             pos, size, _th, _ets = cq.entry(k)
-            if size != DAMAGED_ENTRY_SIZE and self._read_record(topic, qid, k, pos, size):
+            if size != DAMAGED_ENTRY_SIZE and read_record(self.log, topic, qid, k, pos, size):
                 hi_pos = pos
                 break
         if lo_pos is None:
