@@ -186,6 +186,9 @@ async def pull(topic_name: str, queues: tuple[int, ...], offset: int | None, max
                                  tags=tags, suspend=0.5 if follow and len(qs) == 1 else 0)
                 if r.status == PullStatus.OFFSET_ILLEGAL:
                     fail(f"offset {nxt[q]} is beyond the end of queue {q} ({r.max_offset})")
+                if r.status == PullStatus.DAMAGED:
+                    click.echo(f"{topic_name}[{q}]@{nxt[q]}..{r.next_offset - 1}: lost to disk "
+                               "damage, skipped", err=True)
                 if r.next_offset != nxt[q]:
                     idle = False  # moved on (maybe past messages the tags filtered out)
                 nxt[q] = r.next_offset
