@@ -199,6 +199,20 @@ def test_an_unrepairable_entry_is_marked_damaged_not_returned_as_found(tmp_path)
     assert verify_store(root).queues == []  # the old record's bytes are still listed
 
 
+def test_an_unreadable_damage_list_does_not_stop_the_store(tmp_path):
+    root = str(tmp_path)
+    store = open_store(root)
+    store.create_topic("T", 1)
+    send(store, "T", 0, 5)
+    store.close()
+    with open(os.path.join(root, "damaged.json"), "w") as f:
+        f.write("{not json")
+    store = open_store(root)
+    assert store.damaged() == {"log": [], "queues": {}}
+    assert len(read_queue(store, "T", 0)[0]) == 5
+    store.close()
+
+
 def test_add_range_merges_and_orders():
     ranges: list[list[int]] = []
     assert add_range(ranges, 10, 12)

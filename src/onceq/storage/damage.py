@@ -1,15 +1,20 @@
 """The damaged ranges of a store: commit-log positions and queue offsets lost to disk damage.
 
 Recovery and reads find damage (a record whose checksum fails, a segment file that went
-missing); the broker skips it and keeps everything else. This registry remembers what was
-lost so that pulls, ``onceq broker verify`` and the broker status report it after restarts
-too. It is persisted as ``damaged.json`` in the data directory (written atomically).
+missing); the broker skips it and keeps everything else. Pulls skip damaged offsets through
+their index entries (damage markers); this registry lists the ranges for the broker status
+across restarts. It is persisted as ``damaged.json`` in the data directory (written
+atomically); a lost or unreadable file only empties the list.
 """
 
 from __future__ import annotations
 
+import logging
+
 from .files import OS_FILES, FileOps
 from .metadata import load_json, save_json
+
+log = logging.getLogger("onceq.storage")
 
 
 def add_range(ranges: list[list[int]], start: int, end: int) -> bool:
@@ -49,7 +54,11 @@ class DamageRegistry:
         self.queues: dict[tuple[str, int], list[list[int]]] = {}  # queue offsets [lo, hi)
 
     def load(self) -> None:
-        raw = load_json(self.path, {}, self.files)
+        try:
+            raw = load_json(self.path, {}, self.files)
+        except ValueError as exc:  # the index markers still know the damaged offsets
+            log.error("store: %s; starting with an empty damage list", exc)
+            raw = {}
         self.log_ranges = [[int(a), int(b)] for a, b in raw.get("log", [])]
         self.queues = {}
         for topic, qs in raw.get("queues", {}).items():
