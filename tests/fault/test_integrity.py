@@ -423,3 +423,29 @@ def test_topic_created_after_a_record_that_is_then_cut_as_a_torn_tail(tmp_path):
     assert bad == [] and {m.unique_key: (0, o) for o, m in got.items()} == acked
     assert store.min_max("A", 0) == (0, 100)
     store.close()
+
+
+def test_a_lost_segment_file_is_skipped_in_one_pull_and_later_ones_kept(tmp_path):
+    root = str(tmp_path)
+    store = open_store(root)
+    store.create_topic("T", 1)
+    acked = send(store, "T", 0, 800)
+    store.close()
+    segs = segments(root)
+    assert len(segs) >= 4
+    lost_base, next_base = int(os.path.basename(segs[1])), int(os.path.basename(segs[2]))
+    os.unlink(segs[1])
+    store = open_store(root)
+    assert len(store.log.segments) == len(segs) - 1
+    in_lost = [o for o in range(800)
+               if lost_base <= store.queues["T", 0].entry(o)[0] < next_base]
+    first = in_lost[0]
+    r = store.get("T", 0, first, 32, 1 << 20)
+    assert r.status == PullStatus.DAMAGED and r.next_offset == in_lost[-1] + 1
+    got, bad = read_queue(store, "T", 0)
+    assert bad == in_lost
+    assert {m.unique_key: (0, o) for o, m in got.items()} == {
+        uk: v for uk, v in acked.items() if v[1] not in in_lost}
+    assert store.damaged()["queues"] == {"T": {"0": [[first, in_lost[-1] + 1]]}}
+    assert store.damaged()["log"] == [[lost_base, next_base]]
+    store.close()

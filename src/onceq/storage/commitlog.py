@@ -243,6 +243,16 @@ class CommitLog:
             size -= n
         return out[0] if len(out) == 1 else b"".join(out)
 
+    def lost(self, position: int) -> bool:
+        """Whether ``position`` lies in the log's range but in no segment (a lost file)."""
+        if not self.start <= position < self.end:
+            return False
+        try:
+            self._find(position)
+        except KeyError:
+            return True
+        return False
+
     def _find(self, position: int) -> Segment:
         segs = self.segments
         lo, hi = 0, len(segs) - 1

@@ -24,7 +24,7 @@ from ..log.record import (
     first_mismatch,
     tag_hash,
 )
-from ..log.segment import DAMAGED_ENTRY_SIZE, INDEX_ENTRY, INDEX_ENTRY_SIZE, damaged_entry
+from ..log.segment import DAMAGED_ENTRY_SIZE, INDEX_ENTRY, damaged_entry
 from ..protocol.codes import PullStatus
 from ..protocol.errors import ErrorCode, OnceqError
 from .commitlog import CommitLog
@@ -49,6 +49,7 @@ NAME_RE = re.compile(r"^[A-Za-z0-9_%|.\-]{1,127}$")
 MAX_QUEUES = 1024
 REPAIR_NEIGHBOURS = 16  # index entries tried on each side of a bad one to bound a repair scan
 REPAIR_SCAN_BYTES = 64 * 1024 * 1024  # at most this much log is scanned to repair an entry
+LOST_RUN_MAX = 100_000  # entries marked at once when their segment file is lost
 
 
 def check_name(kind: str, name: object) -> str:
@@ -89,6 +90,17 @@ class GetResult:
     next_offset: int
     min_offset: int
     max_offset: int
+
+
+def _damaged_run_end(cq: ConsumeQueue, offset: int) -> int:
+    """The first offset after ``offset`` whose entry is not a damage marker."""
+    while offset < cq.max_offset:
+        raw = cq.read(offset, 1024)
+        for e in INDEX_ENTRY.iter_unpack(raw):
+            if e[1] != DAMAGED_ENTRY_SIZE:
+                return offset
+            offset += 1
+    return offset
 
 
 class MessageStore:
@@ -416,12 +428,8 @@ class MessageStore:
             if size == DAMAGED_ENTRY_SIZE:
                 if scanned:
                     break
-                run = 1
-                for e in INDEX_ENTRY.iter_unpack(raw[INDEX_ENTRY_SIZE:]):
-                    if e[1] != DAMAGED_ENTRY_SIZE:
-                        break
-                    run += 1
-                return GetResult(PullStatus.DAMAGED, b"", 0, offset + run, lo, hi)
+                return GetResult(PullStatus.DAMAGED, b"", 0, _damaged_run_end(cq, offset),
+                                 lo, hi)
             if pos < log_start:
                 return GetResult(PullStatus.OFFSET_MOVED, b"", 0, lo, lo, hi)
             if picked and total + size > max_bytes:
@@ -455,11 +463,28 @@ class MessageStore:
 
         The record lies between the ends of the nearest earlier and later entries that
         check out, so only that stretch (at most ``REPAIR_SCAN_BYTES``) is scanned.
-        Returns True when the entry was repaired, False when the offset is now marked
-        damaged.
+        Returns True when the entry was repaired (or a run of entries into a lost segment
+        file was marked): read again; False when the offset is now marked damaged.
         """
         cq = self.queues[(topic, qid)]
         log_ = self.log
+        pos, size, _th, ts = cq.entry(offset)
+        if size > DAMAGED_ENTRY_SIZE and log_.lost(pos):
+            # its bytes went with a lost segment file: no scan can find them. Mark the
+            # run of entries that point there at once, and read again.
+            last = offset
+            for k in range(offset + 1, min(cq.max_offset, offset + LOST_RUN_MAX)):
+                p, sz, _th, _ts = cq.entry(k)
+                if sz <= DAMAGED_ENTRY_SIZE or not log_.lost(p):
+                    break
+                last = k
+            for k in range(offset, last + 1):
+                p, _sz, _th, ets = cq.entry(k)
+                cq.write_entry(k, damaged_entry(p, ets))
+            self._mark_damaged((topic, qid), offset, last + 1, "its segment file is lost")
+            self.damage.save()
+            self._damage_dirty = False
+            return True
         lo_pos = hi_pos = None
         ts = 0
         for k in range(offset - 1, max(cq.min_offset, offset - REPAIR_NEIGHBOURS) - 1, -1):
