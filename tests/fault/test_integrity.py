@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from onceq.log.record import REC_HEADER_SIZE, decode_records, encode_part
+from onceq.log.record import REC_HEADER_SIZE, build_record, decode_records, encode_part
 from onceq.log.segment import FILE_HEADER_SIZE, INDEX_ENTRY_SIZE
 from onceq.protocol.codes import PullStatus
 from onceq.storage.config import StoreConfig
@@ -448,4 +448,20 @@ def test_a_lost_segment_file_is_skipped_in_one_pull_and_later_ones_kept(tmp_path
         uk: v for uk, v in acked.items() if v[1] not in in_lost}
     assert store.damaged()["queues"] == {"T": {"0": [[first, in_lost[-1] + 1]]}}
     assert store.damaged()["log"] == [[lost_base, next_base]]
+    store.close()
+
+
+def test_a_later_record_replaces_only_its_own_trusted_entry(tmp_path):
+    root = str(tmp_path)
+    store = open_store(root)
+    store.create_topic("T", 1)
+    send(store, "T", 0, 5)
+    store.write_checkpoint()
+    pos = store.log.end  # a later record claiming offset 3, in the tail, not indexed
+    store.log.write([build_record(b"T", 0, 3, pos, 2, encode_part(b"later", "LATER", 1))])
+    crash(store)
+    store = open_store(root)
+    got, bad = read_queue(store, "T", 0)
+    assert bad == [] and sorted(got) == [0, 1, 2, 3, 4]
+    assert got[3].unique_key == "LATER" and got[4].unique_key == "UK000004"
     store.close()

@@ -163,15 +163,13 @@ class Recovery:
                 # a repeated offset: an earlier write that failed after reaching the log
                 log.warning("store: record at %d repeats offset %d of %s; the later record "
                             "replaces the earlier one", h.position, off, key)
-                if off >= first:
-                    del entries[off - first:]
-                else:
+                if off < first:  # its entry is trusted, below the checkpoint: replace it
                     cq = queues[key]
-                    if off < cq.min_offset:
-                        return  # below what the queue still holds: nothing to replace
-                    cq.truncate(off)
-                    entries.clear()
-                    base[key] = cq.max_offset
+                    if off >= cq.min_offset:
+                        cq.write_entry(off, INDEX_ENTRY.pack(h.position, h.size, h.tags_hash,
+                                                             h.store_ts_ms))
+                    return
+                del entries[off - first:]
             elif off > expect:
                 cq = queues[key]
                 if not entries and cq.max_offset == cq.min_offset and checkpoint is None \
