@@ -39,13 +39,6 @@ def add_range(ranges: list[list[int]], start: int, end: int) -> bool:
     return changed
 
 
-def find_range(ranges: list[list[int]], value: int) -> tuple[int, int] | None:
-    for a, b in ranges:
-        if a <= value < b:
-            return a, b
-    return None
-
-
 class DamageRegistry:
     def __init__(self, path: str, files: FileOps = OS_FILES) -> None:
         self.path = path
@@ -80,9 +73,3 @@ class DamageRegistry:
 
     def add_offsets(self, topic: str, queue_id: int, lo: int, hi: int) -> bool:
         return add_range(self.queues.setdefault((topic, queue_id), []), lo, hi)
-
-    def offsets(self, topic: str, queue_id: int) -> list[list[int]]:
-        return self.queues.get((topic, queue_id), [])
-
-    def empty(self) -> bool:
-        return not self.log_ranges and not any(self.queues.values())
