@@ -11,7 +11,9 @@ import sys
 from dataclasses import dataclass
 
 from onceq import Admin, Producer
+from onceq.client.connection import BrokerConnection
 from onceq.client.push import PushConsumer
+from onceq.protocol.codes import PullStatus, RequestCode
 from tests.handover import moved
 from tests.helpers import running_broker
 
@@ -163,3 +165,44 @@ async def test_sigkilled_holder_messages_are_redelivered(tmp_path):
 async def _locks(addr: str) -> list[dict]:
     async with Admin(addr) as admin:
         return await admin.access_locks("tl-g")
+
+
+async def test_release_after_a_held_takeover_pull_does_not_move_the_offset_back(tmp_path):
+    """A member takes a queue over while it is idle: its pull is corrected forward to the
+    group's offset and held (long polling), so the member never learns the correction. If it
+    must give the queue up before that pull returns, its release carries its stale, lower
+    start offset; committing it would move the group back and repeat messages."""
+    async with running_broker(str(tmp_path / "data")) as b:
+        addr = f"127.0.0.1:{b.port}"
+        async with Admin(addr) as admin:
+            await admin.create_topic(TOPIC, 1)
+        async with Producer(addr) as p:
+            await p.send_batch(TOPIC, [b"a", b"b"], queue=0)
+        conns = []
+        try:
+            for client in ("old", "new"):
+                conn = await BrokerConnection.open(addr)
+                conns.append(conn)
+                await conn.request(RequestCode.HEARTBEAT, {"client": client, "groups": [
+                    {"group": "tl-g", "model": "CLUSTERING", "subs": {TOPIC: "*"}}]})
+            old, new = conns
+            pull = {"group": "tl-g", "topic": TOPIC, "queue": 0, "max": 32}
+            hdr, _ = await old.request(RequestCode.PULL, {**pull, "client": "old", "offset": 0})
+            assert hdr["st"] == PullStatus.FOUND and hdr["next"] == 2
+            # "new" looked the offset up before "old" committed: it starts at 0
+            hdr, _ = await new.request(RequestCode.PULL, {**pull, "client": "new", "offset": 0})
+            assert hdr["st"] == PullStatus.LOCKED
+            await old.request(RequestCode.RELEASE_QUEUE, {"group": "tl-g", "client": "old",
+                                                          "topic": TOPIC, "queue": 0,
+                                                          "offset": 2})
+            held = new.send_request(RequestCode.PULL, {**pull, "client": "new", "offset": 0,
+                                                       "suspend_ms": 5000})
+            await asyncio.sleep(0.2)
+            assert not held.done()  # corrected to 2 and held: nothing new to read
+            hdr, _ = await new.request(RequestCode.RELEASE_QUEUE, {
+                "group": "tl-g", "client": "new", "topic": TOPIC, "queue": 0, "offset": 0})
+            assert hdr["released"] is True
+            assert b.store.get_offset("tl-g", TOPIC, 0) == 2
+        finally:
+            for conn in conns:
+                conn.close()

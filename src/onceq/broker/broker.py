@@ -531,6 +531,9 @@ class Broker:
         applies = self.transition.applies(group, client)
         released = self.transition.release(group, client, topic, queue)
         if offset >= 0 and (released or not applies):
+            if applies:  # the holder's reads were corrected forward to the group's offset:
+                # a lower one is its stale start (its first pull still held), not progress
+                offset = max(offset, self.store.get_offset(group, topic, queue))
             self.store.commit_offset(group, topic, queue, offset)
         return 0, {"released": released}, b""
 
