@@ -231,6 +231,8 @@ class FakeBroker:
                                    max(self.deliver.get(key, ack), ack), self.clock())
             if not d.granted:
                 return self._locked(h)
+            if d.offset > h["offset"]:  # as the broker: a takeover's commit is stale
+                h.pop("commit", None)
             h["offset"] = d.offset
         if h.get("commit", -1) >= 0:
             self._commit(key, h["commit"])

@@ -206,3 +206,40 @@ async def test_release_after_a_held_takeover_pull_does_not_move_the_offset_back(
         finally:
             for conn in conns:
                 conn.close()
+
+
+async def test_a_takeover_pull_does_not_commit_its_stale_start_offset(tmp_path):
+    """A member that started from the consume-from policy sends that start as a commit on its
+    pulls. When its first granted pull takes the queue over, the read is corrected forward to
+    the group's offset; the commit it carries is older still and must not move it back."""
+    async with running_broker(str(tmp_path / "data")) as b:
+        addr = f"127.0.0.1:{b.port}"
+        async with Admin(addr) as admin:
+            await admin.create_topic(TOPIC, 1)
+        async with Producer(addr) as p:
+            await p.send_batch(TOPIC, [b"a", b"b", b"c"], queue=0)
+        conns = []
+        try:
+            for client in ("old", "new"):
+                conn = await BrokerConnection.open(addr)
+                conns.append(conn)
+                await conn.request(RequestCode.HEARTBEAT, {"client": client, "groups": [
+                    {"group": "tl-g", "model": "CLUSTERING", "subs": {TOPIC: "*"}}]})
+            old, new = conns
+            pull = {"group": "tl-g", "topic": TOPIC, "queue": 0, "max": 32}
+            hdr, _ = await old.request(RequestCode.PULL, {**pull, "client": "old", "offset": 0,
+                                                          "commit": 0})
+            assert hdr["st"] == PullStatus.FOUND and hdr["next"] == 3
+            await old.request(RequestCode.RELEASE_QUEUE, {"group": "tl-g", "client": "old",
+                                                          "topic": TOPIC, "queue": 0,
+                                                          "offset": 3})
+            async with Producer(addr) as p:
+                await p.send(TOPIC, b"d", queue=0)
+            # "new" found no offset earlier and started at 0 (consume from FIRST)
+            hdr, _ = await new.request(RequestCode.PULL, {**pull, "client": "new", "offset": 0,
+                                                          "commit": 0})
+            assert hdr["st"] == PullStatus.FOUND and hdr["n"] == 1  # read from 3: only "d"
+            assert b.store.get_offset("tl-g", TOPIC, 0) == 3
+        finally:
+            for conn in conns:
+                conn.close()

@@ -315,6 +315,8 @@ class Broker:
             grant = self.transition.check(group, client, topic, queue, req["offset"])
             if not grant.granted:  # a refused client's commit must not move the offset
                 return 0, self._locked(topic, queue, req["offset"]), b""
+            if grant.offset > req["offset"]:  # taken over and moved forward to the group's
+                commit = -1  # offset: the client's commit is its stale start, not progress
             req["offset"] = grant.offset
             req["group"], req["client"] = group, client
         if group is not None and commit >= 0:
