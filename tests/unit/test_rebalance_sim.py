@@ -1,18 +1,27 @@
-"""Rebalance timing and planning, and a deterministic group simulation on a fake clock.
+"""Rebalance timing and planning, and a consumer group simulated in virtual time.
 
-No sleeps and no sockets: time is a number the test moves forward.
+No sockets and no real sleeps: the pure parts take a fake clock; the group simulation runs
+real push consumers against an in-memory broker on an event loop whose time is that clock.
 """
 
 from __future__ import annotations
 
-import random
+import asyncio
+import itertools
+from collections import Counter
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from onceq.client.allocation import MessageQueue, allocate_average
 from onceq.client.process_queue import ProcessQueue
+from onceq.client.push import PushConsumer
 from onceq.client.rebalance import RebalanceTimer, plan_rebalance
+from onceq.protocol.codes import RequestCode
 from tests.clock import FakeClock
+from tests.handover import moved
+from tests.sim import FakeBroker, run_virtual
 
 QUEUES = [MessageQueue("T", i) for i in range(16)] + [MessageQueue("%RETRY%g", 0)]
 
@@ -59,6 +68,17 @@ def test_timer_ticks_over_a_long_run():
             runs.append(clock())
         clock.advance(0.25)
     assert runs == [0.0, 20.0, 40.0, 60.0, 80.0]
+
+
+@given(last=st.floats(0, 1e6), interval=st.floats(0.001, 1e4),
+       step=st.sampled_from([-1e-9, -1e-13, 0.0, 1e-13, 1e-9]))
+def test_timer_is_due_exactly_when_there_is_nothing_left_to_wait(last, interval, step):
+    """Around the deadline, by a rounding step: a waiter told to wait more must not find the
+    timer due, nor find it not due after waiting 0 (the rebalance loop would spin)."""
+    timer = RebalanceTimer(interval, 0.0)
+    timer.done(last)
+    now = last + interval + step
+    assert timer.due(now) == (timer.wait_time(now) == 0.0)
 
 
 # ================================================================ plan_rebalance
@@ -111,147 +131,245 @@ def test_stalled_detection_after_120s_feeds_the_plan():
 
 
 # ================================================================ group simulation
-class SimMember:
-    """What one push consumer does at a rebalance, minus the I/O: same timer, same plan."""
-
-    def __init__(self, cid: str, clock: FakeClock, interval: float) -> None:
-        self.cid = cid
-        self.clock = clock
-        self.timer = RebalanceTimer(interval, clock())
-        self.owned: dict[MessageQueue, ProcessQueue] = {}
-        self.rebalances = 0
-
-    def tick(self, members: list[str], queues: list[MessageQueue]) -> None:
-        now = self.clock()
-        if not self.timer.due(now):
-            return
-        self.timer.done(now)
-        self.rebalances += 1
-        desired = allocate_average(self.cid, queues, members)
-        stalled = [mq for mq, pq in self.owned.items() if pq.pull_expired(now, 120.0)]
-        plan = plan_rebalance(self.owned, desired, stalled)
-        for mq in plan.revoke:
-            self.owned.pop(mq).dropped = True
-        for mq in plan.assign:
-            self.owned[mq] = ProcessQueue(mq, 0, now)
-        for pq in self.owned.values():  # healthy pulls keep coming back
-            pq.last_pull = now
+# Real PushConsumers (rebalance loop, plan, drain, commit, release, pull loops) against the
+# in-memory FakeBroker with the real access-lock table, in virtual time: a scenario of
+# minutes runs in milliseconds, the same way every time.
+GROUP = "g"
+N_QUEUES = 16
 
 
 class SimGroup:
-    """The broker's member list: every change notifies each remaining member."""
+    """Members joining and leaving one consumer group; listeners only record."""
 
-    def __init__(self, clock: FakeClock, interval: float = 20.0) -> None:
+    def __init__(self, broker: FakeBroker, clock: FakeClock, handler_s: float = 0.2,
+                 **consumer_kw) -> None:
+        self.broker = broker
         self.clock = clock
-        self.interval = interval
-        self.members: dict[str, SimMember] = {}
+        self.handler_s = handler_s
+        self.kw = {"consume_from": "FIRST", **consumer_kw}
+        self.members: dict[str, PushConsumer] = {}
+        self.deliveries: list[tuple[MessageQueue, int, str]] = []
+        self.keys: Counter[str] = Counter()
+        self.active: dict[MessageQueue, Counter[str]] = {}
+        self.overlaps: list[tuple[float, MessageQueue, list[str]]] = []
 
-    def join(self, cid: str) -> None:
-        self.members[cid] = SimMember(cid, self.clock, self.interval)
-        self._notify()
+    def _listener(self, name: str):
+        async def listener(msgs, ctx):
+            running = self.active.setdefault(ctx.queue, Counter())
+            running[name] += 1
+            others = sorted(n for n, k in running.items() if k and n != name)
+            if others:  # recorded, asserted by the test: an assert here becomes a retry
+                self.overlaps.append((self.clock(), ctx.queue, [name, *others]))
+            for m in msgs:
+                self.deliveries.append((ctx.queue, m.queue_offset, name))
+                self.keys[m.unique_key] += 1
+            try:
+                await asyncio.sleep(self.handler_s)
+            finally:
+                running[name] -= 1
+        return listener
 
-    def leave(self, cid: str) -> None:
-        del self.members[cid]  # graceful: its queues were released before unregistering
-        self._notify()
+    async def join(self, name: str) -> PushConsumer:
+        c = PushConsumer("fake:9876", GROUP, self._listener(name), client_id=name,
+                         clock=self.clock, connect=self.broker.connect, **self.kw)
+        c.subscribe("T")
+        self.members[name] = c
+        return await c.start()
 
-    def _notify(self) -> None:
-        for m in self.members.values():
-            m.timer.notify()
+    async def leave(self, name: str) -> None:
+        await self.members.pop(name).shutdown()
 
-    def step(self) -> None:
+    def queues(self) -> list[MessageQueue]:
+        return [MessageQueue("T", i) for i in range(N_QUEUES)] + [MessageQueue("%RETRY%g", 0)]
+
+    def expected_assignment(self) -> dict[str, list[MessageQueue]]:
         ids = sorted(self.members)
-        for m in self.members.values():
-            m.tick(ids, QUEUES)
+        t = [mq for mq in self.queues() if mq.topic == "T"]
+        r = [mq for mq in self.queues() if mq.topic != "T"]
+        return {cid: sorted(allocate_average(cid, t, ids) + allocate_average(cid, r, ids))
+                for cid in ids}
 
-    def owners(self) -> dict[MessageQueue, list[str]]:
-        out: dict[MessageQueue, list[str]] = {mq: [] for mq in QUEUES}
-        for m in self.members.values():
-            for mq in m.owned:
-                out[mq].append(m.cid)
-        return out
+    def assert_stable(self) -> None:
+        """Every queue owned by exactly one member, as the strategy says; with the lock on,
+        the broker's lock holder of each queue is its owner."""
+        owned = {cid: c.assignment for cid, c in self.members.items()}
+        assert owned == self.expected_assignment(), f"at t={self.clock():.1f}"
+        if self.broker.access_lock:
+            holders = {mq: self.broker.holder(GROUP, mq.topic, mq.queue_id)
+                       for mq in self.queues()}
+            assert holders == {mq: cid for cid, qs in owned.items() for mq in qs}
 
-    def assert_exclusive_and_complete(self) -> None:
-        owners = self.owners()
-        if not self.members:
-            assert all(not o for o in owners.values())
-            return
-        bad = {mq: o for mq, o in owners.items() if len(o) != 1}
-        assert not bad, f"at t={self.clock():.1f} queues without exactly one owner: {bad}"
-        sizes = sorted(len(m.owned) for m in self.members.values())
-        assert sizes[-1] - sizes[0] <= 2  # average: 16 over n plus the retry queue
-
-
-def test_simulation_scripted_join_and_leave():
-    clock = FakeClock(0.0)
-    group = SimGroup(clock)
-    script = {0.0: ("join", "c1"), 3.0: ("join", "c2"), 7.5: ("join", "c3"),
-              30.0: ("leave", "c2"), 31.0: ("join", "c4"), 50.0: ("leave", "c1"),
-              50.5: ("leave", "c3"), 70.0: ("leave", "c4"), 80.0: ("join", "c5")}
-    for _ in range(1000):  # 100 s in steps of 0.1 s
-        event = script.get(round(clock(), 1))
-        if event is not None:
-            getattr(group, event[0])(event[1])
-        group.step()  # every notified member rebalances in this same step
-        group.assert_exclusive_and_complete()
-        clock.advance(0.1)
-    assert sorted(group.members) == ["c5"]
-    assert len(group.members["c5"].owned) == len(QUEUES)
+    async def shutdown(self) -> None:
+        for name in list(self.members):
+            await self.leave(name)
 
 
-def test_simulation_without_notifications_converges_within_one_interval():
+async def _produce(broker: FakeBroker, stop: asyncio.Event, every: float = 0.1) -> list[str]:
+    keys: list[str] = []
+    for i in itertools.count():
+        if stop.is_set():
+            return keys
+        keys += broker.put("T", i % N_QUEUES)
+        await asyncio.sleep(every)
+    return keys
+
+
+async def _run_script(group: SimGroup, script: list[tuple[float, str, str]],
+                      settle: float = 60.0) -> list[str]:
+    """Play ``(time, "join" | "leave", name)`` while messages flow; let the group settle,
+    check it is stable, shut it down; return the keys produced."""
+    stop = asyncio.Event()
+    producer = asyncio.create_task(_produce(group.broker, stop))
+    t0 = group.clock()
+    for at, action, name in script:
+        await asyncio.sleep(max(0.0, t0 + at - group.clock()))
+        await (group.join(name) if action == "join" else group.leave(name))
+    await asyncio.sleep(5.0)
+    stop.set()
+    keys = await producer
+    deadline = group.clock() + 3600.0  # slow listeners need a while for the backlog
+    while set(keys) - set(group.keys) and group.clock() < deadline:
+        await asyncio.sleep(1.0)
+    await asyncio.sleep(settle)  # longer than a rebalance interval plus the drains
+    group.assert_stable()
+    await group.shutdown()
+    return keys
+
+
+def _lock_on_outcome(group: SimGroup, keys: list[str]) -> None:
+    assert set(group.keys) == set(keys), "messages lost"
+    assert group.overlaps == [], "a queue was consumed by two members at once"
+    dups = {k: n for k, n in group.keys.items() if n > 1}
+    assert dups == {}, f"{len(dups)} messages delivered more than once"
+
+
+def test_scripted_joins_and_leaves_hand_queues_over_without_overlap():
+    script = [(0.0, "join", "c1"), (3.0, "join", "c2"), (7.5, "join", "c3"),
+              (30.0, "leave", "c2"), (31.0, "join", "c4"), (50.0, "leave", "c1"),
+              (50.5, "leave", "c3"), (70.0, "leave", "c4"), (80.0, "join", "c5")]
+
+    async def main(clock: FakeClock):
+        broker = FakeBroker(clock)
+        broker.create_topic("T", N_QUEUES)
+        group = SimGroup(broker, clock)
+        keys = await _run_script(group, script)
+        return group, keys
+
+    group, keys = run_virtual(main)
+    _lock_on_outcome(group, keys)
+    runs = moved(group.deliveries)
+    # queues changed hands while messages flowed (c1 -> ... -> c5 for every queue of T)
+    assert {mq.queue_id for mq in runs if mq.topic == "T"} == set(range(N_QUEUES)), runs
+    assert all(seq[0] == "c1" and seq[-1] == "c5" for mq, seq in runs.items()
+               if mq.topic == "T")
+
+
+def test_without_the_lock_members_overlap_and_repeat_messages():
+    """The same handovers with the broker's lock off: the simulation sees what the lock
+    prevents (so the checks above can fail)."""
+    script = [(0.0, "join", "a"), (5.0, "join", "b"), (12.0, "leave", "a")]
+
+    async def main(clock: FakeClock):
+        broker = FakeBroker(clock, access_lock=False)
+        broker.create_topic("T", N_QUEUES)
+        group = SimGroup(broker, clock, handler_s=2.0)
+        return group, await _run_script(group, script)
+
+    group, keys = run_virtual(main)
+    assert set(group.keys) == set(keys)  # nothing lost
+    assert group.overlaps, "no queue was consumed by two members at once"
+    assert max(group.keys.values()) > 1
+
+
+def test_without_notifications_members_converge_within_one_interval():
     """Notifications lost: each member still rebalances on its own timer."""
-    clock = FakeClock(0.0)
-    group = SimGroup(clock, interval=20.0)
-    for cid in ("a", "b", "c"):
-        group.members[cid] = SimMember(cid, clock, 20.0)
-    group.step()
-    group.assert_exclusive_and_complete()
-    group.members["d"] = SimMember("d", clock, 20.0)  # joins silently
-    for m in group.members.values():
-        m.timer.done(clock())  # nobody is due for another 20 s
-    group.step()
-    assert len(group.members["d"].owned) == 0
-    clock.advance(20.0)
-    group.step()
-    group.assert_exclusive_and_complete()
-    assert len(group.members["d"].owned) > 0
+    async def main(clock: FakeClock):
+        broker = FakeBroker(clock, notify=False)
+        broker.create_topic("T", N_QUEUES)
+        group = SimGroup(broker, clock, rebalance_interval_s=20.0)
+        for name in ("a", "b", "c"):
+            await group.join(name)  # each rebalances at start
+        await asyncio.sleep(21.0)  # a's and b's timers ran once more and saw c
+        group.assert_stable()
+        before = {n: c.assignment for n, c in group.members.items()}
+        joined = clock()
+        await group.join("d")  # silently: nobody is told
+        await asyncio.sleep(1.0)
+        unchanged = all(group.members[n].assignment == before[n] for n in before)
+        await asyncio.sleep(joined + 20.5 - clock())
+        group.assert_stable()  # every timer fired once since d joined
+        await group.shutdown()
+        return unchanged, group
+
+    unchanged, group = run_virtual(main)
+    assert unchanged, "members rebalanced without a notification before their interval"
+    assert group.overlaps == []
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_simulation_random_membership(seed):
-    rng = random.Random(seed)
-    clock = FakeClock(0.0)
-    group = SimGroup(clock)
-    names = iter(f"m{i:03d}" for i in range(1000))
-    for _ in range(rng.randrange(1, 4)):
-        group.join(next(names))
-    for _ in range(300):
-        r = rng.random()
-        if r < 0.08 and len(group.members) < 8:
-            group.join(next(names))
-        elif r < 0.14 and group.members:
-            group.leave(rng.choice(sorted(group.members)))
-        elif r < 0.16:  # several changes at the same fake instant
-            group.join(next(names))
-            group.leave(rng.choice(sorted(group.members)))
-        group.step()
-        group.assert_exclusive_and_complete()
-        clock.advance(rng.choice([0.1, 1.0, 5.0, 25.0, 130.0]))
+def test_a_stalled_queue_is_dropped_and_taken_again():
+    async def main(clock: FakeClock):
+        broker = FakeBroker(clock)
+        broker.create_topic("T", N_QUEUES)
+        group = SimGroup(broker, clock, rebalance_interval_s=20.0)
+        await group.join("a")
+        await asyncio.sleep(1.0)
+        broker.black_holes.add(("T", 3))  # pulls of T:3 stop coming back
+        broker.put("T", 3)
+        # its last pull came back at about t=1 s: expired at 121 s (pull_expire_s), seen by
+        # the rebalance at 140 s (every 20 s)
+        await asyncio.sleep(145.0)
+        released = [h for cid, code, h in broker.requests
+                    if code == RequestCode.RELEASE_QUEUE and h["queue"] == 3]
+        taken = [h for cid, code, h in broker.requests
+                 if code == RequestCode.GET_OFFSET and h["topic"] == "T" and h["queue"] == 3]
+        broker.black_holes.clear()
+        key = broker.put("T", 3)[0]
+        await asyncio.sleep(30.0)  # the pull lost in the hole times out (25 s), the next works
+        group.assert_stable()
+        await group.shutdown()
+        return released, taken, key, group
+
+    released, taken, key, group = run_virtual(main)
+    assert len(released) == 1 and len(taken) == 2  # dropped once and taken again
+    assert group.keys[key] == 1 and group.keys["T-3-0"] == 1
 
 
-def test_simulation_stalled_member_retakes_its_queue():
-    clock = FakeClock(0.0)
-    group = SimGroup(clock)
-    for cid in ("a", "b"):
-        group.join(cid)
-    group.step()
-    a = group.members["a"]
-    mq = sorted(a.owned)[0]
-    old = a.owned[mq]
-    clock.advance(121.0)
-    for other in [p for k, p in a.owned.items() if k != mq]:
-        other.last_pull = clock()  # only mq stopped pulling
-    a.timer.notify()
-    a.tick(sorted(group.members), QUEUES)
-    assert old.dropped and a.owned[mq] is not old and not a.owned[mq].dropped
-    group.assert_exclusive_and_complete()
+@st.composite
+def scripts(draw) -> list[tuple[float, str, str]]:
+    """A random membership history: joins and graceful leaves at random times."""
+    names = iter(f"m{i:02d}" for i in range(100))
+    present: list[str] = []
+    script: list[tuple[float, str, str]] = []
+    t = 0.0
+    for _ in range(draw(st.integers(1, 8))):
+        t += draw(st.sampled_from([0.0, 0.05, 0.5, 3.0, 25.0]))
+        if present and draw(st.booleans()):
+            name = present.pop(draw(st.integers(0, len(present) - 1)))
+            script.append((t, "leave", name))
+        elif len(present) < 5:
+            name = next(names)
+            present.append(name)
+            script.append((t, "join", name))
+    if not present:
+        script.append((t + 1.0, "join", next(names)))
+    return script
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(script=scripts(), handler_s=st.sampled_from([0.0, 0.3, 4.0]),
+       latency=st.sampled_from([0.0005, 0.01, 0.2]), access_lock=st.booleans())
+def test_random_membership_every_queue_ends_with_one_owner_nothing_lost(
+        script, handler_s, latency, access_lock):
+    """Lock on: also no queue consumed by two members at once and no message twice. Lock
+    off: duplicates are allowed, loss and a split assignment are not."""
+    async def main(clock: FakeClock):
+        broker = FakeBroker(clock, latency=latency, access_lock=access_lock)
+        broker.create_topic("T", N_QUEUES)
+        group = SimGroup(broker, clock, handler_s=handler_s)
+        return group, await _run_script(group, script)  # checks the stable assignment
+
+    group, keys = run_virtual(main)
+    if access_lock:
+        _lock_on_outcome(group, keys)
+    else:
+        assert set(group.keys) == set(keys), "messages lost"

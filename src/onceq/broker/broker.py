@@ -316,6 +316,8 @@ class Broker:
             grant = self.transition.check(group, client, topic, queue, req["offset"])
             if not grant.granted:  # a refused client's commit must not move the offset
                 return 0, self._locked(topic, queue, req["offset"]), b""
+            if grant.offset > req["offset"]:  # taken over and moved forward to the group's
+                commit = -1  # offset: the client's commit is its stale start, not progress
             req["offset"] = grant.offset
             req["group"], req["client"] = group, client
         if group is not None and commit >= 0:
@@ -535,6 +537,9 @@ class Broker:
         applies = self.transition.applies(group, client)
         released = self.transition.release(group, client, topic, queue)
         if offset >= 0 and (released or not applies):
+            if applies:  # the holder's reads were corrected forward to the group's offset:
+                # a lower one is its stale start (its first pull still held), not progress
+                offset = max(offset, self.store.get_offset(group, topic, queue))
             self.store.commit_offset(group, topic, queue, offset)
         return 0, {"released": released}, b""
 

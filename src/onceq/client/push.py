@@ -68,6 +68,9 @@ Listener = Callable[[list[MessageExt], ConsumeContext],
                     Awaitable[ConsumeStatus | None] | ConsumeStatus | None]
 
 
+# opens a connection to ``address`` that hands server pushes to the callback
+Connect = Callable[[str, Callable[[int, dict[str, Any]], None]], Awaitable[BrokerConnection]]
+
 _default_ids: Counter[str] = Counter()
 
 
@@ -84,7 +87,8 @@ def _unique_default_id(instance: str) -> str:
 class PushConsumer:
     def __init__(self, address: str, group: str, listener: Listener | None = None,
                  config: PushConsumerConfig | None = None, *, client_id: str | None = None,
-                 clock: Callable[[], float] = time.monotonic, **overrides: Any) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 connect: Connect = BrokerConnection.open, **overrides: Any) -> None:
         self.address = address
         self.group = group
         self.config = config or PushConsumerConfig()
@@ -98,6 +102,7 @@ class PushConsumer:
         # (it holds the pid); like RocketMQ's ip@instanceName for broadcasting consumers
         self.offset_owner = client_id or f"{socket.gethostname()}#{self.config.instance_name}"
         self.clock = clock
+        self._connect = connect  # how to open a broker connection (an in-memory one in tests)
         self._listener = listener
         self._subs: dict[str, str] = {}
         self._conn: BrokerConnection | None = None
@@ -220,7 +225,7 @@ class PushConsumer:
         # without the lock each opened its own (all but one leaked, never closed)
         async with self._connect_lock:
             if self._conn is None or self._conn.closed:
-                conn = await BrokerConnection.open(self.address, self._on_push)
+                conn = await self._connect(self.address, self._on_push)
                 if self._running:
                     # a new connection is a new member for the broker: register before any
                     # pull goes out on it, or the broker would not apply the access lock

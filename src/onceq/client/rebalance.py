@@ -40,7 +40,10 @@ class RebalanceTimer:
         self.notified = True
 
     def due(self, now: float) -> bool:
-        return self.notified or now - self.last >= self.interval
+        # the same float sum as wait_time(): a rebalance is due exactly when there is
+        # nothing left to wait (``now - last >= interval`` can disagree by a rounding step,
+        # and a loop waiting for the timer would then spin)
+        return self.notified or now >= self.last + self.interval
 
     def done(self, now: float) -> None:
         self.last = now

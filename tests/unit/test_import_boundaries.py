@@ -1,0 +1,177 @@
+"""The package boundaries, checked on the source (``ast``, nothing is imported).
+
+The rules, for every import statement anywhere in a module (function bodies and
+``if TYPE_CHECKING:`` blocks included), relative imports resolved:
+
+* ``onceq.protocol`` (wire codec, codes, errors) imports from onceq only ``onceq.protocol``,
+  and besides the standard library only ``msgpack``.
+* ``onceq.log`` (record and index formats) imports from onceq only ``onceq.log`` and
+  ``onceq.protocol``, and besides the standard library only ``msgpack``.
+* ``onceq.client`` never imports ``onceq.storage``, ``onceq.broker`` or ``onceq.cli``: a
+  client talks to the broker through the protocol only.
+
+A violation fails with the file, the line and the import.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+STDLIB = frozenset(sys.stdlib_module_names)
+
+
+@dataclass(frozen=True)
+class Rule:
+    package: str  # the rule applies to this package's modules
+    allowed_onceq: frozenset[str] | None = None  # onceq subpackages it may import (None: any)
+    forbidden_onceq: frozenset[str] = frozenset()
+    allowed_third_party: frozenset[str] | None = None  # None: any
+
+    def why_not(self, target: str) -> str | None:
+        """Why importing ``target`` (an absolute module name) breaks this rule, or None."""
+        parts = target.split(".")
+        if parts[0] == "onceq":
+            sub = parts[1] if len(parts) > 1 else ""
+            if sub in self.forbidden_onceq:
+                return f"{self.package} must not import onceq.{sub}"
+            if self.allowed_onceq is not None and sub not in self.allowed_onceq:
+                allowed = ", ".join(f"onceq.{p}" for p in sorted(self.allowed_onceq))
+                return f"{self.package} may import from onceq only {allowed}"
+            return None
+        if (self.allowed_third_party is not None and parts[0] not in STDLIB
+                and parts[0] not in self.allowed_third_party):
+            allowed = ", ".join(sorted(self.allowed_third_party)) or "nothing"
+            return (f"{self.package} may import only the standard library and {allowed} "
+                    "besides onceq")
+        return None
+
+
+RULES = [
+    Rule("onceq.protocol", allowed_onceq=frozenset({"protocol"}),
+         allowed_third_party=frozenset({"msgpack"})),
+    Rule("onceq.log", allowed_onceq=frozenset({"log", "protocol"}),
+         allowed_third_party=frozenset({"msgpack"})),
+    Rule("onceq.client", forbidden_onceq=frozenset({"storage", "broker", "cli"})),
+]
+
+
+def module_name(path: Path, src: Path = SRC) -> str:
+    rel = path.relative_to(src).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_modules(source: str, module: str, is_package: bool
+                     ) -> list[tuple[int, str, list[str]]]:
+    """``(line, absolute module name, names)`` of every import in ``source``.
+
+    ``names`` are what ``from a import b, c`` takes (b and c may be submodules: a broken
+    rule is also caught in ``from .. import storage``); empty for ``import a``.
+    """
+    package = module if is_package else module.rpartition(".")[0]
+    out: list[tuple[int, str, list[str]]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base_parts = package.split(".")
+                up = node.level - 1
+                if up >= len(base_parts):
+                    raise ValueError(f"{module}: relative import beyond the top package")
+                base = ".".join(base_parts[:len(base_parts) - up])
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            out.append((node.lineno, target,
+                        [alias.name for alias in node.names if alias.name != "*"]))
+    return out
+
+
+def violations(path: Path, source: str, module: str, rules: list[Rule] = RULES
+               ) -> list[str]:
+    found = []
+    for rule in rules:
+        if module != rule.package and not module.startswith(rule.package + "."):
+            continue
+        for line, target, names in imported_modules(source, module,
+                                                    path.name == "__init__.py"):
+            # the module itself, or else each imported name as a possible submodule
+            for candidate in [target] + [f"{target}.{n}" for n in names]:
+                why = rule.why_not(candidate)
+                if why is not None:
+                    found.append(f"{path}:{line}: imports {candidate} ({why})")
+                    if candidate == target:
+                        break
+    return sorted(set(found))
+
+
+def modules_of(package: str) -> list[Path]:
+    root = SRC.joinpath(*package.split("."))
+    return sorted(root.rglob("*.py"))
+
+
+@pytest.mark.parametrize("rule", RULES, ids=[r.package for r in RULES])
+def test_package_respects_its_import_boundary(rule):
+    files = modules_of(rule.package)
+    assert len(files) >= 2, f"no modules found for {rule.package} under {SRC}"
+    found = []
+    for path in files:
+        found += violations(path.relative_to(SRC.parent), path.read_text(), module_name(path))
+    assert not found, "import boundary broken:\n" + "\n".join(found)
+
+
+# ------------------------------------------------------------ the checker itself can fail
+def _check(module: str, source: str, is_package: bool = False) -> list[str]:
+    parts = module.split(".")
+    path = (Path("src", *parts, "__init__.py") if is_package
+            else Path("src", *parts[:-1], parts[-1] + ".py"))
+    return violations(path, source, module)
+
+
+def test_client_importing_storage_or_broker_is_reported_with_file_and_import():
+    src = ("from ..protocol.codes import RequestCode\n"
+           "from ..storage.store import MessageStore\n"
+           "def f():\n"
+           "    import onceq.broker.broker\n"
+           "    from .. import cli\n")
+    found = _check("onceq.client.push", src)
+    assert found == [
+        "src/onceq/client/push.py:2: imports onceq.storage.store "
+        "(onceq.client must not import onceq.storage)",
+        "src/onceq/client/push.py:4: imports onceq.broker.broker "
+        "(onceq.client must not import onceq.broker)",
+        "src/onceq/client/push.py:5: imports onceq.cli "
+        "(onceq.client must not import onceq.cli)",
+    ]
+
+
+def test_protocol_and_log_reaching_out_are_reported():
+    assert _check("onceq.protocol.frame", "from ..log.record import Message\n") == [
+        "src/onceq/protocol/frame.py:1: imports onceq.log.record "
+        "(onceq.protocol may import from onceq only onceq.protocol)"]
+    assert _check("onceq.protocol.frame", "import numpy as np\n") == [
+        "src/onceq/protocol/frame.py:1: imports numpy (onceq.protocol may import only the "
+        "standard library and msgpack besides onceq)"]
+    assert _check("onceq.log.record", "from ..client.message import Message\n") == [
+        "src/onceq/log/record.py:1: imports onceq.client.message "
+        "(onceq.log may import from onceq only onceq.log, onceq.protocol)"]
+    assert _check("onceq.log", "from .. import _aio\n", is_package=True) == [
+        "src/onceq/log/__init__.py:1: imports onceq (onceq.log may import from onceq only "
+        "onceq.log, onceq.protocol)"]
+
+
+def test_allowed_imports_pass():
+    assert _check("onceq.log.segment", "import struct\nfrom ..protocol.errors import X\n"
+                  "from .record import Message\nimport msgpack\n") == []
+    assert _check("onceq.client.push", "from .._aio import wait_event\n"
+                  "from ..log.record import Message\nimport asyncio\n") == []
+    assert _check("onceq.broker.broker", "from ..storage.store import MessageStore\n") == []
