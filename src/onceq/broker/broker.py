@@ -64,6 +64,20 @@ def _str(header: dict[str, Any], name: str) -> str:
     return value
 
 
+def _held(group: dict[str, Any]) -> list[tuple[str, int, int]] | None:
+    """The ``held`` field of a heartbeat's group: [[topic, queue, next offset], ...]."""
+    held = group.get("held")
+    if held is None:
+        return None
+    if not isinstance(held, list) or not all(
+            isinstance(x, list) and len(x) == 3 and isinstance(x[0], str)
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in x[1:])
+            for x in held):
+        raise OnceqError(ErrorCode.INVALID_ARGUMENT,
+                         "held must be a list of [topic, queue, next offset]")
+    return [(t, q, d) for t, q, d in held]
+
+
 def _answer_durable(conn: Connection, corr: int, header: dict[str, Any],
                     fut: asyncio.Future[None]) -> None:
     """Answer a sync-flush send once its fsync is done (or failed)."""
@@ -87,7 +101,9 @@ class Broker:
         self.holds = PullHold(self._retry_pull)
         self.transition = TransitionLock(
             self.store, self.groups, config.access_lock, config.access_lock_hold_s,
-            config.access_lock_stable_checks, clock)
+            config.access_lock_stable_checks, clock, config.access_lock_restore_hold_s, files,
+            self._locks_changed)
+        self._locks_dirty: asyncio.Event | None = None
         self.flusher: Flusher | None = None
         self.retry: RetryService | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -123,6 +139,8 @@ class Broker:
         self.store.open()
         log.info("store opened in %.2fs (%d records)", time.perf_counter() - t0,
                  self.store.recovered_records)
+        self.transition.load()
+        self._locks_dirty = asyncio.Event()
         cfg = self.config
         self.retry = RetryService(self.store, parse_delay_levels(cfg.delay_levels), self.clock,
                                   self._on_internal_put)
@@ -147,6 +165,7 @@ class Broker:
             loop.create_task(self._every(cfg.offsets_save_s, self._save_offsets)),
             loop.create_task(self._every(cfg.expiry_check_s, self._expire_members)),
             loop.create_task(self._every(cfg.retention_check_s, self._retention)),
+            loop.create_task(self._save_locks()),
         ]
         log.info("broker listening on %s:%d (flush=%s)", cfg.host, self.port, cfg.store.flush)
 
@@ -191,6 +210,24 @@ class Broker:
             self.store.offsets_changed()  # written again on the next round and at close
             raise
 
+    def _locks_changed(self) -> None:
+        if self._locks_dirty is not None:
+            self._locks_dirty.set()
+
+    async def _save_locks(self) -> None:
+        """Write the access-lock holders whenever they change (one write at a time; changes
+        made during a write are written by the next one)."""
+        assert self._locks_dirty is not None
+        while True:
+            await self._locks_dirty.wait()
+            self._locks_dirty.clear()
+            try:
+                await self._off_loop(self.transition.write_file, self.transition.file_data())
+            except OSError as exc:
+                log.error("cannot save the access locks: %s; retrying", exc)
+                self._locks_dirty.set()
+                await asyncio.sleep(1.0)
+
     def _expire_members(self) -> None:
         for group, cid in self.groups.expire(self.clock()):
             log.info("group %s: member %s expired (no heartbeat)", group, cid)
@@ -219,6 +256,10 @@ class Broker:
         if self.flusher is not None:
             await self.flusher.stop()
             await asyncio.sleep(0)  # let the answers of sync-flush sends go out first
+        try:  # holders as they are now, before closing connections releases them
+            self.transition.write_file(self.transition.file_data())
+        except OSError as exc:
+            log.error("cannot save the access locks: %s", exc)
         for conn in list(self.connections):
             conn.close()
         self.store.close()
@@ -458,15 +499,20 @@ class Broker:
             meta = g.get("meta")
             if meta is not None and not isinstance(meta, dict):
                 raise OnceqError(ErrorCode.INVALID_ARGUMENT, "meta must be a map")
-            checked.append((name, subs, model, meta))
+            checked.append((name, subs, model, meta, _held(g)))
         now = self.clock()
-        for name, subs, model, meta in checked:
+        holds = []
+        for name, subs, model, meta, held in checked:
             if model == CLUSTERING and self.retry is not None:
                 self.retry.ensure_group_topics(name)
             self.groups.heartbeat(name, client, conn, model, subs, now, meta)
+            # the queues the member holds (after a reconnect: restore the access lock)
+            if held is not None and self.transition.applies(name, client):
+                holds += [[name, t, q, h] for t, q, h in
+                          self.transition.reassert(name, client, held)]
         conn.client_ids.add(client)
         self.transition.touch_client(client)
-        return 0, {"expiry_s": self.config.heartbeat_expiry_s}, b""
+        return 0, {"expiry_s": self.config.heartbeat_expiry_s, "holds": holds}, b""
 
     def h_unregister(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
                      ) -> Response:
