@@ -127,6 +127,16 @@ def test_reassert_confirms_own_takes_free_and_leaves_others():
     assert table.changes == changes + 1  # only the free take changed a holder
 
 
+def test_queue_taken_by_heartbeat_corrects_the_first_pull_forward():
+    # b got the queue by a rebalance and looked its start offset (2) up while a was still
+    # draining; a released with its final commit (6); b's heartbeat then lists the queue
+    table = AccessLockTable()
+    assert table.reassert(G, "b", {(T, 0): 2}, now=START) == {(T, 0): True}
+    d = pull(table, "b", requested=2, ack=6, deliver=6)
+    assert d.granted and d.offset == 6
+    assert pull(table, "b", requested=3, ack=6, deliver=6).offset == 3  # only the first
+
+
 def test_reassert_never_moves_the_deliver_offset_back():
     table = restored([LockRow(G, T, 0, "a", 10)])
     table.reassert(G, "a", {(T, 0): 4}, now=START)

@@ -99,6 +99,8 @@ class _Entry:
     pending_handover: bool = False
     unconfirmed_until: float | None = None
     """Restored at start and not re-asserted yet: nobody else takes it before this time."""
+    correct_next_pull: bool = False
+    """Taken by a heartbeat, not a pull: the holder's first pull is corrected forward."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,9 +177,13 @@ class AccessLockTable:
             if deliver_offset != entry.last_deliver_offset:
                 entry.last_deliver_offset = deliver_offset
                 entry.unchanged_checks = 0
+            offset = requested_offset
+            if entry.correct_next_pull:  # its start offset may predate the last commit
+                entry.correct_next_pull = False
+                offset = _forward_offset(requested_offset, ack_offset)
             return LockDecision(
                 granted=True,
-                offset=requested_offset,
+                offset=offset,
                 takeover=None,
                 previous_holder=client_id,
                 holder=client_id,
@@ -253,7 +259,11 @@ class AccessLockTable:
             key = (group, topic, queue_id)
             entry = self._entries.get(key)
             if entry is None:
+                # as its next pull would take it; that pull is still corrected forward to the
+                # ack offset (a member that just got the queue may have looked its start
+                # offset up before the previous holder's last commit)
                 self._set_holder(key, None, client_id, deliver, now)
+                self._entries[key].correct_next_pull = True
                 result[(topic, queue_id)] = True
             elif entry.holder == client_id:
                 entry.last_access = max(entry.last_access, now)
