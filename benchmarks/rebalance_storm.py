@@ -3,8 +3,9 @@
 A topic of 16 queues; a producer at a steady rate; handlers taking a few milliseconds;
 consumer processes joining and leaving on a fixed schedule (scale 1 -> 4 -> 2 -> 5 -> 1,
 each leave a graceful shutdown), one consumer SIGKILLed once, and the broker SIGKILLed and
-restarted once in the middle of the scale-2 phase (no membership change is scheduled in
-that phase). Every delivery is logged per consumer; afterwards deliveries are counted per
+restarted once in the middle of the scale-4 phase (no membership change is scheduled in
+that phase; the broker stays down ``--restart-down-s``, as a real restart with recovery
+does, so the members come back at different moments of their reconnect back-off). Every delivery is logged per consumer; afterwards deliveries are counted per
 unique key:
 
 * lost: produced keys never delivered;
@@ -17,7 +18,7 @@ unique key:
 
 Both configurations run in the same invocation, each on a fresh broker.
 Usage: python benchmarks/rebalance_storm.py [--phase-s 6] [--rate 1000] [--handler-ms 2]
-       [--flush sync] [--no-broker-restart]
+       [--flush sync] [--restart-phase 1] [--restart-down-s 1] [--no-broker-restart]
 Prints one JSON document.
 """
 
@@ -43,15 +44,15 @@ from throughput import start_broker  # noqa: E402
 TOPIC = "storm"
 GROUP = "storm-group"
 SCHEDULE = [1, 4, 2, 5, 1]
-RESTART_PHASE = 2  # index in SCHEDULE of the phase whose middle sees the broker restart
 
 
-def _restart_broker(proc: subprocess.Popen, data_dir: str, addr: str, flush: str
-                    ) -> tuple[subprocess.Popen, float]:
-    """SIGKILL the broker and start it again on the same port and data; (process, seconds
-    until it accepted again)."""
+def _restart_broker(proc: subprocess.Popen, data_dir: str, addr: str, flush: str,
+                    down_s: float) -> tuple[subprocess.Popen, float]:
+    """SIGKILL the broker, wait ``down_s``, start it again on the same port and data;
+    (process, seconds from the new start until it accepted)."""
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    time.sleep(down_s)
     t0 = time.monotonic()
     port = addr.rsplit(":", 1)[1]
     err = open(os.path.join(data_dir, "broker-restart.err"), "w+")  # noqa: SIM115
@@ -100,7 +101,8 @@ def _spawn(addr: str, name: str, out: str, lock: bool, handler_ms: float
 
 
 async def run_config(lock: bool, phase_s: float, rate: int, handler_ms: float,
-                     drain_timeout: float, flush: str, broker_restart: bool) -> dict:
+                     drain_timeout: float, flush: str, restart_phase: int | None,
+                     restart_down_s: float) -> dict:
     from onceq import Admin
 
     with tempfile.TemporaryDirectory(prefix="onceq-storm-") as d:
@@ -141,12 +143,12 @@ async def run_config(lock: bool, phase_s: float, rate: int, handler_ms: float,
                     procs[name] = await asyncio.to_thread(_spawn, addr, name, files[name], lock,
                                                           handler_ms)
                     await asyncio.sleep(phase_s / 2)
-                elif i == RESTART_PHASE and broker_restart:  # broker SIGKILL + restart
+                elif i == restart_phase:  # broker SIGKILL + restart
                     await asyncio.sleep(phase_s / 2)
                     t_kill = time.time()
-                    broker, restart_s = await asyncio.to_thread(_restart_broker, broker,
-                                                                data_dir, addr, flush)
-                    await asyncio.sleep(phase_s / 2)
+                    broker, restart_s = await asyncio.to_thread(
+                        _restart_broker, broker, data_dir, addr, flush, restart_down_s)
+                    await asyncio.sleep(max(phase_s / 2 - (time.time() - t_kill), 0))
                     restart_window = (t_kill, time.time())
                 else:
                     await asyncio.sleep(phase_s)
@@ -227,19 +229,23 @@ def main() -> None:
     ap.add_argument("--handler-ms", type=float, default=2.0)
     ap.add_argument("--drain-timeout", type=float, default=60.0)
     ap.add_argument("--flush", choices=["async", "sync"], default="sync")
+    ap.add_argument("--restart-phase", type=int, default=1,
+                    help="index in the schedule of the phase with the broker restart")
+    ap.add_argument("--restart-down-s", type=float, default=1.0)
     ap.add_argument("--no-broker-restart", dest="broker_restart", action="store_false")
     a = ap.parse_args()
     runs = {}
     for lock in (False, True):
         runs["lock_on" if lock else "lock_off"] = asyncio.run(
             run_config(lock, a.phase_s, a.rate, a.handler_ms, a.drain_timeout, a.flush,
-                       a.broker_restart))
+                       a.restart_phase if a.broker_restart else None, a.restart_down_s))
     off, on = runs["lock_off"], runs["lock_on"]
     report = {
         "workload": {"queues": 16, "schedule": SCHEDULE, "phase_s": a.phase_s,
                      "rate_msg_s": a.rate, "handler_ms": a.handler_ms, "sigkill": 1,
                      "flush": a.flush,
-                     "broker_restart_phase": RESTART_PHASE if a.broker_restart else None},
+                     "broker_restart_phase": a.restart_phase if a.broker_restart else None,
+                     "broker_down_s": a.restart_down_s},
         **runs,
         "goals": {
             "lost == 0 (both)": off["lost"] == 0 and on["lost"] == 0,
