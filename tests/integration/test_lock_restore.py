@@ -78,12 +78,19 @@ async def test_restored_holder_blocks_others_until_the_restore_hold_passes(tmp_p
         assert {q: (r["holder"], r["unconfirmed"]) for q, r in rows.items()} == {
             0: ("a", True), 1: ("b", True)}
         assert rows[0]["deliver"] == 3
+        # the holders that have not reconnected are listed as members, so that c's
+        # allocation leaves their queues to them
+        listed, _ = await c.request(RequestCode.LIST_GROUP_MEMBERS, {"group": G})
+        assert [(m["client"], m.get("restored", False)) for m in listed["members"]] == [
+            ("c", False), ("a", True), ("b", True)]
         assert (await _pull(c, "c", 0))["st"] == PullStatus.LOCKED
         clock.advance(19.9)
         assert (await _pull(c, "c", 0))["st"] == PullStatus.LOCKED
         clock.advance(0.1)
         hdr = await _pull(c, "c", 0)
         assert hdr["st"] == PullStatus.FOUND and hdr["n"] == 2  # from the ack offset 1
+        listed, _ = await c.request(RequestCode.LIST_GROUP_MEMBERS, {"group": G})
+        assert [m["client"] for m in listed["members"]] == ["c"]  # the hold has passed
         c.close()
     finally:
         await b.stop()
@@ -125,6 +132,9 @@ async def test_holder_that_no_longer_holds_gives_the_queue_up_at_once(tmp_path):
         assert (await _pull(c, "c", 0))["st"] == PullStatus.LOCKED
         a, hdr = await _member(addr, "a", held=[])  # reconnected, holds nothing any more
         assert hdr["holds"] == []
+        listed, _ = await c.request(RequestCode.LIST_GROUP_MEMBERS, {"group": G})
+        assert [(m["client"], m.get("restored", False)) for m in listed["members"]] == [
+            ("a", False), ("c", False), ("b", True)]
         hdr = await _pull(c, "c", 0)
         assert hdr["st"] == PullStatus.FOUND and hdr["n"] == 2
         a.close()

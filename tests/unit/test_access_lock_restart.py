@@ -96,6 +96,18 @@ def test_unconfirmed_holder_keeps_its_queue_until_the_restore_hold_passes():
     assert table.snapshot(G)[0]["unconfirmed"] is False
 
 
+def test_unconfirmed_holders_are_the_restored_ones_not_back_yet():
+    table = restored([LockRow(G, T, 0, "a", 1), LockRow(G, T, 1, "b", 1),
+                      LockRow(G, T, 2, "b", 1), LockRow("g2", T, 0, "c", 1)])
+    assert table.unconfirmed_holders(G, START) == ["a", "b"]
+    table.reassert(G, "a", {(T, 0): 1}, now=START + 1)
+    assert table.unconfirmed_holders(G, START + 1) == ["b"]
+    pull(table, "b", queue_id=1, now=START + 2)  # one confirmed, one not yet: still listed
+    assert table.unconfirmed_holders(G, START + 2) == ["b"]
+    assert table.unconfirmed_holders(G, START + 20) == []  # the restore hold has passed
+    assert table.unconfirmed_holders("g2", START) == ["c"]
+
+
 def test_restore_hold_counts_from_the_restore_not_from_the_saved_access():
     table = AccessLockTable(restore_hold=5.0)
     table.restore([LockRow(G, T, 0, "a", 0)], now=50.0)

@@ -322,6 +322,13 @@ class AccessLockTable:
             self._unindex(entry.holder, key)
             self.changes += 1
 
+    def unconfirmed_holders(self, group: str, now: float) -> list[str]:
+        """Restored holders of ``group`` that have not re-asserted yet and whose restore hold
+        still runs: members that may be alive but have not reconnected."""
+        return sorted({e.holder for (g, _t, _q), e in self._entries.items()
+                       if g == group and e.unconfirmed_until is not None
+                       and now < e.unconfirmed_until})
+
     # -- inspection ----------------------------------------------------------------------
 
     def holder(self, group: str, topic: str, queue_id: int) -> str | None:

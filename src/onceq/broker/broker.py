@@ -104,6 +104,8 @@ class Broker:
             config.access_lock_stable_checks, clock, config.access_lock_restore_hold_s, files,
             self._locks_changed)
         self._locks_dirty: asyncio.Event | None = None
+        self._started = clock()
+        self._hold_timer: asyncio.TimerHandle | None = None
         self.flusher: Flusher | None = None
         self.retry: RetryService | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -139,7 +141,10 @@ class Broker:
         self.store.open()
         log.info("store opened in %.2fs (%d records)", time.perf_counter() - t0,
                  self.store.recovered_records)
-        self.transition.load()
+        self._started = self.clock()
+        if self.transition.load():  # when the restore hold ends, the groups rebalance
+            self._hold_timer = asyncio.get_running_loop().call_later(
+                self.config.access_lock_restore_hold_s, self._restore_hold_ended)
         self._locks_dirty = asyncio.Event()
         cfg = self.config
         self.retry = RetryService(self.store, parse_delay_levels(cfg.delay_levels), self.clock,
@@ -210,6 +215,13 @@ class Broker:
             self.store.offsets_changed()  # written again on the next round and at close
             raise
 
+    def _restore_hold_ended(self) -> None:
+        """Members that did not come back drop out of the member lists now: tell the groups."""
+        for group in sorted({r.group for r in self.transition.table.export()}):
+            for m in self.groups.members(group):
+                m.conn.push(PushCode.GROUP_CHANGED, {"group": group, "client": "",
+                                                     "reason": "restore-hold-ended"})
+
     def _locks_changed(self) -> None:
         if self._locks_dirty is not None:
             self._locks_dirty.set()
@@ -244,6 +256,8 @@ class Broker:
         if self._server is not None:
             self._server.close()
         self.holds.release_all()
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -530,6 +544,11 @@ class Broker:
              "last_heartbeat_ms": int(m.last_heartbeat * 1000), "peer": m.conn.peer}
             for m in self.groups.members(group)
         ]
+        known = {m["client"] for m in members}
+        members += [  # holders saved before a restart, not reconnected yet
+            {"client": cid, "model": CLUSTERING, "subs": {}, "peer": "(restored)",
+             "last_heartbeat_ms": int(self._started * 1000), "restored": True}
+            for cid in self.transition.restored_members(group) if cid not in known]
         return 0, {"group": group, "members": members}, b""
 
     def h_list_groups(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes

@@ -80,6 +80,12 @@ class TransitionLock:
                      self.table.restore_hold)
         return len(rows)
 
+    def restored_members(self, group: str) -> list[str]:
+        """Holders restored at start that have not reconnected yet (within the restore
+        hold): listed as members, so that the members that reconnect first keep the
+        allocation they had instead of taking the absent ones' queues for a moment."""
+        return self.table.unconfirmed_holders(group, self.clock())
+
     def file_data(self) -> bytes:
         """The holders and their deliver offsets, as saved in ``access_locks.json``."""
         rows = [LockRow(r.group, r.topic, r.queue_id, r.holder,

@@ -413,6 +413,7 @@ class PushConsumer:
         if pq is None:
             return
         pq.dropped = True
+        self.stats["revoked"] += 1
         task = self._pull_tasks.pop(mq, None)
         if task is not None:
             task.cancel()
