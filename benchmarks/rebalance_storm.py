@@ -3,10 +3,11 @@
 A topic of 16 queues; a producer at a steady rate; handlers taking a few milliseconds;
 consumer processes joining and leaving on a fixed schedule (scale 1 -> 4 -> 2 -> 5 -> 1,
 each leave a graceful shutdown), one consumer SIGKILLed once, and the broker SIGKILLed and
-restarted once in the scale-4 phase (``--restart-at``: in its middle by default, where no
-membership change is scheduled; the broker stays down ``--restart-down-s``, as a real
-restart with recovery does). Every delivery is logged per consumer; afterwards deliveries
-are counted per unique key:
+restarted once in the scale-4 phase (``--restart-at``: a quarter into it by default, where
+no membership change is scheduled; the broker stays down ``--restart-down-s``, as a real
+restart with recovery does, and one member, paused meanwhile, resumes ``--late-member-s``
+after the broker is back, as a member on a slow host or in a pause would). Every delivery
+is logged per consumer; afterwards deliveries are counted per unique key:
 
 * lost: produced keys never delivered;
 * duplicates: deliveries beyond the first, split into those caused by the consumer SIGKILL
@@ -18,8 +19,8 @@ are counted per unique key:
 
 Both configurations run in the same invocation, each on a fresh broker.
 Usage: python benchmarks/rebalance_storm.py [--phase-s 6] [--rate 1000] [--handler-ms 2]
-       [--flush sync] [--restart-phase 1] [--restart-at 0.5] [--restart-down-s 1]
-       [--no-broker-restart]
+       [--flush sync] [--restart-phase 1] [--restart-at 0.25] [--restart-down-s 1]
+       [--late-member-s 2] [--no-broker-restart]
 Prints one JSON document.
 """
 
@@ -103,7 +104,7 @@ def _spawn(addr: str, name: str, out: str, lock: bool, handler_ms: float
 
 async def run_config(lock: bool, phase_s: float, rate: int, handler_ms: float,
                      drain_timeout: float, flush: str, restart_phase: int | None,
-                     restart_at: float, restart_down_s: float) -> dict:
+                     restart_at: float, restart_down_s: float, late_s: float) -> dict:
     from onceq import Admin
 
     with tempfile.TemporaryDirectory(prefix="onceq-storm-") as d:
@@ -146,11 +147,17 @@ async def run_config(lock: bool, phase_s: float, rate: int, handler_ms: float,
                     await asyncio.sleep(phase_s / 2)
                 elif i == restart_phase:  # broker SIGKILL + restart
                     await asyncio.sleep(phase_s * restart_at)
+                    late = procs[list(procs)[-1]] if late_s > 0 else None
+                    if late is not None:  # one member comes back late (a pause, a slow host)
+                        late.send_signal(signal.SIGSTOP)
                     t_kill = time.time()
                     broker, restart_s = await asyncio.to_thread(
                         _restart_broker, broker, data_dir, addr, flush, restart_down_s)
+                    if late is not None:
+                        await asyncio.sleep(late_s)
+                        late.send_signal(signal.SIGCONT)
                     await asyncio.sleep(max(phase_s * (1 - restart_at)
-                                            - (time.time() - t_kill), 0))
+                                            - (time.time() - t_kill), 1.0))
                     restart_window = (t_kill, time.time())
                 else:
                     await asyncio.sleep(phase_s)
@@ -233,10 +240,13 @@ def main() -> None:
     ap.add_argument("--flush", choices=["async", "sync"], default="sync")
     ap.add_argument("--restart-phase", type=int, default=1,
                     help="index in the schedule of the phase with the broker restart")
-    ap.add_argument("--restart-at", type=float, default=0.5,
+    ap.add_argument("--restart-at", type=float, default=0.25,
                     help="when in that phase, as a fraction of it (0.05: while the group "
                          "still settles after the phase's scale change)")
     ap.add_argument("--restart-down-s", type=float, default=1.0)
+    ap.add_argument("--late-member-s", type=float, default=2.0,
+                    help="one member is paused (SIGSTOP) during the restart and resumes "
+                         "this long after the broker is back (0: none)")
     ap.add_argument("--no-broker-restart", dest="broker_restart", action="store_false")
     a = ap.parse_args()
     runs = {}
@@ -244,14 +254,15 @@ def main() -> None:
         runs["lock_on" if lock else "lock_off"] = asyncio.run(
             run_config(lock, a.phase_s, a.rate, a.handler_ms, a.drain_timeout, a.flush,
                        a.restart_phase if a.broker_restart else None, a.restart_at,
-                       a.restart_down_s))
+                       a.restart_down_s, a.late_member_s))
     off, on = runs["lock_off"], runs["lock_on"]
     report = {
         "workload": {"queues": 16, "schedule": SCHEDULE, "phase_s": a.phase_s,
                      "rate_msg_s": a.rate, "handler_ms": a.handler_ms, "sigkill": 1,
                      "flush": a.flush,
                      "broker_restart_phase": a.restart_phase if a.broker_restart else None,
-                     "broker_restart_at": a.restart_at, "broker_down_s": a.restart_down_s},
+                     "broker_restart_at": a.restart_at, "broker_down_s": a.restart_down_s,
+                     "late_member_s": a.late_member_s},
         **runs,
         "goals": {
             "lost == 0 (both)": off["lost"] == 0 and on["lost"] == 0,
