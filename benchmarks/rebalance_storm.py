@@ -2,18 +2,25 @@
 
 A topic of 16 queues; a producer at a steady rate; handlers taking a few milliseconds;
 consumer processes joining and leaving on a fixed schedule (scale 1 -> 4 -> 2 -> 5 -> 1,
-each leave a graceful shutdown) and one consumer SIGKILLed once. Every delivery is logged
-per consumer; afterwards deliveries are counted per unique key:
+each leave a graceful shutdown), one consumer SIGKILLed once, and the broker SIGKILLed and
+restarted once in the scale-4 phase (``--restart-at``: a quarter into it by default, where
+no membership change is scheduled; the broker stays down ``--restart-down-s``, as a real
+restart with recovery does, and one member, paused meanwhile, resumes ``--late-member-s``
+after the broker is back, as a member on a slow host or in a pause would). Every delivery
+is logged per consumer; afterwards deliveries are counted per unique key:
 
 * lost: produced keys never delivered;
-* duplicates: deliveries beyond the first, split into those caused by the SIGKILL (the
-  earlier delivery was by the killed consumer: its unacknowledged messages must be
-  redelivered) and those caused by rebalances (all others);
+* duplicates: deliveries beyond the first, split into those caused by the consumer SIGKILL
+  (the earlier delivery was by the killed consumer: its unacknowledged messages must be
+  redelivered), those caused by the broker restart (the repeat came between the broker's
+  kill and the end of its phase) and those caused by rebalances (all others);
 * throughput: deliveries per second over the run, and the time to drain the backlog after
   the producer stops.
 
 Both configurations run in the same invocation, each on a fresh broker.
 Usage: python benchmarks/rebalance_storm.py [--phase-s 6] [--rate 1000] [--handler-ms 2]
+       [--flush sync] [--restart-phase 1] [--restart-at 0.25] [--restart-down-s 1]
+       [--late-member-s 2] [--no-broker-restart]
 Prints one JSON document.
 """
 
@@ -25,6 +32,7 @@ import collections
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -40,15 +48,43 @@ GROUP = "storm-group"
 SCHEDULE = [1, 4, 2, 5, 1]
 
 
+def _restart_broker(proc: subprocess.Popen, data_dir: str, addr: str, flush: str,
+                    down_s: float) -> tuple[subprocess.Popen, float]:
+    """SIGKILL the broker, wait ``down_s``, start it again on the same port and data;
+    (process, seconds from the new start until it accepted)."""
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    time.sleep(down_s)
+    t0 = time.monotonic()
+    port = addr.rsplit(":", 1)[1]
+    err = open(os.path.join(data_dir, "broker-restart.err"), "w+")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "onceq.cli.main", "broker", "start", "--data-dir", data_dir,
+         "--port", port, "--flush", flush, "--log-level", "WARNING"],
+        stdout=subprocess.DEVNULL, stderr=err)
+    while proc.poll() is None and time.monotonic() - t0 < 30:
+        try:
+            with socket.create_connection(("127.0.0.1", int(port)), timeout=0.2):
+                return proc, time.monotonic() - t0
+        except OSError:
+            time.sleep(0.02)
+    err.seek(0)
+    raise RuntimeError(f"broker did not restart: {err.read()[-2000:]}")
+
+
 async def _produce(addr: str, rate: int, seconds: float, keys_out: list[str]) -> None:
-    from onceq import Producer
+    from onceq import OnceqError, Producer
 
     async with Producer(addr) as p:
         batch = max(rate // 100, 1)  # 100 sends a second
         t0 = time.monotonic()
         sent = 0
         while time.monotonic() - t0 < seconds:
-            results = await p.send_batch(TOPIC, [b"x" * 100] * batch)
+            try:
+                results = await p.send_batch(TOPIC, [b"x" * 100] * batch)
+            except OnceqError:  # the broker is restarting: this batch is not counted
+                await asyncio.sleep(0.1)
+                continue
             keys_out.extend(r.unique_key for r in results)
             sent += batch
             ahead = sent / rate - (time.monotonic() - t0)
@@ -67,11 +103,15 @@ def _spawn(addr: str, name: str, out: str, lock: bool, handler_ms: float
 
 
 async def run_config(lock: bool, phase_s: float, rate: int, handler_ms: float,
-                     drain_timeout: float) -> dict:
+                     drain_timeout: float, flush: str, restart_phase: int | None,
+                     restart_at: float, restart_down_s: float, late_s: float) -> dict:
     from onceq import Admin
 
     with tempfile.TemporaryDirectory(prefix="onceq-storm-") as d:
-        broker, addr = start_broker(os.path.join(d, "data"), "async")
+        data_dir = os.path.join(d, "data")
+        broker, addr = start_broker(data_dir, flush)
+        restart_window = (float("inf"), float("inf"))  # wall times of kill and phase end
+        restart_s = None
         procs: dict[str, subprocess.Popen] = {}
         files: dict[str, str] = {}
         try:
@@ -105,6 +145,20 @@ async def run_config(lock: bool, phase_s: float, rate: int, handler_ms: float,
                     procs[name] = await asyncio.to_thread(_spawn, addr, name, files[name], lock,
                                                           handler_ms)
                     await asyncio.sleep(phase_s / 2)
+                elif i == restart_phase:  # broker SIGKILL + restart
+                    await asyncio.sleep(phase_s * restart_at)
+                    late = procs[list(procs)[-1]] if late_s > 0 else None
+                    if late is not None:  # one member comes back late (a pause, a slow host)
+                        late.send_signal(signal.SIGSTOP)
+                    t_kill = time.time()
+                    broker, restart_s = await asyncio.to_thread(
+                        _restart_broker, broker, data_dir, addr, flush, restart_down_s)
+                    if late is not None:
+                        await asyncio.sleep(late_s)
+                        late.send_signal(signal.SIGCONT)
+                    await asyncio.sleep(max(phase_s * (1 - restart_at)
+                                            - (time.time() - t_kill), 1.0))
+                    restart_window = (t_kill, time.time())
                 else:
                     await asyncio.sleep(phase_s)
             await prod
@@ -127,6 +181,11 @@ async def run_config(lock: bool, phase_s: float, rate: int, handler_ms: float,
                 p.wait(60)
             broker.terminate()
             broker.wait(60)
+        stats: collections.Counter[str] = collections.Counter()
+        for f in files.values():
+            if os.path.exists(f + ".stats"):
+                with open(f + ".stats") as fh:
+                    stats.update(json.load(fh))
         deliveries: dict[str, list[tuple[float, str, str]]] = collections.defaultdict(list)
         total = 0
         for name, f in files.items():
@@ -135,13 +194,19 @@ async def run_config(lock: bool, phase_s: float, rate: int, handler_ms: float,
                     key, ts, where = line.split()
                     deliveries[key].append((float(ts), name, where))
                     total += 1
-    dup_crash = dup_rebalance = 0
+    dup_crash = dup_rebalance = dup_restart = 0
     examples = []
+    restart_examples = []
     for who in deliveries.values():
         who.sort()
         for i in range(1, len(who)):
             if any(w[1] == killed for w in who[:i]):
                 dup_crash += 1
+            elif restart_window[0] <= who[i][0] < restart_window[1]:
+                dup_restart += 1
+                if len(restart_examples) < 5:
+                    restart_examples.append(
+                        [f"{n}@{ts - t0_wall:.2f}s {w}" for ts, n, w in who])
             else:
                 dup_rebalance += 1
                 if len(examples) < 5:
@@ -154,11 +219,15 @@ async def run_config(lock: bool, phase_s: float, rate: int, handler_ms: float,
         "lost": lost,
         "duplicates_rebalance": dup_rebalance,
         "duplicates_crash": dup_crash,
+        "duplicates_broker_restart": dup_restart,
+        "broker_restart_s": None if restart_s is None else round(restart_s, 2),
+        "consumer_stats": {k: stats[k] for k in ("offsets_resent", "locked")},
         "throughput_msg_s": round(total / max(t_drained - t0, 1e-9)),
         "drain_after_producer_s": round(t_drained - t_prod, 2),
         "consumers_started": serial,
         "killed": killed,
         "duplicate_examples": examples,
+        "broker_restart_duplicate_examples": restart_examples,
     }
 
 
@@ -168,18 +237,37 @@ def main() -> None:
     ap.add_argument("--rate", type=int, default=1000)
     ap.add_argument("--handler-ms", type=float, default=2.0)
     ap.add_argument("--drain-timeout", type=float, default=60.0)
+    ap.add_argument("--flush", choices=["async", "sync"], default="sync")
+    ap.add_argument("--restart-phase", type=int, default=1,
+                    help="index in the schedule of the phase with the broker restart")
+    ap.add_argument("--restart-at", type=float, default=0.25,
+                    help="when in that phase, as a fraction of it (0.05: while the group "
+                         "still settles after the phase's scale change)")
+    ap.add_argument("--restart-down-s", type=float, default=1.0)
+    ap.add_argument("--late-member-s", type=float, default=2.0,
+                    help="one member is paused (SIGSTOP) during the restart and resumes "
+                         "this long after the broker is back (0: none)")
+    ap.add_argument("--no-broker-restart", dest="broker_restart", action="store_false")
     a = ap.parse_args()
     runs = {}
     for lock in (False, True):
         runs["lock_on" if lock else "lock_off"] = asyncio.run(
-            run_config(lock, a.phase_s, a.rate, a.handler_ms, a.drain_timeout))
+            run_config(lock, a.phase_s, a.rate, a.handler_ms, a.drain_timeout, a.flush,
+                       a.restart_phase if a.broker_restart else None, a.restart_at,
+                       a.restart_down_s, a.late_member_s))
     off, on = runs["lock_off"], runs["lock_on"]
     report = {
         "workload": {"queues": 16, "schedule": SCHEDULE, "phase_s": a.phase_s,
-                     "rate_msg_s": a.rate, "handler_ms": a.handler_ms, "sigkill": 1},
+                     "rate_msg_s": a.rate, "handler_ms": a.handler_ms, "sigkill": 1,
+                     "flush": a.flush,
+                     "broker_restart_phase": a.restart_phase if a.broker_restart else None,
+                     "broker_restart_at": a.restart_at, "broker_down_s": a.restart_down_s,
+                     "late_member_s": a.late_member_s},
         **runs,
         "goals": {
             "lost == 0 (both)": off["lost"] == 0 and on["lost"] == 0,
+            "broker restart duplicates with the lock == 0": (
+                on["duplicates_broker_restart"] == 0),
             "rebalance duplicates on <= 1% of off": (
                 on["duplicates_rebalance"] <= 0.01 * off["duplicates_rebalance"]
                 if off["duplicates_rebalance"] else on["duplicates_rebalance"] == 0),

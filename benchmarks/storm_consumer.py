@@ -2,12 +2,15 @@
 
 Consumes with a PushConsumer, sleeps ``handler_ms`` per message, and appends each delivered
 unique key to ``out`` (flushed per batch, so a SIGKILL loses at most what was in flight).
-SIGTERM shuts it down gracefully.
+SIGTERM shuts it down gracefully and writes the consumer's counters to ``out.stats``.
+A broker restart needs nothing here: the consumer reconnects, re-asserts the queues it holds
+and sends the offsets of finished work again before it pulls.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import sys
 import time
@@ -36,6 +39,8 @@ async def main(addr: str, group: str, topic: str, name: str, out: str, lock: boo
     await stop.wait()
     await c.shutdown()
     f.close()
+    with open(out + ".stats", "w") as fh:
+        json.dump(dict(c.stats), fh)
 
 
 if __name__ == "__main__":

@@ -223,6 +223,7 @@ def test_takeover_resets_counters_and_records_new_holder():
             "last_deliver_offset": 5,
             "unchanged_checks": 0,
             "pending_handover": False,
+            "unconfirmed": False,
         }
     ]
     # The old holder now needs the full stable_checks again to get it back.
@@ -336,6 +337,7 @@ def test_snapshot_content():
             "last_deliver_offset": 2,
             "unchanged_checks": 1,
             "pending_handover": True,
+            "unconfirmed": False,
         },
         {
             "topic": "t2",
@@ -345,6 +347,7 @@ def test_snapshot_content():
             "last_deliver_offset": 8,
             "unchanged_checks": 0,
             "pending_handover": False,
+            "unconfirmed": False,
         },
     ]
     assert [row["holder"] for row in table.snapshot("other")] == ["x"]

@@ -37,6 +37,19 @@ timeout. A crashed holder does not wait for it either: the broker calls
 closes, or its heartbeat expires, and the next pull takes the queue as ``"free"``. The timeout
 only matters for a client that is hung but still connected.
 
+Broker restarts
+---------------
+The table lives in memory, so the broker writes its holders (and deliver offsets) to a
+small file whenever a holder changes (:meth:`AccessLockTable.export`) and reads them back
+at start (:meth:`AccessLockTable.restore`). A restored holder is *unconfirmed*: it may be
+alive and still consuming what it pulled before the restart, but the broker cannot tell yet.
+Until it is confirmed, no other client takes the queue, not even by the drained rule (the
+ack offsets it relies on may predate the restart). It is confirmed when the holder
+re-asserts the queue on its first heartbeat after reconnecting (:meth:`AccessLockTable.reassert`)
+or pulls it; it is removed when that heartbeat does not list the queue (the client no longer
+holds it); and it lapses when ``restore_hold`` seconds (counted from the restore, that is
+from broker start) pass without either, for a holder that died while the broker was down.
+
 The lock reduces duplicates caused by rebalances; it cannot remove them all (for instance a
 message retried after a consume failure), so consumers still need idempotency.
 
@@ -47,13 +60,16 @@ loop.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
-__all__ = ["AccessLockTable", "LockDecision"]
+__all__ = ["AccessLockTable", "LockDecision", "LockRow", "decode_lock_rows",
+           "encode_lock_rows"]
 
 TAKEOVER_FREE = "free"
 TAKEOVER_DRAINED = "drained"
 TAKEOVER_TIMEOUT = "timeout"
+TAKEOVER_UNCONFIRMED = "unconfirmed-timeout"
 
 _Key = tuple[str, str, int]
 
@@ -81,6 +97,21 @@ class _Entry:
     last_deliver_offset: int
     unchanged_checks: int = 0
     pending_handover: bool = False
+    unconfirmed_until: float | None = None
+    """Restored at start and not re-asserted yet: nobody else takes it before this time."""
+    correct_next_pull: bool = False
+    """Taken by a heartbeat, not a pull: the holder's first pull is corrected forward."""
+
+
+@dataclass(frozen=True, slots=True)
+class LockRow:
+    """One holder as it is saved across a restart."""
+
+    group: str
+    topic: str
+    queue_id: int
+    holder: str
+    deliver_offset: int
 
 
 def _forward_offset(requested_offset: int, ack_offset: int) -> int:
@@ -93,13 +124,19 @@ def _forward_offset(requested_offset: int, ack_offset: int) -> int:
 class AccessLockTable:
     """Per (group, topic, queue) access lock held by one client at a time."""
 
-    def __init__(self, hold_timeout: float = 30.0, stable_checks: int = 3) -> None:
+    def __init__(self, hold_timeout: float = 30.0, stable_checks: int = 3,
+                 restore_hold: float = 20.0) -> None:
         if not hold_timeout > 0:
             raise ValueError(f"hold_timeout must be > 0, got {hold_timeout!r}")
+        if not restore_hold > 0:
+            raise ValueError(f"restore_hold must be > 0, got {restore_hold!r}")
         if stable_checks < 0:
             raise ValueError(f"stable_checks must be >= 0, got {stable_checks!r}")
         self.hold_timeout = float(hold_timeout)
         self.stable_checks = int(stable_checks)
+        self.restore_hold = float(restore_hold)
+        self.changes = 0
+        """Counts changes of holders: the broker saves the table when it moves."""
         self._entries: dict[_Key, _Entry] = {}
         self._by_client: dict[str, set[_Key]] = {}
 
@@ -136,12 +173,17 @@ class AccessLockTable:
 
         if entry.holder == client_id:
             entry.last_access = max(entry.last_access, now)
+            entry.unconfirmed_until = None  # a restored holder that pulls is alive
             if deliver_offset != entry.last_deliver_offset:
                 entry.last_deliver_offset = deliver_offset
                 entry.unchanged_checks = 0
+            offset = requested_offset
+            if entry.correct_next_pull:  # its start offset may predate the last commit
+                entry.correct_next_pull = False
+                offset = _forward_offset(requested_offset, ack_offset)
             return LockDecision(
                 granted=True,
-                offset=requested_offset,
+                offset=offset,
                 takeover=None,
                 previous_holder=client_id,
                 holder=client_id,
@@ -156,7 +198,11 @@ class AccessLockTable:
 
         previous = entry.holder
         takeover: str | None = None
-        if deliver_offset == ack_offset and entry.unchanged_checks >= self.stable_checks:
+        if entry.unconfirmed_until is not None:
+            # restored at start: the holder may still be consuming what it pulled before
+            if now >= entry.unconfirmed_until:
+                takeover = TAKEOVER_UNCONFIRMED
+        elif deliver_offset == ack_offset and entry.unchanged_checks >= self.stable_checks:
             takeover = TAKEOVER_DRAINED
         elif now - entry.last_access >= self.hold_timeout:
             takeover = TAKEOVER_TIMEOUT
@@ -197,6 +243,43 @@ class AccessLockTable:
             entry = self._entries[key]
             entry.last_access = max(entry.last_access, now)
 
+    def reassert(self, group: str, client_id: str, held: dict[tuple[str, int], int],
+                 now: float) -> dict[tuple[str, int], bool]:
+        """A client lists the queues of ``group`` it holds (its heartbeat after a reconnect).
+
+        ``held`` maps (topic, queue_id) to the client's next offset to pull there (its
+        deliver offset). Per listed queue: the client's own lock is confirmed and refreshed;
+        a free queue is taken (as its next pull would, without moving its offset); a queue
+        held by another client is left alone. A restored, unconfirmed lock of this client on
+        a queue it does not list is released: the client no longer holds it.
+        Returns, per listed queue, whether the client holds it now.
+        """
+        result: dict[tuple[str, int], bool] = {}
+        for (topic, queue_id), deliver in held.items():
+            key = (group, topic, queue_id)
+            entry = self._entries.get(key)
+            if entry is None:
+                # as its next pull would take it; that pull is still corrected forward to the
+                # ack offset (a member that just got the queue may have looked its start
+                # offset up before the previous holder's last commit)
+                self._set_holder(key, None, client_id, deliver, now)
+                self._entries[key].correct_next_pull = True
+                result[(topic, queue_id)] = True
+            elif entry.holder == client_id:
+                entry.last_access = max(entry.last_access, now)
+                entry.unconfirmed_until = None
+                if deliver > entry.last_deliver_offset:
+                    entry.last_deliver_offset = deliver
+                    entry.unchanged_checks = 0
+                result[(topic, queue_id)] = True
+            else:
+                result[(topic, queue_id)] = False
+        for key in sorted(self._by_client.get(client_id, ())):
+            if (key[0] == group and (key[1], key[2]) not in held
+                    and self._entries[key].unconfirmed_until is not None):
+                self.release(key[0], key[1], key[2], client_id)
+        return result
+
     # -- release -------------------------------------------------------------------------
 
     def release(self, group: str, topic: str, queue_id: int, client_id: str) -> bool:
@@ -207,6 +290,7 @@ class AccessLockTable:
             return False
         del self._entries[key]
         self._unindex(client_id, key)
+        self.changes += 1
         return True
 
     def release_client(self, client_id: str) -> list[tuple[str, str, int]]:
@@ -217,6 +301,8 @@ class AccessLockTable:
         keys = self._by_client.pop(client_id, set())
         for key in keys:
             del self._entries[key]
+        if keys:
+            self.changes += 1
         return sorted(keys)
 
     def release_client_group(self, client_id: str, group: str) -> list[tuple[str, str, int]]:
@@ -225,6 +311,8 @@ class AccessLockTable:
         for key in keys:
             del self._entries[key]
             self._unindex(client_id, key)
+        if keys:
+            self.changes += 1
         return keys
 
     def drop_topic(self, topic: str) -> None:
@@ -232,6 +320,14 @@ class AccessLockTable:
         for key in [k for k in self._entries if k[1] == topic]:
             entry = self._entries.pop(key)
             self._unindex(entry.holder, key)
+            self.changes += 1
+
+    def unconfirmed_holders(self, group: str, now: float) -> list[str]:
+        """Restored holders of ``group`` that have not re-asserted yet and whose restore hold
+        still runs: members that may be alive but have not reconnected."""
+        return sorted({e.holder for (g, _t, _q), e in self._entries.items()
+                       if g == group and e.unconfirmed_until is not None
+                       and now < e.unconfirmed_until})
 
     # -- inspection ----------------------------------------------------------------------
 
@@ -254,9 +350,32 @@ class AccessLockTable:
                     "last_deliver_offset": entry.last_deliver_offset,
                     "unchanged_checks": entry.unchanged_checks,
                     "pending_handover": entry.pending_handover,
+                    "unconfirmed": entry.unconfirmed_until is not None,
                 }
             )
         return rows
+
+    # -- persistence ---------------------------------------------------------------------
+
+    def export(self) -> list[LockRow]:
+        """Every holder with its deliver offset, sorted: what survives a restart."""
+        return [LockRow(g, t, q, e.holder, e.last_deliver_offset)
+                for (g, t, q), e in sorted(self._entries.items())]
+
+    def restore(self, rows: list[LockRow], now: float) -> None:
+        """Load saved holders at start (replacing the table), each unconfirmed until
+        ``now + restore_hold``; ``now`` is the broker's start time."""
+        self._entries.clear()
+        self._by_client.clear()
+        for r in rows:
+            key = (r.group, r.topic, r.queue_id)
+            old = self._entries.get(key)
+            if old is not None:
+                self._unindex(old.holder, key)
+            self._entries[key] = _Entry(holder=r.holder, last_access=now,
+                                        last_deliver_offset=r.deliver_offset,
+                                        unconfirmed_until=now + self.restore_hold)
+            self._by_client.setdefault(r.holder, set()).add(key)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -273,6 +392,7 @@ class AccessLockTable:
     ) -> None:
         if previous is not None:
             self._unindex(previous, key)
+        self.changes += 1
         self._entries[key] = _Entry(
             holder=client_id, last_access=now, last_deliver_offset=deliver_offset
         )
@@ -284,3 +404,38 @@ class AccessLockTable:
             keys.discard(key)
             if not keys:
                 del self._by_client[client_id]
+
+
+# -- file format (pure) --------------------------------------------------------------------
+
+LOCK_FILE_VERSION = 1
+
+
+def encode_lock_rows(rows: list[LockRow]) -> bytes:
+    """The saved holders as JSON: ``{"version": 1, "locks": [[group, topic, queue, holder,
+    deliver offset], ...]}``."""
+    locks = [[r.group, r.topic, r.queue_id, r.holder, r.deliver_offset] for r in rows]
+    return json.dumps({"version": LOCK_FILE_VERSION, "locks": locks},
+                      separators=(",", ":")).encode()
+
+
+def decode_lock_rows(raw: bytes) -> list[LockRow]:
+    """Parse :func:`encode_lock_rows` output; ValueError when it is damaged."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"access lock file is not JSON: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("version") != LOCK_FILE_VERSION:
+        raise ValueError("access lock file has an unknown version")
+    locks = doc.get("locks")
+    if not isinstance(locks, list):
+        raise ValueError("access lock file has no list of locks")
+    rows = []
+    for item in locks:
+        if not (isinstance(item, list) and len(item) == 5
+                and isinstance(item[0], str) and isinstance(item[1], str)
+                and type(item[2]) is int and isinstance(item[3], str)
+                and type(item[4]) is int):
+            raise ValueError(f"access lock file has a bad row: {item!r}")
+        rows.append(LockRow(item[0], item[1], item[2], item[3], item[4]))
+    return rows

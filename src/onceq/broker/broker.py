@@ -64,6 +64,20 @@ def _str(header: dict[str, Any], name: str) -> str:
     return value
 
 
+def _held(group: dict[str, Any]) -> list[tuple[str, int, int]] | None:
+    """The ``held`` field of a heartbeat's group: [[topic, queue, next offset], ...]."""
+    held = group.get("held")
+    if held is None:
+        return None
+    if not isinstance(held, list) or not all(
+            isinstance(x, list) and len(x) == 3 and isinstance(x[0], str)
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in x[1:])
+            for x in held):
+        raise OnceqError(ErrorCode.INVALID_ARGUMENT,
+                         "held must be a list of [topic, queue, next offset]")
+    return [(t, q, d) for t, q, d in held]
+
+
 def _answer_durable(conn: Connection, corr: int, header: dict[str, Any],
                     fut: asyncio.Future[None]) -> None:
     """Answer a sync-flush send once its fsync is done (or failed)."""
@@ -87,7 +101,11 @@ class Broker:
         self.holds = PullHold(self._retry_pull)
         self.transition = TransitionLock(
             self.store, self.groups, config.access_lock, config.access_lock_hold_s,
-            config.access_lock_stable_checks, clock)
+            config.access_lock_stable_checks, clock, config.access_lock_restore_hold_s, files,
+            self._locks_changed)
+        self._locks_dirty: asyncio.Event | None = None
+        self._started = clock()
+        self._hold_timer: asyncio.TimerHandle | None = None
         self.flusher: Flusher | None = None
         self.retry: RetryService | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -124,6 +142,11 @@ class Broker:
         self.store.open()
         log.info("store opened in %.2fs (%d records)", time.perf_counter() - t0,
                  self.store.recovered_records)
+        self._started = self.clock()
+        if self.transition.load():  # when the restore hold ends, the groups rebalance
+            self._hold_timer = asyncio.get_running_loop().call_later(
+                self.config.access_lock_restore_hold_s, self._restore_hold_ended)
+        self._locks_dirty = asyncio.Event()
         cfg = self.config
         self.retry = RetryService(self.store, parse_delay_levels(cfg.delay_levels), self.clock,
                                   self._on_internal_put)
@@ -148,6 +171,7 @@ class Broker:
             loop.create_task(self._every(cfg.offsets_save_s, self._save_offsets)),
             loop.create_task(self._every(cfg.expiry_check_s, self._expire_members)),
             loop.create_task(self._every(cfg.retention_check_s, self._retention)),
+            loop.create_task(self._save_locks()),
         ]
         log.info("broker listening on %s:%d (flush=%s)", cfg.host, self.port, cfg.store.flush)
 
@@ -192,6 +216,31 @@ class Broker:
             self.store.offsets_changed()  # written again on the next round and at close
             raise
 
+    def _restore_hold_ended(self) -> None:
+        """Members that did not come back drop out of the member lists now: tell the groups."""
+        for group in sorted({r.group for r in self.transition.table.export()}):
+            for m in self.groups.members(group):
+                m.conn.push(PushCode.GROUP_CHANGED, {"group": group, "client": "",
+                                                     "reason": "restore-hold-ended"})
+
+    def _locks_changed(self) -> None:
+        if self._locks_dirty is not None:
+            self._locks_dirty.set()
+
+    async def _save_locks(self) -> None:
+        """Write the access-lock holders whenever they change (one write at a time; changes
+        made during a write are written by the next one)."""
+        assert self._locks_dirty is not None
+        while True:
+            await self._locks_dirty.wait()
+            self._locks_dirty.clear()
+            try:
+                await self._off_loop(self.transition.write_file, self.transition.file_data())
+            except OSError as exc:
+                log.error("cannot save the access locks: %s; retrying", exc)
+                self._locks_dirty.set()
+                await asyncio.sleep(1.0)
+
     def _expire_members(self) -> None:
         for group, cid in self.groups.expire(self.clock()):
             log.info("group %s: member %s expired (no heartbeat)", group, cid)
@@ -208,6 +257,8 @@ class Broker:
         if self._server is not None:
             self._server.close()
         self.holds.release_all()
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -220,6 +271,10 @@ class Broker:
         if self.flusher is not None:
             await self.flusher.stop()
             await asyncio.sleep(0)  # let the answers of sync-flush sends go out first
+        try:  # holders as they are now, before closing connections releases them
+            self.transition.write_file(self.transition.file_data())
+        except OSError as exc:
+            log.error("cannot save the access locks: %s", exc)
         for conn in list(self.connections):
             conn.close()
         self.store.close()
@@ -464,15 +519,20 @@ class Broker:
             meta = g.get("meta")
             if meta is not None and not isinstance(meta, dict):
                 raise OnceqError(ErrorCode.INVALID_ARGUMENT, "meta must be a map")
-            checked.append((name, subs, model, meta))
+            checked.append((name, subs, model, meta, _held(g)))
         now = self.clock()
-        for name, subs, model, meta in checked:
+        holds = []
+        for name, subs, model, meta, held in checked:
             if model == CLUSTERING and self.retry is not None:
                 self.retry.ensure_group_topics(name)
             self.groups.heartbeat(name, client, conn, model, subs, now, meta)
+            # the queues the member holds (after a reconnect: restore the access lock)
+            if held is not None and self.transition.applies(name, client):
+                holds += [[name, t, q, h] for t, q, h in
+                          self.transition.reassert(name, client, held)]
         conn.client_ids.add(client)
         self.transition.touch_client(client)
-        return 0, {"expiry_s": self.config.heartbeat_expiry_s}, b""
+        return 0, {"expiry_s": self.config.heartbeat_expiry_s, "holds": holds}, b""
 
     def h_unregister(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
                      ) -> Response:
@@ -490,6 +550,11 @@ class Broker:
              "last_heartbeat_ms": int(m.last_heartbeat * 1000), "peer": m.conn.peer}
             for m in self.groups.members(group)
         ]
+        known = {m["client"] for m in members}
+        members += [  # holders saved before a restart, not reconnected yet
+            {"client": cid, "model": CLUSTERING, "subs": {}, "peer": "(restored)",
+             "last_heartbeat_ms": int(self._started * 1000), "restored": True}
+            for cid in self.transition.restored_members(group) if cid not in known]
         return 0, {"group": group, "members": members}, b""
 
     def h_list_groups(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes

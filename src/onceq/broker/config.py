@@ -27,6 +27,9 @@ class BrokerConfig:
     access_lock: bool = True
     access_lock_hold_s: float = 30.0  # a connected holder not seen this long is displaced
     access_lock_stable_checks: int = 3
+    # after a restart, a saved holder keeps its queue this long (from broker start) unless
+    # it re-asserts or gives it up first; covers the clients' reconnect and first heartbeat
+    access_lock_restore_hold_s: float = 20.0
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -41,5 +44,7 @@ class BrokerConfig:
         if self.access_lock_hold_s <= self.long_poll_max_s:
             raise ValueError("access_lock_hold_s must exceed long_poll_max_s: a holder whose "
                              "pull is suspended must not look idle")
+        if not self.access_lock_restore_hold_s > 0:
+            raise ValueError("access_lock_restore_hold_s must be > 0")
         if self.access_lock_stable_checks < 1:
             raise ValueError("access_lock_stable_checks must be >= 1")

@@ -53,6 +53,10 @@ def broker() -> None:
 @click.option("--auto-create-topics/--no-auto-create-topics", default=False, show_default=True)
 @click.option("--access-lock/--no-access-lock", default=True, show_default=True,
               help="Transition-state queue lock for CLUSTERING groups.")
+@click.option("--access-lock-restore-hold", default=20.0, show_default=True,
+              type=click.FloatRange(0, min_open=True),
+              help="Seconds after start during which a holder saved before a restart keeps "
+                   "its queues unless it re-asserts or gives them up first.")
 @click.option("--delay-levels", default=None,
               help="Retry delay levels, e.g. '1s 5s 10s 30s 1m ...' (default RocketMQ's).")
 @click.option("--log-level", default="INFO", show_default=True,
@@ -60,7 +64,8 @@ def broker() -> None:
 def broker_start(data_dir: str, host: str, port: int, flush: str, flush_interval_ms: int,
                  segment_size: int, max_body: int, retention_hours: float,
                  retention_bytes: int, dedup_window: float, auto_create_topics: bool,
-                 access_lock: bool, delay_levels: str | None, log_level: str) -> None:
+                 access_lock: bool, access_lock_restore_hold: float, delay_levels: str | None,
+                 log_level: str) -> None:
     """Start a broker in the foreground (SIGTERM or Ctrl-C flushes and stops it)."""
     from ..broker.server import run
 
@@ -70,7 +75,8 @@ def broker_start(data_dir: str, host: str, port: int, flush: str, flush_interval
                         retention_hours=retention_hours, retention_bytes=retention_bytes,
                         dedup_window_s=dedup_window)
     cfg = BrokerConfig(store, host=host, port=port, auto_create_topics=auto_create_topics,
-                       access_lock=access_lock)
+                       access_lock=access_lock,
+                       access_lock_restore_hold_s=access_lock_restore_hold)
     if delay_levels is not None:
         cfg.delay_levels = delay_levels
     try:

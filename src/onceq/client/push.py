@@ -228,11 +228,57 @@ class PushConsumer:
                 conn = await self._connect(self.address, self._on_push)
                 if self._running:
                     # a new connection is a new member for the broker: register before any
-                    # pull goes out on it, or the broker would not apply the access lock
-                    with contextlib.suppress(OnceqError):
-                        await conn.request(RequestCode.HEARTBEAT, self._heartbeat_header())
+                    # pull goes out on it, or the broker would not apply the access lock.
+                    # The heartbeat re-asserts the queues this consumer holds (the broker
+                    # may have restarted), then the offsets of finished work are sent again
+                    try:
+                        hdr, _ = await conn.request(RequestCode.HEARTBEAT,
+                                                    self._heartbeat_header())
+                    except OnceqError:
+                        pass
+                    else:
+                        await self._resend_offsets(conn, hdr.get("holds", []))
                 self._conn = conn
             return self._conn
+
+    async def _resend_offsets(self, conn: BrokerConnection, holds: list[list[Any]]) -> None:
+        """After a reconnect: commit again the offsets of work finished on held queues.
+
+        A restarted broker may have lost commits made since its last offsets snapshot; the
+        process queues kept across the reconnect know them. Only queues this consumer still
+        holds (the heartbeat answer says so when the access lock applies), and never moving
+        an offset backwards (the stored one is read first).
+        """
+        if self._local is not None:
+            return
+        refused = {(t, q) for g, t, q, h in holds if g == self.group and not h}
+        todo = [(mq, pq.ack_offset) for mq, pq in self._pqs.items()
+                if not pq.released and pq.ack_offset >= 0
+                and (mq.topic, mq.queue_id) not in refused]
+
+        async def one(mq: MessageQueue, ack: int) -> None:
+            q = {"group": self.group, "topic": mq.topic, "queue": mq.queue_id}
+            hdr, _ = await conn.request(RequestCode.GET_OFFSET, q)
+            stored = int(hdr["offset"])
+            if ack <= stored:
+                self._committed[mq] = max(self._committed.get(mq, -1), stored)
+                return
+            hdr, _ = await conn.request(RequestCode.COMMIT_OFFSET,
+                                        {**q, "offset": ack, "client": self.client_id})
+            if (hdr or {}).get("ignored"):  # not the holder: the next pull commits again
+                self._committed[mq] = -1
+            else:
+                self._committed[mq] = ack
+                self.stats["offsets_resent"] += 1
+
+        results = await asyncio.gather(*(one(mq, ack) for mq, ack in todo),
+                                       return_exceptions=True)
+        for (mq, _ack), res in zip(todo, results, strict=True):
+            if isinstance(res, OnceqError):
+                log.debug("offset of %s not sent again: %s", mq, res)
+                self._committed[mq] = -1  # the next pull commits it
+            elif isinstance(res, BaseException):
+                raise res
 
     async def _req(self, code: int, header: dict[str, Any], timeout: float = 10.0
                    ) -> tuple[dict[str, Any], bytes]:
@@ -246,12 +292,13 @@ class PushConsumer:
                 self._wake.set()
 
     def _heartbeat_header(self) -> dict[str, Any]:
-        return {
-            "client": self.client_id,
-            "groups": [{"group": self.group, "model": self.config.model.value,
-                        "subs": dict(self._subs),
-                        "meta": {"access_lock": self.config.access_lock}}],
-        }
+        group: dict[str, Any] = {"group": self.group, "model": self.config.model.value,
+                                 "subs": dict(self._subs),
+                                 "meta": {"access_lock": self.config.access_lock}}
+        if self.clustering:  # the queues held (draining ones too, until released)
+            group["held"] = [[mq.topic, mq.queue_id, pq.next_offset]
+                             for mq, pq in sorted(self._pqs.items()) if not pq.released]
+        return {"client": self.client_id, "groups": [group]}
 
     async def _heartbeat(self) -> None:
         await self._req(RequestCode.HEARTBEAT, self._heartbeat_header())
@@ -371,6 +418,7 @@ class PushConsumer:
         if pq is None:
             return
         pq.dropped = True
+        self.stats["revoked"] += 1
         task = self._pull_tasks.pop(mq, None)
         if task is not None:
             task.cancel()
