@@ -216,7 +216,7 @@ async def test_usage_ratio_refuses_and_resumes(tmpfs: Path, tmp_path: Path):
             cli = subprocess.run(  # the CLI names the code
                 [sys.executable, "-m", "onceq.cli.main", "send", TOPIC, "x", "-b", b.addr],
                 capture_output=True, text=True, timeout=60)
-            assert cli.returncode != 0 and "error: DISK_FULL: " in cli.stderr, cli.stderr
+            assert cli.returncode == 2 and "error: DISK_FULL: " in cli.stderr, cli.stderr
             filler.unlink()
             await asyncio.sleep(1.2)
             r2 = await p.send(TOPIC, b"after", queue=0)
