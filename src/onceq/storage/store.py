@@ -428,12 +428,19 @@ class MessageStore:
     def _undo_put(self, cq: ConsumeQueue, topic: str, position: int, offset: int,
                   exc: OSError) -> OnceqError:
         """Roll a failed put back to the log end and queue offset it started from."""
+        failed: OSError | None = None
         try:
             self.log.truncate_to(position)
+        except OSError as again:
+            failed = again
+        try:
             cq.rollback(offset)
         except OSError as again:
+            failed = failed or again
+            cq.max_offset = offset  # at least never read through the failed entries
+        if failed is not None:
             self._fail_stop(f"a failed write to {topic}[{cq.dir.rsplit(os.sep, 1)[-1]}] "
-                            f"could not be rolled back ({exc}; then {again})")
+                            f"could not be rolled back ({exc}; then {failed})")
             return OnceqError(ErrorCode.STORAGE_ERROR, f"storage I/O error ({exc}): the write "
                               "could not be rolled back; writes refused until a restart")
         self.errors.error("put", "store: a write to %s failed and was rolled back: %s",
