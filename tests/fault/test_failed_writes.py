@@ -369,3 +369,54 @@ def test_usage_ratio_refuses_writes_and_resumes(tmp_path):
     clock.advance(1.1)
     assert ledger.send(store, "t", 0, 1)  # space is back: accepted without a restart
     store.close()
+
+
+# ================================================================ failed fsync (broker)
+@pytest.mark.parametrize("flush", ["sync", "async"])
+async def test_failed_fsync_stops_writes(tmp_path, flush):
+    """Never retried: sync rolls back the unacknowledged send and answers STORAGE_ERROR;
+    async keeps what it acknowledged. Both refuse writes until a restart; reads go on."""
+    from onceq import Admin, Producer
+    from onceq.client.message import Message
+    from onceq.client.pull import PullConsumer
+    from tests.helpers import running_broker
+
+    async def bodies(addr: str) -> list[bytes]:
+        async with PullConsumer(addr, "r") as c:
+            r = await c.pull("T", 0, 0, 100)
+            return [m.body for m in r.messages]
+
+    files = FaultFiles()
+    async with running_broker(str(tmp_path), {"flush": flush}, files=files) as b:
+        addr = f"127.0.0.1:{b.port}"
+        async with Admin(addr) as admin:
+            await admin.create_topic("T", 1)
+        async with Producer(addr, retries=0) as p:
+            await p.send("T", Message(b"one"), queue=0)
+            if flush == "async":
+                await b.flusher.flush_now()
+            fault = files.arm("fsync", 1, errno.EIO, "commitlog")
+            if flush == "sync":
+                with pytest.raises(OnceqError) as ei:
+                    await p.send("T", Message(b"two"), queue=0)
+                assert ei.value.code == ErrorCode.STORAGE_ERROR
+                assert "not acknowledged" in ei.value.message
+            else:
+                await p.send("T", Message(b"two"), queue=0)  # acknowledged from page cache
+                with pytest.raises(OSError):
+                    await b.flusher.flush_now()
+            assert fault.raised == 1
+            with pytest.raises(OnceqError) as ei:
+                await p.send("T", Message(b"three"), queue=0)
+            assert ei.value.code == ErrorCode.STORAGE_ERROR and "restart" in ei.value.message
+        kept = [b"one"] if flush == "sync" else [b"one", b"two"]
+        assert await bodies(addr) == kept
+    # never fsynced again hoping for a success, not even at stop (sync: one fsync of the
+    # log once cut back, which makes the removal durable)
+    assert fault.seen == (2 if flush == "sync" else 1)
+    async with running_broker(str(tmp_path), {"flush": flush}) as b:
+        addr = f"127.0.0.1:{b.port}"
+        assert await bodies(addr) == kept
+        async with Producer(addr, retries=0) as p:
+            r = await p.send("T", Message(b"four"), queue=0)
+        assert r.offset == len(kept)
