@@ -420,3 +420,33 @@ async def test_failed_fsync_stops_writes(tmp_path, flush):
         async with Producer(addr, retries=0) as p:
             r = await p.send("T", Message(b"four"), queue=0)
         assert r.offset == len(kept)
+
+
+def test_send_back_refused_and_scheduled_retries_wait_on_a_full_disk(tmp_path):
+    """Send-backs are writes (refused with DISK_FULL); a due retry that cannot be delivered
+    waits for space instead of being dropped."""
+    from onceq.broker.retry import SCHEDULE_GROUP, RetryService, parse_delay_levels
+    from onceq.protocol.codes import SCHEDULE_TOPIC, retry_topic
+
+    files = FaultFiles()
+    clock = FakeClock(T0)
+    store = open_store(str(tmp_path), files, clock)
+    store.create_topic("t", 1)
+    woken: list[tuple[str, int]] = []
+    retry = RetryService(store, parse_delay_levels("1s 5s"), clock,
+                         lambda t, q: woken.append((t, q)))
+    store.put("t", 0, [encode_part(b"a", "A", 1), encode_part(b"b", "B", 1)])
+    retry.send_back("g", "t", 0, 0, 1, 16)  # stored in the schedule topic, due in 1 s
+    files.usage = (1000, 10)
+    clock.advance(1.5)
+    with pytest.raises(OnceqError) as ei:
+        retry.send_back("g", "t", 0, 1, 1, 16)
+    assert ei.value.code == ErrorCode.DISK_FULL
+    assert retry.deliver_due() <= 1.0  # due, not deliverable: tried again within a second
+    assert store.min_max(retry_topic("g"), 0) == (0, 0)
+    assert store.get_offset(SCHEDULE_GROUP, SCHEDULE_TOPIC, 0) <= 0  # not consumed
+    files.usage = (1000, 900)
+    clock.advance(1.5)
+    retry.deliver_due()
+    assert store.min_max(retry_topic("g"), 0) == (0, 1)  # delivered once space is back
+    assert store.get_offset(SCHEDULE_GROUP, SCHEDULE_TOPIC, 0) == 1

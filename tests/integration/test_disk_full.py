@@ -85,10 +85,11 @@ class BrokerProc:
         self.proc.wait(10)
         self.log.close()
 
-    def stop(self) -> None:
+    def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(30)
+        code = self.proc.wait(30)
         self.log.close()
+        return code
 
 
 async def read_all(addr: str, queues: int) -> dict[str, tuple[int, int]]:
@@ -177,6 +178,13 @@ async def test_disk_full_sync_broker(tmpfs: Path, tmp_path: Path):
         with pytest.raises(OnceqError) as ei:
             await p.send_batch(TOPIC, [Message(body(k)) for k in range(10)], queue=1)
         assert ei.value.code == ErrorCode.DISK_FULL
+    assert await read_all(b.addr, 2) == acked
+    # a clean stop on the full disk (checkpoint and offsets cannot be written) leaves a
+    # state the next start reads
+    async with PullConsumer(b.addr, "g") as c:
+        await c.commit_offset(TOPIC, 0, 5)
+    assert b.stop() == 0
+    b = await BrokerProc(data, log_path, "--disk-max-used-ratio", "1").ready()
     assert await read_all(b.addr, 2) == acked
     # space comes back: writes resume without a restart
     filler.unlink()
