@@ -178,6 +178,11 @@ async def test_disk_full_sync_broker(tmpfs: Path, tmp_path: Path):
         with pytest.raises(OnceqError) as ei:
             await p.send_batch(TOPIC, [Message(body(k)) for k in range(10)], queue=1)
         assert ei.value.code == ErrorCode.DISK_FULL
+    async with Admin(b.addr) as admin:  # a topic whose table cannot be written: no topic
+        with pytest.raises(OnceqError) as ei:
+            await admin.create_topic("late", 1)
+        assert ei.value.code == ErrorCode.DISK_FULL
+        assert [t["topic"] for t in await admin.list_topics()] == [TOPIC]
     assert await read_all(b.addr, 2) == acked
     # a clean stop on the full disk (checkpoint and offsets cannot be written) leaves a
     # state the next start reads
@@ -195,6 +200,8 @@ async def test_disk_full_sync_broker(tmpfs: Path, tmp_path: Path):
     b.stop()
     b = await BrokerProc(data, log_path).ready()
     assert await read_all(b.addr, 2) == acked
+    async with Admin(b.addr) as admin:
+        assert [t["topic"] for t in await admin.list_topics()] == [TOPIC]
     b.stop()
     assert "Traceback" not in log_path.read_text()
 
