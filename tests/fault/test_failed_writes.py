@@ -450,3 +450,28 @@ def test_send_back_refused_and_scheduled_retries_wait_on_a_full_disk(tmp_path):
     retry.deliver_due()
     assert store.min_max(retry_topic("g"), 0) == (0, 1)  # delivered once space is back
     assert store.get_offset(SCHEDULE_GROUP, SCHEDULE_TOPIC, 0) == 1
+
+
+def test_damaged_record_read_on_a_full_disk(tmp_path):
+    """Marking a damaged record needs a small write; on a full disk the pull still answers
+    DAMAGED (the marker is in the index entry) instead of failing."""
+    from onceq.log.segment import FILE_HEADER_SIZE
+
+    root = str(tmp_path)
+    files = FaultFiles()
+    store = open_store(root, files)
+    store.create_topic("t", 1)
+    r = store.put("t", 0, [encode_part(b"a" * BODY, f"K{i}", 1) for i in range(3)])
+    pos, size, _th, _ts = store.queues[("t", 0)].entry(1)
+    with open(os.path.join(root, "commitlog", f"{0:020d}"), "r+b") as f:
+        f.seek(FILE_HEADER_SIZE + pos + size // 2)
+        f.write(b"\xff" * 8)
+    files.arm("pwrite", 1, errno.ENOSPC, "damaged.json", times=None)
+    got = store.get("t", 0, 1, 10, 1 << 20)
+    assert got.status == PullStatus.DAMAGED and got.next_offset == 2
+    assert r.offsets == [0, 1, 2]
+    assert store.get("t", 0, 2, 10, 1 << 20).status == PullStatus.FOUND
+    files.disarm()
+    kill(store)
+    again = open_store(root, FaultFiles())
+    assert again.damaged()["queues"] == {"t": {"0": [[1, 2]]}}

@@ -635,8 +635,7 @@ class MessageStore:
                 p, _sz, _th, ets = cq.entry(k)
                 cq.write_entry(k, damaged_entry(p, ets))
             self._mark_damaged((topic, qid), offset, last + 1, "its segment file is lost")
-            self.damage.save()
-            self._damage_dirty = False
+            self._save_damage()
             return True
         lo_pos = hi_pos = None
         ts = 0
@@ -670,9 +669,19 @@ class MessageStore:
         cq.write_entry(offset, damaged_entry(lo_pos, ts))
         self._mark_damaged((topic, qid), offset, offset + 1, "record unreadable")
         if self._damage_dirty:
+            self._save_damage()
+        return False
+
+    def _save_damage(self) -> None:
+        """Save the damage registry; on a full disk a read still succeeds (the markers are
+        in the index entries, and the registry is saved again with the next change or at
+        the next start)."""
+        try:
             self.damage.save()
             self._damage_dirty = False
-        return False
+        except OSError as exc:
+            self._damage_dirty = True
+            self.errors.error("damage", "store: cannot save the damaged ranges: %s", exc)
 
     def damaged(self) -> dict:
         """The damaged ranges (commit-log positions and queue offsets) as JSON.
