@@ -409,6 +409,9 @@ async def test_failed_fsync_stops_writes(tmp_path, flush):
             with pytest.raises(OnceqError) as ei:
                 await p.send("T", Message(b"three"), queue=0)
             assert ei.value.code == ErrorCode.STORAGE_ERROR and "restart" in ei.value.message
+        async with Admin(addr) as admin:
+            w = (await admin.broker_status())["writes"]
+        assert not w["accepted"] and "restart" in w["reason"]
         kept = [b"one"] if flush == "sync" else [b"one", b"two"]
         assert await bodies(addr) == kept
     # never fsynced again hoping for a success, not even at stop (sync: one fsync of the

@@ -225,6 +225,13 @@ async def test_usage_ratio_refuses_and_resumes(tmpfs: Path, tmp_path: Path):
                 with pytest.raises(OnceqError) as ei:
                     await admin.create_topic("other", 1)
                 assert ei.value.code == ErrorCode.DISK_FULL
+                w = (await admin.broker_status())["writes"]
+                assert not w["accepted"] and "DISK_FULL" in w["reason"]
+                assert w["disk_used"] > 0.5 and w["disk_max_used"] == 0.5
+            st = subprocess.run(
+                [sys.executable, "-m", "onceq.cli.main", "broker", "status", "-b", b.addr],
+                capture_output=True, text=True, timeout=60)
+            assert "writes refused: DISK_FULL" in st.stdout, st.stdout + st.stderr
             # reads and offset commits go on
             r = await c.pull(TOPIC, 0, 0, 10, commit_offset=1)
             assert r.status == PullStatus.FOUND and [m.body for m in r.messages] == [b"before"]
@@ -236,6 +243,8 @@ async def test_usage_ratio_refuses_and_resumes(tmpfs: Path, tmp_path: Path):
             await asyncio.sleep(1.2)
             r2 = await p.send(TOPIC, b"after", queue=0)
             assert r2.offset == 1
+            async with Admin(b.addr) as admin:
+                assert (await admin.broker_status())["writes"]["accepted"]
         cli = subprocess.run(
             [sys.executable, "-m", "onceq.cli.main", "send", TOPIC, "x", "-b", b.addr],
             capture_output=True, text=True, timeout=60)

@@ -89,15 +89,19 @@ class DiskGuard:
     def check(self) -> None:
         if self.max_ratio >= 1.0:
             return
-        now = self.clock()
-        if now >= self._next_check:
-            self._next_check = now + self.interval_s
-            self._measure()
+        self.refresh()
         if self.refusing:
             raise OnceqError(
                 ErrorCode.DISK_FULL,
                 f"disk {self.used_ratio:.0%} used, above the limit of {self.max_ratio:.0%}: "
                 "writes refused until space is freed")
+
+    def refresh(self) -> None:
+        """Measure the usage again if the last measure is older than the interval."""
+        now = self.clock()
+        if now >= self._next_check:
+            self._next_check = now + self.interval_s
+            self._measure()
 
     def _measure(self) -> None:
         try:
@@ -105,7 +109,7 @@ class DiskGuard:
         except OSError:
             return  # cannot tell: keep the last answer
         ratio = 1.0 - avail / total if total > 0 else 0.0
-        refusing = ratio > self.max_ratio
+        refusing = ratio > self.max_ratio and self.max_ratio < 1.0
         self.used_ratio = ratio
         if refusing != self.refusing:
             self.refusing = refusing

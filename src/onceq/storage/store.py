@@ -383,6 +383,19 @@ class MessageStore:
         if space:
             self.guard.check()
 
+    def write_state(self) -> dict:
+        """Whether writes are accepted, why not, and the disk usage (for the status)."""
+        guard = self.guard
+        guard.refresh()
+        reason = None
+        if self.write_failure is not None:
+            reason = f"stopped until a restart: {self.write_failure}"
+        elif guard.refusing:
+            reason = (f"DISK_FULL: disk {guard.used_ratio:.0%} used, above the limit of "
+                      f"{guard.max_ratio:.0%}")
+        return {"accepted": reason is None, "reason": reason,
+                "disk_used": round(guard.used_ratio, 4), "disk_max_used": guard.max_ratio}
+
     def _disk_state_changed(self, refusing: bool, ratio: float) -> None:
         if refusing:
             log.error("store: disk %.1f%% used, above disk_max_used_ratio %.0f%%: writes "
