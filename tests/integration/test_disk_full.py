@@ -35,6 +35,18 @@ BODY = 1000
 MIB = 1024 * 1024
 
 
+_STARTED: list[subprocess.Popen[bytes]] = []
+
+
+def _kill_started() -> None:
+    """A failed test must not leave a broker running on the file system it unmounts."""
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
 @pytest.fixture
 def tmpfs(tmp_path: Path) -> Iterator[Path]:
     """An 8 MiB tmpfs, unmounted afterwards."""
@@ -51,6 +63,7 @@ def tmpfs(tmp_path: Path) -> Iterator[Path]:
     try:
         yield mnt
     finally:
+        _kill_started()
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
@@ -67,6 +80,7 @@ class BrokerProc:
              str(data_dir), "--port", str(self.port), "--log-level", "WARNING",
              "--flush", "sync", "--segment-size", str(MIB), "--max-body", "65536", *args],
             stdout=subprocess.DEVNULL, stderr=self.log)
+        _STARTED.append(self.proc)
 
     async def ready(self) -> BrokerProc:
         deadline = time.monotonic() + 30
