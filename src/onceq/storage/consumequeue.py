@@ -7,6 +7,7 @@ timestamp). The index is derived data: recovery rebuilds it from the commit log.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from bisect import bisect_left
 
@@ -134,7 +135,15 @@ class ConsumeQueue:
     def _create(self, base: int) -> int:
         path = os.path.join(self.dir, file_name(base))
         fd = self.files.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.files.write_all(fd, encode_file_header(INDEX_MAGIC, base), 0)
+        try:
+            self.files.write_all(fd, encode_file_header(INDEX_MAGIC, base), 0)
+        except OSError:
+            # a file with a partial header would cost a rebuild of every index at start
+            with contextlib.suppress(OSError):
+                self.files.close(fd)
+            with contextlib.suppress(OSError):
+                self.files.unlink(path)
+            raise
         self._fds[base] = fd
         self._dirty.add(fd)
         return fd
@@ -150,6 +159,13 @@ class ConsumeQueue:
         if offset <= self.min_offset:
             self._empty_at(self.min_offset)
             return
+        self._cut(offset)
+        self.max_offset = offset
+
+    def rollback(self, offset: int) -> None:
+        """Undo the entries appended at and after ``offset`` (a failed write's), keeping
+        ``min_offset``; index files created for them are removed. Raises ``OSError`` when
+        the file system refuses."""
         self._cut(offset)
         self.max_offset = offset
 
