@@ -18,6 +18,9 @@ class StoreConfig:
     retention_bytes: int = 0  # delete oldest segments above this total (0: unlimited)
     dedup_window_s: float = 120.0  # producer-retry dedup window on the unique key
     dedup_max_keys: int = 2_000_000  # memory bound of the dedup window
+    # index files kept open at once (least recently used closed first); 0: a quarter of
+    # the process's descriptor limit (see openfiles.py)
+    max_open_index_files: int = 0
 
     def validate(self) -> None:
         if self.flush not in ("async", "sync"):
@@ -34,3 +37,5 @@ class StoreConfig:
             raise ValueError("retention limits must be >= 0")
         if self.dedup_window_s < 0 or self.dedup_max_keys < 0:
             raise ValueError("dedup window settings must be >= 0")
+        if self.max_open_index_files < 0:
+            raise ValueError("max_open_index_files must be >= 0 (0: from the fd limit)")
