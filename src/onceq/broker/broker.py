@@ -201,8 +201,7 @@ class Broker:
         end = store.log.end
         if self.flusher is not None:
             await self.flusher.flush_now()
-        fds = [fd for cq in store.queues.values() for fd in cq.dirty_fds()]
-        await self._off_loop(store.checkpoint_at, end, fds)
+        await self._off_loop(store.checkpoint_at, end, store.dirty_index_files())
 
     async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run blocking file work in a thread. A cancelled caller does not stop the thread,

@@ -6,7 +6,6 @@ flush service (``flush.py``) off the loop.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -43,6 +42,7 @@ from .metadata import (
     save_json,
     write_atomic,
 )
+from .openfiles import OpenFiles, default_capacity, fsync_paths
 from .recovery import NeedFullRebuild, Recovery, read_range, read_record
 
 log = logging.getLogger("onceq.storage")
@@ -121,6 +121,7 @@ class MessageStore:
         self.log = CommitLog(os.path.join(root, "commitlog"), config.segment_size, files)
         self.topics: dict[str, TopicConfig] = {}
         self.queues: dict[tuple[str, int], ConsumeQueue] = {}
+        self.open_files = OpenFiles(files, config.max_open_index_files or default_capacity())
         self.offsets: dict[str, dict[str, dict[str, int]]] = {}
         self.dedup = DedupWindow(config.dedup_window_s, config.dedup_max_keys)
         self._offsets_dirty = False
@@ -239,7 +240,7 @@ class MessageStore:
 
     def _open_queue(self, topic: str, qid: int) -> ConsumeQueue:
         cq = ConsumeQueue(os.path.join(self._queues_dir, topic, str(qid)),
-                          self.config.index_entries_per_file, self.files)
+                          self.config.index_entries_per_file, self.open_files)
         cq.load()
         self.queues[(topic, qid)] = cq
         return cq
@@ -292,7 +293,7 @@ class MessageStore:
             # index directories first: left over after a failure, the next open drops them
             for qid in range(old.queues if old else 0, queues):
                 cq = ConsumeQueue(os.path.join(self._queues_dir, name, str(qid)),
-                                  self.config.index_entries_per_file, self.files)
+                                  self.config.index_entries_per_file, self.open_files)
                 new.append(cq)
                 cq.load()
                 cq.reset(0)
@@ -759,15 +760,15 @@ class MessageStore:
     def write_checkpoint(self) -> None:
         """Fsync log and indexes, then record that everything before the log end is indexed."""
         self.log.sync()
-        self.checkpoint_at(self.log.end, [fd for cq in self.queues.values()
-                                          for fd in cq.dirty_fds()])
+        self.checkpoint_at(self.log.end, self.dirty_index_files())
 
-    def checkpoint_at(self, end: int, index_fds: list[int]) -> None:
-        """Fsync ``index_fds`` and record ``end`` as indexed (safe to run off the loop)."""
-        for fd in index_fds:
-            # an index file closed meanwhile (topic deleted) raises OSError
-            with contextlib.suppress(OSError):
-                self.files.fsync(fd)
+    def dirty_index_files(self) -> list[str]:
+        """The index files written since the last call (to fsync before a checkpoint)."""
+        return [p for cq in self.queues.values() for p in cq.dirty_paths()]
+
+    def checkpoint_at(self, end: int, index_files: list[str]) -> None:
+        """Fsync ``index_files`` and record ``end`` as indexed (safe to run off the loop)."""
+        fsync_paths(self.files, index_files)
         # every entry counted here was written before: after a crash the index holds at
         # least as many (a power cut losing unsynced entries costs a full rebuild)
         ends = {f"{t}/{q}": cq.max_offset for (t, q), cq in list(self.queues.items())}
@@ -809,4 +810,4 @@ class MessageStore:
         self.log.close()
         for cq in self.queues.values():
             cq.close()
-
+        self.open_files.close_all()
