@@ -64,3 +64,45 @@ async def test_ten_thousand_queues_under_an_fd_limit_of_1024(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+async def test_more_segments_than_the_fd_limit(tmp_path):
+    """1,200 commit-log segments of 64 KiB under ``ulimit -n 1024``: older segments are
+    opened on demand, so writing, reading from the start, a SIGKILL and a restart work."""
+    data = str(tmp_path / "data")
+    args = ("--segment-size", "65536", "--max-body", "8192")
+    proc, addr = spawn_broker(data, *args, fd_limit=LIMIT)
+    body = b"s" * 4000
+    try:
+        async with Admin(addr) as admin:
+            await admin.create_topic("segs", 1)
+        async with Producer(addr) as p:
+            for _ in range(19_200 // 16):
+                await p.send_batch("segs", [body] * 16, queue=0)
+        segments = len(os.listdir(os.path.join(data, "commitlog")))
+        assert segments > LIMIT + 100, segments
+        assert _fds(proc.pid) < LIMIT // 2
+
+        async def read_all() -> int:
+            n = 0
+            async with PullConsumer(addr, "segcheck") as c:
+                offset = 0
+                while True:
+                    r = await c.pull("segs", 0, offset, 256)
+                    if not r.messages:
+                        return n
+                    assert all(m.body == body for m in r.messages)
+                    assert r.messages[0].queue_offset == offset
+                    n += len(r.messages)
+                    offset = r.next_offset
+
+        assert await read_all() == 19_200
+        assert _fds(proc.pid) < LIMIT // 2
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc, addr = spawn_broker(data, *args, fd_limit=LIMIT)
+        assert await read_all() == 19_200
+        assert _fds(proc.pid) < LIMIT // 2
+    finally:
+        proc.kill()
+        proc.wait()

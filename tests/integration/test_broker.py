@@ -572,17 +572,17 @@ async def test_sync_flush_ack_waits_for_the_covering_fsync(tmp_path, monkeypatch
     even when another flush (the checkpoint's) runs at the same time."""
     import onceq.broker.flush as flush_mod
 
-    real = flush_mod._fsync_all
+    real = flush_mod.fsync_all
     done: list[float] = []
 
-    def slow_fsync(fds: list[int], fsync) -> None:
+    def slow_fsync(files, fds: list) -> None:
         if fds:
             time.sleep(0.3)
-        real(fds, fsync)
+        real(files, fds)
         if fds:
             done.append(time.monotonic())
 
-    monkeypatch.setattr(flush_mod, "_fsync_all", slow_fsync)
+    monkeypatch.setattr(flush_mod, "fsync_all", slow_fsync)
     async with running_broker(str(tmp_path), {"flush": "sync",
                                               "checkpoint_interval_ms": 10_000}) as b:
         addr = f"127.0.0.1:{b.port}"
@@ -599,14 +599,14 @@ async def test_sync_flush_ack_waits_for_the_covering_fsync(tmp_path, monkeypatch
 async def test_sync_send_in_flight_at_stop_is_answered(tmp_path, monkeypatch):
     import onceq.broker.flush as flush_mod
 
-    real = flush_mod._fsync_all
+    real = flush_mod.fsync_all
 
-    def slow_fsync(fds: list[int], fsync) -> None:
+    def slow_fsync(files, fds: list) -> None:
         if fds:
             time.sleep(0.2)
-        real(fds, fsync)
+        real(files, fds)
 
-    monkeypatch.setattr(flush_mod, "_fsync_all", slow_fsync)
+    monkeypatch.setattr(flush_mod, "fsync_all", slow_fsync)
     async with running_broker(str(tmp_path), {"flush": "sync",
                                               "checkpoint_interval_ms": 10_000}) as b:
         addr = f"127.0.0.1:{b.port}"
@@ -627,22 +627,22 @@ async def test_failed_fsync_is_not_acknowledged_and_stops_writes(tmp_path, monke
     STORAGE_ERROR, its record is removed, and writes are refused until a restart."""
     import onceq.broker.flush as flush_mod
 
-    real = flush_mod._fsync_all
+    real = flush_mod.fsync_all
     failures = [OSError(errno.EIO, "injected I/O error")]
     calls: list[list[int]] = []
 
-    def failing_fsync(fds: list[int], fsync) -> None:
+    def failing_fsync(files, fds: list) -> None:
         calls.append(list(fds))
         if failures:
             raise failures.pop()
-        real(fds, fsync)
+        real(files, fds)
 
     async with running_broker(str(tmp_path), {"flush": "sync"}) as b:
         addr = f"127.0.0.1:{b.port}"
         await _topic(addr, "T", 1)
         async with Producer(addr, retries=0) as p:
             await p.send("T", Message(b"kept", unique_key="GOOD-KEY"))
-            monkeypatch.setattr(flush_mod, "_fsync_all", failing_fsync)
+            monkeypatch.setattr(flush_mod, "fsync_all", failing_fsync)
             with pytest.raises(OnceqError) as ei:
                 await p.send("T", Message(b"m", unique_key="FSYNC-KEY"))
             assert ei.value.code == ErrorCode.STORAGE_ERROR and ei.value.retriable

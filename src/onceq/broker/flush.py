@@ -18,25 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
-from collections.abc import Callable
 
 from .._aio import wait_event
 from ..protocol.errors import ErrorCode, OnceqError
+from ..storage.commitlog import fsync_all
 from ..storage.store import MessageStore
 
 log = logging.getLogger("onceq.broker")
-
-
-def _fsync_all(fds: list[int], fsync: Callable[[int], None]) -> None:
-    for fd in fds:
-        try:
-            fsync(fd)
-        except OSError as exc:
-            if exc.errno != errno.EBADF:
-                raise  # a real I/O error: the bytes are not known to be on disk
-            log.debug("fsync skipped (segment deleted by retention meanwhile): %s", exc)
 
 
 class Flusher:
@@ -77,9 +66,12 @@ class Flusher:
             target = store.log.end
             fds = store.log.take_dirty()
             if fds:
-                fut = asyncio.get_running_loop().run_in_executor(None, _fsync_all, fds,
-                                                                 self.store.files.fsync)
+                fut = asyncio.get_running_loop().run_in_executor(None, fsync_all,
+                                                                 store.files, fds)
                 self._inflight = fut
+                log_ = store.log
+                log_.syncing = True  # until the fsync ends, even if this task is cancelled
+                fut.add_done_callback(lambda _f: setattr(log_, "syncing", False))
                 try:
                     # shielded: a cancelled flush task must not look finished while its
                     # fsync still runs (``stop`` waits for it before the final flush)
@@ -94,6 +86,7 @@ class Flusher:
                                           "acknowledged; writes refused until a restart"))
                     raise
                 self.fsyncs += 1  # fsync rounds that had something to sync
+            store.log.release_retired()  # no fsync in flight now
             self.flushed = max(self.flushed, target)
             self._resolve()
 

@@ -54,6 +54,9 @@ def broker() -> None:
               type=click.FloatRange(0, 1, min_open=True),
               help="Refuse writes with DISK_FULL while the data directory's file system is "
                    "used above this ratio (1: only when it is full).")
+@click.option("--max-open-files", default=0, show_default=True, type=click.IntRange(0),
+              help="Index files and older commit-log segments kept open at once (0: a "
+                   "quarter of the process's file-descriptor limit).")
 @click.option("--auto-create-topics/--no-auto-create-topics", default=False, show_default=True)
 @click.option("--access-lock/--no-access-lock", default=True, show_default=True,
               help="Transition-state queue lock for CLUSTERING groups.")
@@ -68,7 +71,7 @@ def broker() -> None:
 def broker_start(data_dir: str, host: str, port: int, flush: str, flush_interval_ms: int,
                  segment_size: int, max_body: int, retention_hours: float,
                  retention_bytes: int, dedup_window: float, disk_max_used_ratio: float,
-                 auto_create_topics: bool,
+                 max_open_files: int, auto_create_topics: bool,
                  access_lock: bool, access_lock_restore_hold: float, delay_levels: str | None,
                  log_level: str) -> None:
     """Start a broker in the foreground (SIGTERM or Ctrl-C flushes and stops it)."""
@@ -79,7 +82,7 @@ def broker_start(data_dir: str, host: str, port: int, flush: str, flush_interval
                         flush_interval_ms=flush_interval_ms, max_body=max_body,
                         retention_hours=retention_hours, retention_bytes=retention_bytes,
                         dedup_window_s=dedup_window,
-                        disk_max_used_ratio=disk_max_used_ratio)
+                        disk_max_used_ratio=disk_max_used_ratio, max_open_files=max_open_files)
     cfg = BrokerConfig(store, host=host, port=port, auto_create_topics=auto_create_topics,
                        access_lock=access_lock,
                        access_lock_restore_hold_s=access_lock_restore_hold)

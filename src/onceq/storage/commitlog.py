@@ -4,11 +4,17 @@ Positions are global byte positions across segments (segment base + offset in th
 data area). A segment holds at most ``segment_size`` data bytes; a record never spans two
 segments. Writes go through ``pwrite`` into the page cache; ``sync()`` fsyncs the
 segments touched since the last sync. Reads use ``pread``. File calls go through ``FileOps``.
+
+Only the active (last) segment keeps a descriptor of its own; older segments are sealed and
+opened on demand through the store's bounded cache of open files (``OpenFiles``), so the
+descriptors held do not grow with the data kept. A sealed segment that was written and not
+yet fsynced is fsynced by path.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -30,6 +36,7 @@ from ..log.segment import (
     file_name,
 )
 from .files import OS_FILES, FileOps
+from .openfiles import OpenFiles, fsync_paths
 
 log = logging.getLogger("onceq.storage")
 
@@ -41,9 +48,9 @@ _MAGIC = bytes([RECORD_MAGIC])
 class Segment:
     base: int
     path: str
-    fd: int
+    fd: int | None  # own descriptor of the active segment; None once sealed
     size: int  # data bytes (excluding the file header)
-    mtime: float = 0.0
+    mtime: float = 0.0  # of a sealed segment (retention by age)
 
     @property
     def end(self) -> int:
@@ -51,14 +58,21 @@ class Segment:
 
 
 class CommitLog:
-    def __init__(self, directory: str, segment_size: int, files: FileOps = OS_FILES) -> None:
+    def __init__(self, directory: str, segment_size: int, files: FileOps = OS_FILES,
+                 open_files: OpenFiles | None = None) -> None:
         if segment_size < 4096:
             raise ValueError("segment size must be at least 4096 bytes")
         self.dir = directory
         self.files = files
+        self.open_files = open_files if open_files is not None else OpenFiles(files, 16)
         self.segment_size = segment_size
         self.segments: list[Segment] = []
-        self._dirty: set[int] = set()  # fds written since the last sync
+        self._dirty: set[int] = set()  # active segment's fd, written since the last sync
+        self._dirty_sealed: set[str] = set()  # sealed segments written since the last sync
+        # descriptors of segments sealed since the last flush: a flush in flight may be
+        # fsyncing them, so they are closed only by ``release_retired`` after it
+        self._retired: list[int] = []
+        self.syncing = False  # an fsync of ``take_dirty``'s descriptors runs off the loop
         files.makedirs(directory)
 
     # ---------------------------------------------------------------- recovery
@@ -95,6 +109,10 @@ class CommitLog:
                 log.error("commit log: positions [%d, %d) are missing (a segment file was "
                           "lost); later segments are kept", self.segments[-1].end, base)
             size = max(0, fs.size(fd) - FILE_HEADER_SIZE)
+            if self.segments:  # the previous one is not the last: sealed
+                prev = self.segments[-1]
+                fs.close(prev.fd)
+                prev.fd = None
             self.segments.append(Segment(base, path, fd, size, fs.mtime(fd)))
         if not self.segments:
             self._new_segment(empty_base)
@@ -116,7 +134,7 @@ class CommitLog:
         for seg in self.segments:
             if seg.end <= start and seg is not self.segments[-1]:
                 continue
-            self._dirty.add(seg.fd)
+            self._mark_dirty(seg)
             for ev in self.scan_segment(seg, max(0, start - seg.base)):
                 if isinstance(ev, RecordHead):
                     for a, b in pending:
@@ -133,10 +151,21 @@ class CommitLog:
                     keep = max(0, cut - seg.base)
                     log.warning("commit log: truncating a torn tail of segment %s at %d "
                                 "(was %d bytes of data)", file_name(seg.base), keep, seg.size)
-                    self.files.ftruncate(seg.fd, FILE_HEADER_SIZE + keep)
-                    self.files.fsync(seg.fd)
+                    fd = self._fd(seg)
+                    self.files.ftruncate(fd, FILE_HEADER_SIZE + keep)
+                    self.files.fsync(fd)
                     seg.size = keep
         return self.end
+
+    def _fd(self, seg: Segment) -> int:
+        """A descriptor of ``seg`` (a sealed one's from the cache: use it at once)."""
+        return seg.fd if seg.fd is not None else self.open_files.get(seg.path)
+
+    def _mark_dirty(self, seg: Segment) -> None:
+        if seg.fd is not None:
+            self._dirty.add(seg.fd)
+        else:
+            self._dirty_sealed.add(seg.path)
 
     def scan_segment(self, seg: Segment, start_off: int = 0, stop_off: int | None = None
                      ) -> Iterator[RecordHead | tuple[int, int]]:
@@ -162,7 +191,7 @@ class CommitLog:
             except TruncatedRecord:
                 if not eof:
                     read_at = buf_start + len(buf)
-                    chunk = fs.pread(seg.fd, min(READ_CHUNK, seg_size - read_at),
+                    chunk = fs.pread(self._fd(seg), min(READ_CHUNK, seg_size - read_at),
                                      FILE_HEADER_SIZE + read_at)
                     eof = read_at + len(chunk) >= seg_size or not chunk
                     buf = buf[p:] + chunk
@@ -230,8 +259,32 @@ class CommitLog:
             self.write(pending)
             pending.clear()
         seg = self.segments[-1]
-        self._dirty.add(seg.fd)
-        return self._new_segment(seg.end).base
+        new = self._new_segment(seg.end)
+        self._seal(seg)
+        return new.base
+
+    def _seal(self, seg: Segment) -> None:
+        """The active segment became an older one: give up its own descriptor."""
+        fd = seg.fd
+        if fd is None:
+            return
+        seg.mtime = self.files.mtime(fd)
+        if fd in self._dirty:  # its last writes are fsynced by path
+            self._dirty.discard(fd)
+            self._dirty_sealed.add(seg.path)
+        seg.fd = None
+        self._retired.append(fd)
+        self.release_retired()
+
+    def release_retired(self) -> None:
+        """Close the descriptors of sealed or removed segments, unless a flush may be
+        fsyncing them right now (then the next call does)."""
+        if self.syncing:
+            return
+        retired, self._retired = self._retired, []
+        for fd in retired:
+            with contextlib.suppress(OSError):
+                self.files.close(fd)
 
     def write(self, records: list[bytes]) -> None:
         """Append the reserved records to the active segment."""
@@ -257,17 +310,28 @@ class CommitLog:
             seg = self.segments[-1]
             fs.unlink(seg.path)
             self.segments.pop()
-            self._dirty.discard(seg.fd)
-            with contextlib.suppress(OSError):
-                fs.close(seg.fd)
+            self._forget(seg)
             dropped = True
         if dropped:
             fs.fsync_dir(self.dir)
         seg = self.segments[-1]
+        if seg.fd is None:  # a sealed segment is the active one again
+            self.open_files.close(seg.path)
+            self._dirty_sealed.discard(seg.path)
+            seg.fd = fs.open(seg.path, os.O_RDWR)
         keep = max(0, position - seg.base)
         fs.ftruncate(seg.fd, FILE_HEADER_SIZE + keep)
         fs.fsync(seg.fd)
         seg.size = keep
+
+    def _forget(self, seg: Segment) -> None:
+        """Drop every descriptor and dirty mark of a segment going away."""
+        if seg.fd is not None:
+            self._dirty.discard(seg.fd)
+            self._retired.append(seg.fd)  # a flush in flight may hold it
+            seg.fd = None
+        self._dirty_sealed.discard(seg.path)
+        self.open_files.close(seg.path)
 
     def read(self, position: int, size: int) -> bytes:
         """Read ``size`` bytes at ``position``; the range may cross segment boundaries."""
@@ -275,7 +339,8 @@ class CommitLog:
         while size > 0:
             seg = self._find(position)
             n = min(size, seg.end - position)
-            out.append(self.files.pread(seg.fd, n, FILE_HEADER_SIZE + position - seg.base))
+            out.append(self.files.pread(self._fd(seg), n,
+                                        FILE_HEADER_SIZE + position - seg.base))
             position += n
             size -= n
         return out[0] if len(out) == 1 else b"".join(out)
@@ -305,14 +370,20 @@ class CommitLog:
         return seg
 
     # ---------------------------------------------------------------- durability
-    def take_dirty(self) -> list[int]:
-        fds = list(self._dirty)
+    def take_dirty(self) -> list[int | str]:
+        """What was written since the last call: the active segment's descriptor and the
+        paths of sealed segments, for ``fsync_all``."""
+        out: list[int | str] = [*self._dirty, *self._dirty_sealed]
         self._dirty.clear()
-        return fds
+        self._dirty_sealed.clear()
+        return out
 
     def sync(self) -> None:
-        for fd in self.take_dirty():
-            self.files.fsync(fd)
+        fsync_all(self.files, self.take_dirty())
+        self.release_retired()
+
+    def mtime(self, seg: Segment) -> float:
+        return self.files.mtime(seg.fd) if seg.fd is not None else seg.mtime
 
     # ---------------------------------------------------------------- retention
     def delete_segments(self, keep: Callable[[Segment, int], bool]) -> int:
@@ -324,16 +395,35 @@ class CommitLog:
         while len(self.segments) > 1 and not keep(self.segments[0], total):
             seg = self.segments.pop(0)
             total -= seg.size
-            self.files.close(seg.fd)
-            self._dirty.discard(seg.fd)
+            self._forget(seg)
             self.files.unlink(seg.path)
             log.info("commit log: retention deleted segment %s", file_name(seg.base))
+        self.release_retired()
         return self.start
 
     def close(self) -> None:
         for seg in self.segments:
-            self.files.close(seg.fd)
+            self._forget(seg)
         self.segments.clear()
+        self.release_retired()
+
+
+def fsync_all(files: FileOps, targets: list[int | str]) -> None:
+    """Fsync what ``take_dirty`` returned: descriptors, and sealed segments by path.
+
+    A descriptor closed meanwhile (``EBADF``) or a file deleted meanwhile belongs to a
+    segment that retention or a rollback removed: nothing to sync."""
+    paths = []
+    for t in targets:
+        if isinstance(t, str):
+            paths.append(t)
+            continue
+        try:
+            files.fsync(t)
+        except OSError as exc:
+            if exc.errno != errno.EBADF:
+                raise  # a real I/O error: the bytes are not known to be on disk
+    fsync_paths(files, paths)
 
 
 def _segment_names(directory: str, files: FileOps) -> list[str]:

@@ -21,9 +21,9 @@ class StoreConfig:
     # writes are refused with DISK_FULL while the data dir's file system is used above this
     # ratio (1.0: never; RocketMQ refuses writes at 0.90, its diskSpaceWarningLevelRatio)
     disk_max_used_ratio: float = 0.90
-    # index files kept open at once (least recently used closed first); 0: a quarter of
-    # the process's descriptor limit (see openfiles.py)
-    max_open_index_files: int = 0
+    # index files and older commit-log segments kept open at once (least recently used
+    # closed first); 0: a quarter of the process's descriptor limit (see openfiles.py)
+    max_open_files: int = 0
 
     def validate(self) -> None:
         if self.flush not in ("async", "sync"):
@@ -42,5 +42,5 @@ class StoreConfig:
             raise ValueError("dedup window settings must be >= 0")
         if not 0.0 < self.disk_max_used_ratio <= 1.0:
             raise ValueError("disk_max_used_ratio must be in (0, 1]")
-        if self.max_open_index_files < 0:
-            raise ValueError("max_open_index_files must be >= 0 (0: from the fd limit)")
+        if self.max_open_files < 0:
+            raise ValueError("max_open_files must be >= 0 (0: from the fd limit)")

@@ -118,10 +118,12 @@ class MessageStore:
         self._checkpoint_path = os.path.join(root, "checkpoint")
         self._queues_dir = os.path.join(root, "queues")
         files.makedirs(self._queues_dir)
-        self.log = CommitLog(os.path.join(root, "commitlog"), config.segment_size, files)
+        # index files and sealed commit-log segments share one bounded cache of open files
+        self.open_files = OpenFiles(files, config.max_open_files or default_capacity())
+        self.log = CommitLog(os.path.join(root, "commitlog"), config.segment_size, files,
+                             self.open_files)
         self.topics: dict[str, TopicConfig] = {}
         self.queues: dict[tuple[str, int], ConsumeQueue] = {}
-        self.open_files = OpenFiles(files, config.max_open_index_files or default_capacity())
         self.offsets: dict[str, dict[str, dict[str, int]]] = {}
         self.dedup = DedupWindow(config.dedup_window_s, config.dedup_max_keys)
         self._offsets_dirty = False
@@ -786,7 +788,7 @@ class MessageStore:
         def keep(seg, total: int) -> bool:
             if cfg.retention_bytes and total > cfg.retention_bytes:
                 return False
-            return not (max_age and now - self.files.mtime(seg.fd) > max_age)
+            return not (max_age and now - self.log.mtime(seg) > max_age)
 
         before = len(self.log.segments)
         start = self.log.delete_segments(keep)
