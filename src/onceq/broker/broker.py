@@ -207,11 +207,11 @@ class Broker:
         return await asyncio.shield(fut)
 
     async def _save_offsets(self) -> None:
-        data = self.store.offsets_snapshot()
-        if data is None:
+        snap = self.store.offsets_snapshot()
+        if snap is None:
             return
         try:
-            await self._off_loop(self.store.write_offsets_file, data)
+            await self._off_loop(self.store.write_offsets_file, *snap)
         except OSError:
             self.store.offsets_changed()  # written again on the next round and at close
             raise
@@ -245,7 +245,10 @@ class Broker:
         for group, cid in self.groups.expire(self.clock()):
             log.info("group %s: member %s expired (no heartbeat)", group, cid)
 
-    def _retention(self) -> None:
+    async def _retention(self) -> None:
+        # a fresh offsets snapshot first: segments holding offset commits that no written
+        # snapshot covers are kept
+        await self._save_offsets()
         deleted = self.store.run_retention()
         if deleted:
             log.info("retention deleted %d segment(s)", deleted)
