@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..log.offset_record import OFFSETS_TOPIC
 from ..log.record import tag_hash
 from ..protocol.codes import PullStatus, PushCode, RequestCode
 from ..protocol.errors import ErrorCode, OnceqError
@@ -62,6 +63,15 @@ def _str(header: dict[str, Any], name: str) -> str:
     if not isinstance(value, str):
         raise OnceqError(ErrorCode.INVALID_ARGUMENT, f"field {name!r} must be a string")
     return value
+
+
+def _user_topic(topic: str) -> str:
+    """Refuse the broker's internal offsets journal topic in user requests."""
+    if topic == OFFSETS_TOPIC:
+        raise OnceqError(ErrorCode.INVALID_ARGUMENT,
+                         f"topic {OFFSETS_TOPIC} is internal to the broker (the consumer "
+                         "offsets journal): it cannot be sent to, pulled, created or deleted")
+    return topic
 
 
 def _held(group: dict[str, Any]) -> list[tuple[str, int, int]] | None:
@@ -321,6 +331,7 @@ class Broker:
         return 0, {"time": int(self.clock() * 1000)}, b""
 
     def _topic_for_write(self, topic: str) -> None:
+        _user_topic(topic)
         if topic not in self.store.topics and self.config.auto_create_topics:
             check_name("topic", topic)
             self.store.create_topic(topic, self.config.default_queues)
@@ -342,7 +353,7 @@ class Broker:
 
     def _pull_request(self, h: dict[str, Any]) -> dict[str, Any]:
         req = {
-            "topic": _str(h, "topic"),
+            "topic": _user_topic(_str(h, "topic")),
             "queue": _int(h, "queue"),
             "offset": _int(h, "offset"),
             "max": min(max(_int(h, "max", 32), 1), self.config.max_pull_msgs),
@@ -378,7 +389,12 @@ class Broker:
                 commit = -1  # offset: the client's commit is its stale start, not progress
             req["offset"] = grant.offset
             req["group"], req["client"] = group, client
+        elif group is not None and commit >= 0 and not self._may_commit(
+                group, client if isinstance(client, str) else None, topic, queue):
+            commit = -1  # another client holds the queue: its commits count
         if group is not None and commit >= 0:
+            # journaled, not waited for: a consumer sends its finished offsets again after
+            # a reconnect (and with its next pull), so the pull answer does not wait for fsync
             self.store.commit_offset(group, topic, queue, commit)
         res = self._do_pull(req)
         if res is None:
@@ -449,14 +465,29 @@ class Broker:
         offset = _int(h, "offset")
         if offset < 0:
             raise OnceqError(ErrorCode.INVALID_ARGUMENT, "offset must be >= 0")
-        group, topic, queue = _str(h, "group"), _str(h, "topic"), _int(h, "queue")
+        group = check_name("group", _str(h, "group"))
+        topic, queue = _user_topic(_str(h, "topic")), _int(h, "queue")
         client = h.get("client")
-        if (isinstance(client, str) and self.transition.applies(group, client)
-                and not self.transition.is_holder(group, client, topic, queue)):
-            self.store.get_topic(topic)
-            return 0, {"ignored": True}, b""  # a former owner: the holder's commits count
-        self.store.commit_offset(group, topic, queue, offset)
-        return 0, None, b""
+        if client is not None and not isinstance(client, str):
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "field 'client' must be a string")
+        self.store.min_max(topic, queue)  # TOPIC_NOT_EXIST / INVALID_QUEUE first
+        if not self._may_commit(group, client, topic, queue):
+            holder = self.transition.table.holder(group, topic, queue)
+            raise OnceqError(ErrorCode.NOT_HOLDER, (
+                f"client {client!r} does not hold {topic}:{queue} of group {group!r} "
+                f"(holder: {holder or 'none'}); only the holder's commits count"))
+        end = self.store.commit_offset(group, topic, queue, offset)
+        return self._durable_reply(conn, corr, {}, end)
+
+    def _may_commit(self, group: str, client: str | None, topic: str, queue: int) -> bool:
+        """Whether a commit from ``client`` (None: it sent no id) may set the group's offset.
+
+        A member the access lock applies to must hold the queue; any other committer (a
+        pull consumer, a group without the lock) only while no other client holds it."""
+        holder = self.transition.table.holder(group, topic, queue)
+        if client is not None and self.transition.applies(group, client):
+            return holder == client
+        return holder is None or holder == client
 
     def h_get_offset(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
                      ) -> Response:
@@ -466,7 +497,7 @@ class Broker:
 
     def h_create_topic(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
                        ) -> Response:
-        name = _str(h, "topic")
+        name = _user_topic(_str(h, "topic"))
         queues = _int(h, "queues", self.config.default_queues)
         if h.get("exclusive") and name in self.store.topics:
             raise OnceqError(ErrorCode.TOPIC_EXISTS, f"topic {name!r} already exists")
@@ -476,7 +507,7 @@ class Broker:
 
     def h_delete_topic(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
                        ) -> Response:
-        name = _str(h, "topic")
+        name = _user_topic(_str(h, "topic"))
         self.store.delete_topic(name)
         self.transition.drop_topic(name)
         for key in [k for k in self.holds.held if k[0] == name]:
@@ -487,7 +518,8 @@ class Broker:
     def h_list_topics(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
                       ) -> Response:
         topics = [{"topic": t.name, "queues": t.queues} for t in
-                  sorted(self.store.topics.values(), key=lambda t: t.name)]
+                  sorted(self.store.topics.values(), key=lambda t: t.name)
+                  if t.name != OFFSETS_TOPIC]
         return 0, {"topics": topics}, b""
 
     def h_get_topic(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
@@ -603,13 +635,15 @@ class Broker:
         # only the holder (or a group without the lock) commits: a client that never got
         # the queue must not move its offset back under the one still draining it
         applies = self.transition.applies(group, client)
+        may_commit = self._may_commit(group, client, topic, queue)  # before the release
         released = self.transition.release(group, client, topic, queue)
-        if offset >= 0 and (released or not applies):
+        end = 0
+        if offset >= 0 and (released or (not applies and may_commit)):
             if applies:  # the holder's reads were corrected forward to the group's offset:
                 # a lower one is its stale start (its first pull still held), not progress
                 offset = max(offset, self.store.get_offset(group, topic, queue))
-            self.store.commit_offset(group, topic, queue, offset)
-        return 0, {"released": released}, b""
+            end = self.store.commit_offset(group, topic, queue, offset)
+        return self._durable_reply(conn, corr, {"released": released}, end)
 
     def h_query_access_locks(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
                              ) -> Response:

@@ -111,6 +111,7 @@ class PushConsumer:
         self._pull_tasks: dict[MessageQueue, asyncio.Task[None]] = {}
         self._inflight: dict[MessageQueue, set[asyncio.Task[None]]] = {}
         self._committed: dict[MessageQueue, int] = {}
+        self._refused: dict[MessageQueue, int] = {}  # a commit refused with NOT_HOLDER
         self._tasks: list[asyncio.Task[None]] = []
         self._running = False
         self._timer = RebalanceTimer(self.config.rebalance_interval_s, clock())
@@ -263,13 +264,11 @@ class PushConsumer:
             if ack <= stored:
                 self._committed[mq] = max(self._committed.get(mq, -1), stored)
                 return
-            hdr, _ = await conn.request(RequestCode.COMMIT_OFFSET,
-                                        {**q, "offset": ack, "client": self.client_id})
-            if (hdr or {}).get("ignored"):  # not the holder: the next pull commits again
-                self._committed[mq] = -1
-            else:
-                self._committed[mq] = ack
-                self.stats["offsets_resent"] += 1
+            # NOT_HOLDER (another member holds it now) lands below: the next pull commits
+            await conn.request(RequestCode.COMMIT_OFFSET,
+                               {**q, "offset": ack, "client": self.client_id})
+            self._committed[mq] = ack
+            self.stats["offsets_resent"] += 1
 
         results = await asyncio.gather(*(one(mq, ack) for mq, ack in todo),
                                        return_exceptions=True)
@@ -441,17 +440,29 @@ class PushConsumer:
         self._pqs.pop(mq, None)
         self._inflight.pop(mq, None)
         self._committed.pop(mq, None)
+        self._refused.pop(mq, None)
 
     # ================================================================ offsets
     async def _commit(self, mq: MessageQueue, offset: int) -> None:
-        if offset <= self._committed.get(mq, -1):
+        if offset <= self._committed.get(mq, -1) or self._refused.get(mq) == offset:
             return
         if self._local is not None:
             self._local.set(mq, offset)
         else:
-            await self._req(RequestCode.COMMIT_OFFSET, {"group": self.group, "topic": mq.topic,
-                                                        "queue": mq.queue_id, "offset": offset,
-                                                        "client": self.client_id})
+            try:
+                await self._req(RequestCode.COMMIT_OFFSET, {
+                    "group": self.group, "topic": mq.topic, "queue": mq.queue_id,
+                    "offset": offset, "client": self.client_id})
+            except OnceqError as exc:
+                if exc.code != ErrorCode.NOT_HOLDER:
+                    raise
+                # this member lost the queue's access lock (a rebalance or an offset reset
+                # is under way): not an error, and not worth repeating. A pull that gets
+                # the lock back carries the commit; otherwise the rebalance drops the queue
+                log.debug("commit of %s refused: %s", mq, exc.message)
+                self._refused[mq] = offset
+                self.stats["commits_refused"] += 1
+                return
         self._committed[mq] = offset
 
     async def _commit_all(self) -> None:
