@@ -22,6 +22,7 @@ from .connection import Connection
 from .flush import Flusher
 from .groups import BROADCASTING, CLUSTERING, GroupRegistry
 from .longpoll import HeldPull, PullHold
+from .offset_reset import ResetFence, parse_targets, reset_offsets
 from .retry import RetryService, parse_delay_levels
 from .transition import TransitionLock
 
@@ -109,6 +110,7 @@ class Broker:
         self.connections: set[Connection] = set()
         self.groups = GroupRegistry(config.heartbeat_expiry_s, self._on_group_change)
         self.holds = PullHold(self._retry_pull)
+        self.fence = ResetFence()  # members that have not seen a forced offset reset yet
         self.transition = TransitionLock(
             self.store, self.groups, config.access_lock, config.access_lock_hold_s,
             config.access_lock_stable_checks, clock, config.access_lock_restore_hold_s, files,
@@ -142,6 +144,7 @@ class Broker:
             RequestCode.LIST_GROUPS: self.h_list_groups,
             RequestCode.CONSUMER_SEND_BACK: self.h_send_back,
             RequestCode.RELEASE_QUEUE: self.h_release_queue,
+            RequestCode.RESET_OFFSETS: self.h_reset_offsets,
             RequestCode.QUERY_ACCESS_LOCKS: self.h_query_access_locks,
             RequestCode.BROKER_STATUS: self.h_broker_status,
         }
@@ -381,6 +384,10 @@ class Broker:
             group = check_name("group", group)
         commit = _int(h, "commit") if "commit" in h else -1
         client = h.get("client")
+        if group is not None and isinstance(client, str):
+            self.fence.seen(group, client, h.get("reset_gen"))
+            if self.fence.blocks(group, client, topic, queue):  # before it saw the reset:
+                return 0, self._locked(topic, queue, req["offset"]), b""  # nor its commit
         if isinstance(client, str) and self.transition.applies(group, client):
             grant = self.transition.check(group, client, topic, queue, req["offset"])
             if not grant.granted:  # a refused client's commit must not move the offset
@@ -471,6 +478,11 @@ class Broker:
         if client is not None and not isinstance(client, str):
             raise OnceqError(ErrorCode.INVALID_ARGUMENT, "field 'client' must be a string")
         self.store.min_max(topic, queue)  # TOPIC_NOT_EXIST / INVALID_QUEUE first
+        self.fence.seen(group, client, h.get("reset_gen"))
+        if self.fence.blocks(group, client, topic, queue):
+            raise OnceqError(ErrorCode.NOT_HOLDER, (
+                f"the offsets of group {group!r} on {topic}:{queue} were reset; client "
+                f"{client!r} must take the queue again first"))
         if not self._may_commit(group, client, topic, queue):
             holder = self.transition.table.holder(group, topic, queue)
             raise OnceqError(ErrorCode.NOT_HOLDER, (
@@ -510,6 +522,7 @@ class Broker:
         name = _user_topic(_str(h, "topic"))
         self.store.delete_topic(name)
         self.transition.drop_topic(name)
+        self.fence.drop_topic(name)
         for key in [k for k in self.holds.held if k[0] == name]:
             self.holds.notify(key)
         log.info("topic %s deleted", name)
@@ -554,25 +567,37 @@ class Broker:
             meta = g.get("meta")
             if meta is not None and not isinstance(meta, dict):
                 raise OnceqError(ErrorCode.INVALID_ARGUMENT, "meta must be a map")
-            checked.append((name, subs, model, meta, _held(g)))
+            checked.append((name, subs, model, meta, _held(g), g.get("reset_gen")))
         now = self.clock()
         holds = []
-        for name, subs, model, meta, held in checked:
+        resets = []
+        for name, subs, model, meta, held, reset_gen in checked:
             if model == CLUSTERING and self.retry is not None:
                 self.retry.ensure_group_topics(name)
             self.groups.heartbeat(name, client, conn, model, subs, now, meta)
+            self.fence.seen(name, client, reset_gen)
+            pending = self.fence.pending(name, client)
+            if pending is not None:  # a forced reset it has not handled: repeat it, and
+                resets.append(pending)  # do not let its held list take those queues back
+                if held is not None:
+                    held = [x for x in held
+                            if not self.fence.blocks(name, client, x[0], x[1])]
             # the queues the member holds (after a reconnect: restore the access lock)
             if held is not None and self.transition.applies(name, client):
                 holds += [[name, t, q, h] for t, q, h in
                           self.transition.reassert(name, client, held)]
         conn.client_ids.add(client)
         self.transition.touch_client(client)
-        return 0, {"expiry_s": self.config.heartbeat_expiry_s, "holds": holds}, b""
+        answer: dict[str, Any] = {"expiry_s": self.config.heartbeat_expiry_s, "holds": holds}
+        if resets:
+            answer["resets"] = resets
+        return 0, answer, b""
 
     def h_unregister(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
                      ) -> Response:
         group = check_name("group", _str(h, "group"))
         self.groups.unregister(group, _str(h, "client"), "leave")
+        self.fence.drop_client(group, _str(h, "client"))
         return 0, None, b""
 
     def h_list_members(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
@@ -635,15 +660,29 @@ class Broker:
         # only the holder (or a group without the lock) commits: a client that never got
         # the queue must not move its offset back under the one still draining it
         applies = self.transition.applies(group, client)
-        may_commit = self._may_commit(group, client, topic, queue)  # before the release
+        self.fence.seen(group, client, h.get("reset_gen"))
+        may_commit = (self._may_commit(group, client, topic, queue)  # before the release
+                      and not self.fence.blocks(group, client, topic, queue))
         released = self.transition.release(group, client, topic, queue)
         end = 0
-        if offset >= 0 and (released or (not applies and may_commit)):
+        if offset >= 0 and may_commit and (released or not applies):
             if applies:  # the holder's reads were corrected forward to the group's offset:
                 # a lower one is its stale start (its first pull still held), not progress
                 offset = max(offset, self.store.get_offset(group, topic, queue))
             end = self.store.commit_offset(group, topic, queue, offset)
         return self._durable_reply(conn, corr, {"released": released}, end)
+
+    def h_reset_offsets(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                        ) -> Response:
+        """Admin: move a group's offsets on a topic (see ``offset_reset.py``)."""
+        group = check_name("group", _str(h, "group"))
+        topic = _user_topic(_str(h, "topic"))
+        force = h.get("force", False)
+        if not isinstance(force, bool):
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "force must be a boolean")
+        targets = parse_targets(h.get("offsets"), self.store.get_topic(topic).queues)
+        answer, end = reset_offsets(self, group, topic, targets, force)
+        return self._durable_reply(conn, corr, answer, end)
 
     def h_query_access_locks(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
                              ) -> Response:
