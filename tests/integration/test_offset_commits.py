@@ -247,3 +247,22 @@ async def test_offsets_topic_is_hidden_and_refused(addr):
             await c.commit_offset(OFFSETS_TOPIC, 0, 1)
         assert ei.value.code == ErrorCode.INVALID_ARGUMENT
 
+
+
+async def test_pull_is_served_when_its_commit_cannot_be_stored(broker, monkeypatch):
+    addr = f"127.0.0.1:{broker.port}"
+    await _setup(addr, queues=1)
+
+    def disk_full(*args: object) -> int:
+        raise OnceqError(ErrorCode.DISK_FULL)
+
+    monkeypatch.setattr(broker.store.offset_table, "commit", disk_full)
+    async with PullConsumer(addr, "lonely") as c:
+        hdr, _ = await c._request(RequestCode.PULL, {
+            "topic": T, "queue": 0, "offset": 2, "max": 4, "group": "lonely", "commit": 2})
+        assert hdr["st"] == PullStatus.FOUND and hdr["n"] == 4
+        assert hdr["uncommitted"] is True  # the consumer sends the commit again
+        assert await c.fetch_offset(T, 0) == -1
+        with pytest.raises(OnceqError) as ei:  # a plain commit gets the error itself
+            await c.commit_offset(T, 0, 2)
+        assert ei.value.code == ErrorCode.DISK_FULL

@@ -402,7 +402,17 @@ class Broker:
         if group is not None and commit >= 0:
             # journaled, not waited for: a consumer sends its finished offsets again after
             # a reconnect (and with its next pull), so the pull answer does not wait for fsync
-            self.store.commit_offset(group, topic, queue, commit)
+            try:
+                self.store.commit_offset(group, topic, queue, commit)
+            except OnceqError as exc:
+                if not exc.retriable:
+                    raise
+                # the journal write failed (disk full, I/O error): reading needs no disk
+                # space, so the pull is served; "uncommitted" tells the consumer to send
+                # the commit again
+                log.warning("commit carried by a pull of %s %s:%d not stored: %s", group,
+                            topic, queue, exc.message)
+                req["uncommitted"] = True
         res = self._do_pull(req)
         if res is None:
             seconds = min(req["suspend_ms"] / 1000, self.config.long_poll_max_s)
@@ -426,6 +436,8 @@ class Broker:
                "max": r.max_offset, "n": r.count}
         if r.status == PullStatus.DAMAGED:  # offsets [damaged[0], damaged[1]) are lost
             hdr["damaged"] = [req["offset"], r.next_offset]
+        if req.get("uncommitted"):
+            hdr["uncommitted"] = True
         return 0, hdr, r.payload
 
     def _locked(self, topic: str, queue: int, offset: int) -> dict[str, Any]:

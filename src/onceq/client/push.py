@@ -462,7 +462,11 @@ class PushConsumer:
         return int(hdr["offset"]), False
 
     async def _take(self, mq: MessageQueue) -> None:
-        offset, stored = await self._start_offset(mq)
+        while True:
+            gen = self._reset_gen
+            offset, stored = await self._start_offset(mq)
+            if gen == self._reset_gen:
+                break  # else the offsets were reset meanwhile: read the new one
         pq = ProcessQueue(mq, offset, self.clock())
         self._pqs[mq] = pq
         # a start position chosen by policy (LAST, FIRST, TIMESTAMP) is not stored yet: the
@@ -580,8 +584,9 @@ class PushConsumer:
             failures = 0
             pq.last_pull = self.clock()
             status = hdr["st"]
-            if "commit" in header and status != PullStatus.LOCKED:  # a refused pull's
-                # commit was not applied: it must be sent again
+            if ("commit" in header and status != PullStatus.LOCKED
+                    and not hdr.get("uncommitted")):  # a refused pull's commit, or one the
+                # broker could not store, was not applied: it must be sent again
                 self._committed[mq] = max(self._committed.get(mq, -1), header["commit"])
             if status == PullStatus.FOUND:
                 try:
