@@ -123,6 +123,7 @@ class Broker:
         self._server: asyncio.AbstractServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._io: set[asyncio.Future[Any]] = set()
+        self._offsets_lock = asyncio.Lock()  # one offsets snapshot write at a time
         self._closing = False
         self.port = config.port
         self.handlers: dict[int, Callable[[Connection, int, dict[str, Any], bytes], Response]] = {
@@ -220,14 +221,16 @@ class Broker:
         return await asyncio.shield(fut)
 
     async def _save_offsets(self) -> None:
-        snap = self.store.offsets_snapshot()
-        if snap is None:
-            return
-        try:
-            await self._off_loop(self.store.write_offsets_file, *snap)
-        except OSError:
-            self.store.offsets_changed()  # written again on the next round and at close
-            raise
+        # the periodic save and the one before retention must not share the temp file
+        async with self._offsets_lock:
+            snap = self.store.offsets_snapshot()
+            if snap is None:
+                return
+            try:
+                await self._off_loop(self.store.write_offsets_file, *snap)
+            except OSError:
+                self.store.offsets_changed()  # written again on the next round and at close
+                raise
 
     def _restore_hold_ended(self) -> None:
         """Members that did not come back drop out of the member lists now: tell the groups."""
