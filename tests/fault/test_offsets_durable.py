@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 
+import pytest
+
+from onceq import Admin, Producer, PullConsumer
+from onceq.broker.broker import Broker
+from onceq.broker.config import BrokerConfig
 from onceq.log.offset_record import OFFSETS_TOPIC
 from onceq.log.record import encode_part
 from onceq.protocol.codes import PullStatus
@@ -12,6 +18,7 @@ from onceq.storage.config import StoreConfig
 from onceq.storage.files import OS_FILES, FileOps
 from onceq.storage.store import MessageStore
 from tests.clock import FakeClock
+from tests.helpers import small_store
 from tests.powercut import PowerCutFiles
 
 SEG = 64 * 1024
@@ -212,4 +219,55 @@ def test_retention_keeps_segments_with_commits_no_snapshot_covers(tmp_path):
     crash(store)
     store = open_store(root)
     assert store.get_offset("g", "T", 0) == 1199
+    store.close()
+
+
+# ---------------------------------------------------------------- a broker killed in-process
+async def _kill(b: Broker) -> None:
+    """Stop a broker as a killed process would: no final flush, checkpoint nor snapshot."""
+    b._closing = True
+    if b._server is not None:
+        b._server.close()
+    tasks = [*b._tasks, b.flusher._task, b.retry._task]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    if b._io:
+        await asyncio.wait(list(b._io))
+    for conn in list(b.connections):
+        conn.close()
+    crash(b.store)
+
+
+def _broker(root: str, files: FileOps, flush: str) -> Broker:
+    store = small_store(root, flush=flush, flush_interval_ms=60_000,
+                        checkpoint_interval_ms=60_000)
+    return Broker(BrokerConfig(store, port=0, offsets_save_s=3600), files=files)
+
+
+@pytest.mark.parametrize("flush", ["sync", "async"])
+async def test_answered_commits_survive_a_killed_broker(tmp_path, flush):
+    """sync: answered commits survive a kill followed by a power cut; async: a kill."""
+    root = str(tmp_path / "d")
+    files = PowerCutFiles()
+    b = _broker(root, files, flush)
+    await b.start()
+    addr = f"127.0.0.1:{b.port}"
+    async with Admin(addr) as admin:
+        await admin.create_topic("T", 4)
+    async with Producer(addr) as p:
+        for q in range(4):
+            await p.send_batch("T", [b"x"] * 100, queue=q)
+    expect = {}
+    async with PullConsumer(addr, "g") as c:
+        for step in range(1, 201):
+            await c.commit_offset("T", step % 4, step // 4)
+            expect[step % 4] = step // 4
+    await _kill(b)
+    assert not os.path.exists(os.path.join(root, "offsets.json"))  # no snapshot helped
+    if flush == "sync":
+        files.cut_power()
+    store = MessageStore(small_store(root), files=files)
+    store.open()
+    assert {q: store.get_offset("g", "T", q) for q in range(4)} == expect
     store.close()
