@@ -22,7 +22,7 @@ from .connection import Connection
 from .flush import Flusher
 from .groups import BROADCASTING, CLUSTERING, GroupRegistry
 from .longpoll import HeldPull, PullHold
-from .offset_reset import ResetFence, parse_targets, reset_offsets
+from .offset_reset import FENCE_MAX_AGE_S, ResetFence, parse_targets, reset_offsets
 from .retry import RetryService, parse_delay_levels
 from .transition import TransitionLock
 
@@ -260,6 +260,8 @@ class Broker:
     def _expire_members(self) -> None:
         for group, cid in self.groups.expire(self.clock()):
             log.info("group %s: member %s expired (no heartbeat)", group, cid)
+        self.fence.expire(self.clock(), FENCE_MAX_AGE_S,
+                          lambda g, c: self.groups.member(g, c) is not None)
 
     async def _retention(self) -> None:
         # a fresh offsets snapshot first: segments holding offset commits that no written

@@ -19,6 +19,7 @@ over the running members, which keep their own positions in memory:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -31,11 +32,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("onceq.broker")
 
 _Queue = tuple[str, int]
+FENCE_MAX_AGE_S = 3600.0  # a fence of a client that is no member is kept this long
 
 
 @dataclass(slots=True)
 class _Fence:
     gen: int
+    since: float  # when the last reset fenced the member (broker clock)
     queues: set[_Queue] = field(default_factory=set)
 
 
@@ -46,16 +49,24 @@ class ResetFence:
         self.last_gen = 0
         self._fences: dict[tuple[str, str], _Fence] = {}
 
-    def add(self, group: str, clients: list[str], queues: set[_Queue], now_ms: int) -> int:
+    def add(self, group: str, clients: list[str], queues: set[_Queue], now: float) -> int:
         """Fence ``clients`` on ``queues``; return the reset's generation. Generations grow
-        across broker restarts too (they start from the clock), so a member's generation
-        from before a restart never acknowledges a later reset."""
-        self.last_gen = gen = max(self.last_gen + 1, now_ms)
+        across broker restarts too (they start from the clock in ms), so a member's
+        generation from before a restart never acknowledges a later reset."""
+        self.last_gen = gen = max(self.last_gen + 1, int(now * 1000))
         for c in clients:
-            f = self._fences.setdefault((group, c), _Fence(gen))
-            f.gen = gen
+            f = self._fences.setdefault((group, c), _Fence(gen, now))
+            f.gen, f.since = gen, now
             f.queues |= queues
         return gen
+
+    def expire(self, now: float, max_age: float, is_member: Callable[[str, str], bool]
+               ) -> None:
+        """Forget fences of clients that are not members and were fenced ``max_age`` ago
+        (taken as gone for good: bounds the table)."""
+        for key, f in list(self._fences.items()):
+            if now - f.since > max_age and not is_member(*key):
+                del self._fences[key]
 
     def seen(self, group: str, client: str | None, gen: object) -> None:
         """The member reports it has handled resets up to ``gen``."""
@@ -130,7 +141,7 @@ def reset_offsets(broker: Broker, group: str, topic: str, targets: dict[int, int
     gen = 0
     if members:  # forced: the members must not overwrite it, and must read from it
         keys = {(topic, q) for q, _old, _new in rows}
-        gen = broker.fence.add(group, members, keys, int(broker.clock() * 1000))
+        gen = broker.fence.add(group, members, keys, broker.clock())
         notice = {"group": group, "gen": gen, "queues": sorted([t, q] for t, q in keys)}
         for m in groups.members(group):
             m.conn.push(PushCode.OFFSETS_RESET, notice)
