@@ -13,6 +13,7 @@ from onceq.broker.broker import Broker
 from onceq.broker.config import BrokerConfig
 from onceq.log.offset_record import OFFSETS_TOPIC
 from onceq.log.record import encode_part
+from onceq.log.segment import FILE_HEADER_SIZE
 from onceq.protocol.codes import PullStatus
 from onceq.storage.config import StoreConfig
 from onceq.storage.files import OS_FILES, FileOps
@@ -270,4 +271,27 @@ async def test_answered_commits_survive_a_killed_broker(tmp_path, flush):
     store = MessageStore(small_store(root), files=files)
     store.open()
     assert {q: store.get_offset("g", "T", q) for q in range(4)} == expect
+    store.close()
+
+
+def test_a_damaged_journal_record_costs_only_its_commit(tmp_path, caplog):
+    root = str(tmp_path)
+    store = open_store(root)
+    store.create_topic("T", 3)
+    fill(store, "T", 3, 20)
+    for q in range(3):
+        store.commit_offset("g", "T", q, 10 + q)
+    store.write_checkpoint()  # the records lie before the checkpoint: checked on read
+    pos = store.queues[OFFSETS_TOPIC, 0].entry(1)[0]  # the commit of queue 1
+    crash(store)  # no snapshot: the journal is all there is
+    seg = sorted(os.listdir(os.path.join(root, "commitlog")))[0]
+    path = os.path.join(root, "commitlog", seg)
+    with open(path, "r+b") as f:
+        f.seek(FILE_HEADER_SIZE + pos + 60)
+        b = f.read(1)[0]
+        f.seek(FILE_HEADER_SIZE + pos + 60)
+        f.write(bytes([b ^ 0x5A]))
+    store = open_store(root)
+    assert [store.get_offset("g", "T", q) for q in range(3)] == [10, -1, 12]
+    assert "offsets: journal records 1..1 are damaged" in caplog.text
     store.close()
