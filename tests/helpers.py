@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -43,14 +44,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_broker(data_dir: str, *args: str, port: int | None = None
-                 ) -> tuple[subprocess.Popen[bytes], str]:
-    """Start ``onceq broker start`` in a child process and wait until it accepts."""
+def spawn_broker(data_dir: str, *args: str, port: int | None = None,
+                 fd_limit: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``onceq broker start`` in a child process and wait until it accepts;
+    ``fd_limit``: the child's limit on open file descriptors (``ulimit -n``)."""
     port = port or free_port()
+
+    def limit_fds() -> None:
+        if fd_limit is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit))
+
     proc = subprocess.Popen(
         [sys.executable, "-m", "onceq.cli.main", "broker", "start", "--data-dir", data_dir,
          "--port", str(port), "--log-level", "WARNING", *args],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ},
+        preexec_fn=limit_fds,
     )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

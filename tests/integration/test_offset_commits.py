@@ -249,20 +249,22 @@ async def test_offsets_topic_is_hidden_and_refused(addr):
 
 
 
-async def test_pull_is_served_when_its_commit_cannot_be_stored(broker, monkeypatch):
+async def test_commits_go_on_when_the_journal_cannot_be_written(broker, monkeypatch):
+    """A full disk: the commit is kept in memory and in the snapshot (as before the
+    journal), answered at once, and a pull carrying one is served."""
     addr = f"127.0.0.1:{broker.port}"
     await _setup(addr, queues=1)
+    store = broker.store
 
-    def disk_full(*args: object) -> int:
+    def disk_full(*args: object, **kw: object) -> object:
         raise OnceqError(ErrorCode.DISK_FULL)
 
-    monkeypatch.setattr(broker.store.offset_table, "commit", disk_full)
+    monkeypatch.setattr(store, "put", disk_full)
     async with PullConsumer(addr, "lonely") as c:
-        hdr, _ = await c._request(RequestCode.PULL, {
-            "topic": T, "queue": 0, "offset": 2, "max": 4, "group": "lonely", "commit": 2})
-        assert hdr["st"] == PullStatus.FOUND and hdr["n"] == 4
-        assert hdr["uncommitted"] is True  # the consumer sends the commit again
-        assert await c.fetch_offset(T, 0) == -1
-        with pytest.raises(OnceqError) as ei:  # a plain commit gets the error itself
-            await c.commit_offset(T, 0, 2)
-        assert ei.value.code == ErrorCode.DISK_FULL
+        r = await c.pull(T, 0, 2, 4, commit_offset=2)
+        assert r.status == PullStatus.FOUND and len(r.messages) == 4
+        assert await c.fetch_offset(T, 0) == 2
+        await c.commit_offset(T, 0, 6)
+        assert await c.fetch_offset(T, 0) == 6
+    assert store.offsets_snapshot() is not None  # the next snapshot holds it
+    assert store.offset_table.journal_end() == 0  # nothing was journaled

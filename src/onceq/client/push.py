@@ -584,9 +584,8 @@ class PushConsumer:
             failures = 0
             pq.last_pull = self.clock()
             status = hdr["st"]
-            if ("commit" in header and status != PullStatus.LOCKED
-                    and not hdr.get("uncommitted")):  # a refused pull's commit, or one the
-                # broker could not store, was not applied: it must be sent again
+            if "commit" in header and status != PullStatus.LOCKED:  # a refused pull's
+                # commit was not applied: it must be sent again
                 self._committed[mq] = max(self._committed.get(mq, -1), header["commit"])
             if status == PullStatus.FOUND:
                 try:

@@ -28,6 +28,7 @@ from ..log.offset_record import (
 )
 from ..log.record import RecordError, decode_records
 from ..protocol.codes import PullStatus
+from ..protocol.errors import OnceqError
 
 if TYPE_CHECKING:
     from .store import MessageStore
@@ -60,17 +61,32 @@ class OffsetTable:
     # ------------------------------------------------------------------ changes
     def commit(self, group: str, topic: str, queue_id: int, offset: int) -> int:
         """Set an offset; journal it when it changed. Returns the commit-log position the
-        change is durable at once fsynced (covers an unchanged offset's earlier record)."""
+        change is durable at once fsynced (covers an unchanged offset's earlier record).
+
+        Offset commits go on when the store cannot write (a full disk, writes stopped after
+        a failure): the offset is then kept in memory and in the next snapshot only, as the
+        journal record could not be written (0 is returned: nothing to wait for)."""
         if self.get(group, topic, queue_id) == offset:
             return self.last_end
         store = self.store
-        if OFFSETS_TOPIC not in store.topics:
-            store.create_topic(OFFSETS_TOPIC, 1)
-        part = commit_part(OffsetCommit(group, topic, queue_id, offset),
-                           int(store.clock() * 1000))
-        self.last_end = store.put(OFFSETS_TOPIC, 0, [part], dedup=False).end_position
+        end = 0
+        if store.write_failure is None:
+            try:
+                if OFFSETS_TOPIC not in store.topics:
+                    store.create_topic(OFFSETS_TOPIC, 1)
+                part = commit_part(OffsetCommit(group, topic, queue_id, offset),
+                                   int(store.clock() * 1000))
+                end = store.put(OFFSETS_TOPIC, 0, [part], dedup=False,
+                                space=False).end_position
+                self.last_end = end
+            except OnceqError as exc:
+                if not exc.retriable:
+                    raise
+                store.errors.warning("offsets", "offsets: commits are kept in memory and "
+                                     "in the snapshot only, the journal write failed: %s",
+                                     exc.message)
         self._set(group, topic, queue_id, offset)
-        return self.last_end
+        return end
 
     def _set(self, group: str, topic: str, queue_id: int, offset: int) -> None:
         self.groups.setdefault(group, {}).setdefault(topic, {})[str(queue_id)] = offset
