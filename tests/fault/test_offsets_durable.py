@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 
 import pytest
 
-from onceq import Admin, Producer, PullConsumer
+from onceq import Admin, ErrorCode, OnceqError, Producer, PullConsumer
 from onceq.broker.broker import Broker
 from onceq.broker.config import BrokerConfig
 from onceq.log.offset_record import OFFSETS_TOPIC
@@ -19,7 +20,8 @@ from onceq.storage.config import StoreConfig
 from onceq.storage.files import OS_FILES, FileOps
 from onceq.storage.store import MessageStore
 from tests.clock import FakeClock
-from tests.helpers import small_store
+from tests.faultfiles import FaultFiles
+from tests.helpers import running_broker, small_store
 from tests.powercut import PowerCutFiles
 
 SEG = 64 * 1024
@@ -295,3 +297,28 @@ def test_a_damaged_journal_record_costs_only_its_commit(tmp_path, caplog):
     assert [store.get_offset("g", "T", q) for q in range(3)] == [10, -1, 12]
     assert "offsets: journal records 1..1 are damaged" in caplog.text
     store.close()
+
+
+async def test_commits_go_on_after_a_failed_fsync_stops_writes(tmp_path):
+    """sync: the commit waiting for the failed fsync is not acknowledged; later commits
+    are kept in memory and in the snapshot (the journal can no longer be written)."""
+    root = str(tmp_path / "d")
+    files = FaultFiles()
+    async with running_broker(root, {"flush": "sync"}, files=files) as b:
+        addr = f"127.0.0.1:{b.port}"
+        async with Admin(addr) as admin:
+            await admin.create_topic("T", 1)
+        async with Producer(addr) as p:
+            await p.send_batch("T", [b"x"] * 20, queue=0)
+        async with PullConsumer(addr, "g") as c:
+            await c.commit_offset("T", 0, 3)
+            files.arm("fsync", 1, errno.EIO, "commitlog")
+            with pytest.raises(OnceqError) as ei:
+                await c.commit_offset("T", 0, 5)
+            assert ei.value.code == ErrorCode.STORAGE_ERROR
+            assert b.store.write_failure is not None
+            await c.commit_offset("T", 0, 5)  # the consumer's retry: answered now
+            await c.commit_offset("T", 0, 7)
+            assert await c.fetch_offset("T", 0) == 7
+    async with running_broker(root, {"flush": "sync"}) as b:  # the snapshot kept it
+        assert b.store.get_offset("g", "T", 0) == 7

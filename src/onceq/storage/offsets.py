@@ -66,9 +66,11 @@ class OffsetTable:
         Offset commits go on when the store cannot write (a full disk, writes stopped after
         a failure): the offset is then kept in memory and in the next snapshot only, as the
         journal record could not be written (0 is returned: nothing to wait for)."""
-        if self.get(group, topic, queue_id) == offset:
-            return self.last_end
         store = self.store
+        if self.get(group, topic, queue_id) == offset:
+            # writes stopped after a failure: its record may have been removed, and nothing
+            # will be fsynced any more: in memory and the snapshot is all there is
+            return 0 if store.write_failure is not None else self.last_end
         end = 0
         if store.write_failure is None:
             try:
