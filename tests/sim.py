@@ -159,7 +159,7 @@ class FakeBroker:
             key = (h["group"], h["topic"], h["queue"])
             if self._applies(h["group"], h["client"]) and \
                     self.table.holder(*key) != h["client"]:
-                return {"ignored": True}, b""
+                raise OnceqError(ErrorCode.NOT_HOLDER, "not the holder")
             self._commit(key, h["offset"])
             return {}, b""
         if code == RequestCode.RELEASE_QUEUE:

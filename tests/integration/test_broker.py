@@ -217,7 +217,7 @@ async def test_pull_offset_moved_after_retention(tmp_path):
             for _ in range(6):
                 await p.send_batch("T", [body] * 10, queue=0)
         assert len(b.store.log.segments) >= 4
-        b._retention()
+        await b._retention()
         assert len(b.store.log.segments) <= 2
         lo, hi = b.store.min_max("T", 0)
         assert lo > 0 and hi == 60

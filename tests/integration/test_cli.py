@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -237,3 +238,49 @@ def test_demo():
     assert cells["order that failed once, redelivered with reconsume count"] == "1"
     assert cells["duplicate deliveries"] == "0" and cells["lost"] == "0"
     assert "demo finished" in out
+
+
+def test_offsets_reset(baddr):
+    ok(run("topic", "create", "cli-reset", "-q", "2", "-b", baddr))
+    ok(run("send", "cli-reset", "m", "-n", "6", "--sharding-key", "k", "-b", baddr))
+    base = ("offsets", "reset", "-g", "cli-rg", "-t", "cli-reset", "-b", baddr)
+    results = [run(*base, "--to-offset", "100"),  # one after the other: they change state
+               run(*base, "--to-offset", "0", "--queue", "1", "--json"),
+               run(*base, "--to-time", "2000-01-01T00:00:00", "--json")]
+    results += run_many([
+        (*base,),  # neither --to-offset nor --to-time
+        (*base, "--to-time", "yesterday"),
+        (*base, "--to-offset", "1", "--queue", "9"),
+        ("offsets", "cli-reset", "-b", baddr),  # the old form still shows offsets
+        ("offsets", "reset", "--help"),
+    ])
+    rows = table_rows(ok(results[0]))
+    assert sorted(r[0] for r in rows) == ["0", "1"] and all(r[1] == "-1" for r in rows)
+    assert sorted(int(r[2]) for r in rows) == [0, 6]  # clamped to each queue's max
+    assert json.loads(ok(results[1]))["queues"][0]["queue"] == 1
+    assert [q["new"] for q in json.loads(ok(results[2]))["queues"]] == [0, 0]
+    assert results[3].returncode == 2 and "exactly one" in results[3].stderr
+    assert results[4].returncode == 2 and "ISO 8601" in results[4].stderr
+    assert results[5].returncode == 2 and "INVALID_QUEUE" in results[5].stderr
+    assert len(table_rows(ok(results[6]))) == 2
+    assert "--force" in ok(results[7])
+    # a live member: refused without --force, and --force goes through
+    member = subprocess.Popen([sys.executable, "-c", (
+        "import asyncio, sys\n"
+        "from onceq import PushConsumer\n"
+        "async def main():\n"
+        f"    c = PushConsumer({baddr!r}, 'cli-rg', lambda m, c: None)\n"
+        "    c.subscribe('cli-reset')\n"
+        "    await c.start()\n"
+        "    print('ready', flush=True)\n"
+        "    await asyncio.sleep(60)\n"
+        "asyncio.run(main())\n")], stdout=subprocess.PIPE, text=True, env=ENV)
+    try:
+        assert member.stdout.readline().strip() == "ready"
+        refused = run(*base, "--to-offset", "2")
+        assert refused.returncode == 2 and "GROUP_ACTIVE" in refused.stderr
+        out = json.loads(ok(run(*base, "--to-offset", "2", "--force", "--json")))
+        assert sorted(q["new"] for q in out["queues"]) == [0, 2]
+    finally:
+        member.kill()
+        member.wait(10)

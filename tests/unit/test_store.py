@@ -400,6 +400,8 @@ def test_rejected_put_leaves_no_trace_in_dedup(tmp_path):
 def test_consumer_offsets_persist(tmp_path):
     store = open_store(tmp_path)
     store.create_topic("T", 4)
+    store.put("T", 0, [part(i) for i in range(20)])  # offsets within the queues' ends
+    store.put("T", 3, [part(100 + i) for i in range(5)])
     assert store.get_offset("g1", "T", 0) == -1
     store.commit_offset("g1", "T", 0, 17)
     store.commit_offset("g1", "T", 3, 5)

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..log.offset_record import OFFSETS_TOPIC
 from ..log.record import tag_hash
 from ..protocol.codes import PullStatus, PushCode, RequestCode
 from ..protocol.errors import ErrorCode, OnceqError
@@ -22,6 +23,7 @@ from .connection import Connection
 from .flush import Flusher
 from .groups import BROADCASTING, CLUSTERING, GroupRegistry
 from .longpoll import HeldPull, PullHold
+from .offset_reset import FENCE_MAX_AGE_S, ResetFence, parse_targets, reset_offsets
 from .retry import RetryService, parse_delay_levels
 from .transition import TransitionLock
 
@@ -65,6 +67,15 @@ def _str(header: dict[str, Any], name: str) -> str:
     return value
 
 
+def _user_topic(topic: str) -> str:
+    """Refuse the broker's internal offsets journal topic in user requests."""
+    if topic == OFFSETS_TOPIC:
+        raise OnceqError(ErrorCode.INVALID_ARGUMENT,
+                         f"topic {OFFSETS_TOPIC} is internal to the broker (the consumer "
+                         "offsets journal): it cannot be sent to, pulled, created or deleted")
+    return topic
+
+
 def _held(group: dict[str, Any]) -> list[tuple[str, int, int]] | None:
     """The ``held`` field of a heartbeat's group: [[topic, queue, next offset], ...]."""
     held = group.get("held")
@@ -100,6 +111,7 @@ class Broker:
         self.connections: set[Connection] = set()
         self.groups = GroupRegistry(config.heartbeat_expiry_s, self._on_group_change)
         self.holds = PullHold(self._retry_pull)
+        self.fence = ResetFence()  # members that have not seen a forced offset reset yet
         self.transition = TransitionLock(
             self.store, self.groups, config.access_lock, config.access_lock_hold_s,
             config.access_lock_stable_checks, clock, config.access_lock_restore_hold_s, files,
@@ -112,6 +124,7 @@ class Broker:
         self._server: asyncio.AbstractServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._io: set[asyncio.Future[Any]] = set()
+        self._offsets_lock = asyncio.Lock()  # one offsets snapshot write at a time
         self._closing = False
         self.port = config.port
         self.handlers: dict[int, Callable[[Connection, int, dict[str, Any], bytes], Response]] = {
@@ -133,6 +146,7 @@ class Broker:
             RequestCode.LIST_GROUPS: self.h_list_groups,
             RequestCode.CONSUMER_SEND_BACK: self.h_send_back,
             RequestCode.RELEASE_QUEUE: self.h_release_queue,
+            RequestCode.RESET_OFFSETS: self.h_reset_offsets,
             RequestCode.QUERY_ACCESS_LOCKS: self.h_query_access_locks,
             RequestCode.BROKER_STATUS: self.h_broker_status,
         }
@@ -213,14 +227,16 @@ class Broker:
         return await asyncio.shield(fut)
 
     async def _save_offsets(self) -> None:
-        data = self.store.offsets_snapshot()
-        if data is None:
-            return
-        try:
-            await self._off_loop(self.store.write_offsets_file, data)
-        except OSError:
-            self.store.offsets_changed()  # written again on the next round and at close
-            raise
+        # the periodic save and the one before retention must not share the temp file
+        async with self._offsets_lock:
+            snap = self.store.offsets_snapshot()
+            if snap is None:
+                return
+            try:
+                await self._off_loop(self.store.write_offsets_file, *snap)
+            except OSError:
+                self.store.offsets_changed()  # written again on the next round and at close
+                raise
 
     def _restore_hold_ended(self) -> None:
         """Members that did not come back drop out of the member lists now: tell the groups."""
@@ -251,8 +267,13 @@ class Broker:
     def _expire_members(self) -> None:
         for group, cid in self.groups.expire(self.clock()):
             log.info("group %s: member %s expired (no heartbeat)", group, cid)
+        self.fence.expire(self.clock(), FENCE_MAX_AGE_S,
+                          lambda g, c: self.groups.member(g, c) is not None)
 
-    def _retention(self) -> None:
+    async def _retention(self) -> None:
+        # a fresh offsets snapshot first: segments holding offset commits that no written
+        # snapshot covers are kept
+        await self._save_offsets()
         deleted = self.store.run_retention()
         if deleted:
             log.info("retention deleted %d segment(s)", deleted)
@@ -330,6 +351,7 @@ class Broker:
         return 0, {"time": int(self.clock() * 1000)}, b""
 
     def _topic_for_write(self, topic: str) -> None:
+        _user_topic(topic)
         if topic not in self.store.topics and self.config.auto_create_topics:
             check_name("topic", topic)
             self.store.create_topic(topic, self.config.default_queues)
@@ -351,7 +373,7 @@ class Broker:
 
     def _pull_request(self, h: dict[str, Any]) -> dict[str, Any]:
         req = {
-            "topic": _str(h, "topic"),
+            "topic": _user_topic(_str(h, "topic")),
             "queue": _int(h, "queue"),
             "offset": _int(h, "offset"),
             "max": min(max(_int(h, "max", 32), 1), self.config.max_pull_msgs),
@@ -379,6 +401,10 @@ class Broker:
             group = check_name("group", group)
         commit = _int(h, "commit") if "commit" in h else -1
         client = h.get("client")
+        if group is not None and isinstance(client, str):
+            self.fence.seen(group, client, h.get("reset_gen"))
+            if self.fence.blocks(group, client, topic, queue):  # before it saw the reset:
+                return 0, self._locked(topic, queue, req["offset"]), b""  # nor its commit
         if isinstance(client, str) and self.transition.applies(group, client):
             grant = self.transition.check(group, client, topic, queue, req["offset"])
             if not grant.granted:  # a refused client's commit must not move the offset
@@ -387,7 +413,12 @@ class Broker:
                 commit = -1  # offset: the client's commit is its stale start, not progress
             req["offset"] = grant.offset
             req["group"], req["client"] = group, client
+        elif group is not None and commit >= 0 and not self._may_commit(
+                group, client if isinstance(client, str) else None, topic, queue):
+            commit = -1  # another client holds the queue: its commits count
         if group is not None and commit >= 0:
+            # journaled, not waited for: a consumer sends its finished offsets again after
+            # a reconnect (and with its next pull), so the pull answer does not wait for fsync
             self.store.commit_offset(group, topic, queue, commit)
         res = self._do_pull(req)
         if res is None:
@@ -458,14 +489,34 @@ class Broker:
         offset = _int(h, "offset")
         if offset < 0:
             raise OnceqError(ErrorCode.INVALID_ARGUMENT, "offset must be >= 0")
-        group, topic, queue = _str(h, "group"), _str(h, "topic"), _int(h, "queue")
+        group = check_name("group", _str(h, "group"))
+        topic, queue = _user_topic(_str(h, "topic")), _int(h, "queue")
         client = h.get("client")
-        if (isinstance(client, str) and self.transition.applies(group, client)
-                and not self.transition.is_holder(group, client, topic, queue)):
-            self.store.get_topic(topic)
-            return 0, {"ignored": True}, b""  # a former owner: the holder's commits count
-        self.store.commit_offset(group, topic, queue, offset)
-        return 0, None, b""
+        if client is not None and not isinstance(client, str):
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "field 'client' must be a string")
+        self.store.min_max(topic, queue)  # TOPIC_NOT_EXIST / INVALID_QUEUE first
+        self.fence.seen(group, client, h.get("reset_gen"))
+        if self.fence.blocks(group, client, topic, queue):
+            raise OnceqError(ErrorCode.NOT_HOLDER, (
+                f"the offsets of group {group!r} on {topic}:{queue} were reset; client "
+                f"{client!r} must take the queue again first"))
+        if not self._may_commit(group, client, topic, queue):
+            holder = self.transition.table.holder(group, topic, queue)
+            raise OnceqError(ErrorCode.NOT_HOLDER, (
+                f"client {client!r} does not hold {topic}:{queue} of group {group!r} "
+                f"(holder: {holder or 'none'}); only the holder's commits count"))
+        end = self.store.commit_offset(group, topic, queue, offset)
+        return self._durable_reply(conn, corr, {}, end)
+
+    def _may_commit(self, group: str, client: str | None, topic: str, queue: int) -> bool:
+        """Whether a commit from ``client`` (None: it sent no id) may set the group's offset.
+
+        A member the access lock applies to must hold the queue; any other committer (a
+        pull consumer, a group without the lock) only while no other client holds it."""
+        holder = self.transition.table.holder(group, topic, queue)
+        if client is not None and self.transition.applies(group, client):
+            return holder == client
+        return holder is None or holder == client
 
     def h_get_offset(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
                      ) -> Response:
@@ -475,7 +526,7 @@ class Broker:
 
     def h_create_topic(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
                        ) -> Response:
-        name = _str(h, "topic")
+        name = _user_topic(_str(h, "topic"))
         queues = _int(h, "queues", self.config.default_queues)
         if h.get("exclusive") and name in self.store.topics:
             raise OnceqError(ErrorCode.TOPIC_EXISTS, f"topic {name!r} already exists")
@@ -485,9 +536,10 @@ class Broker:
 
     def h_delete_topic(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
                        ) -> Response:
-        name = _str(h, "topic")
+        name = _user_topic(_str(h, "topic"))
         self.store.delete_topic(name)
         self.transition.drop_topic(name)
+        self.fence.drop_topic(name)
         for key in [k for k in self.holds.held if k[0] == name]:
             self.holds.notify(key)
         log.info("topic %s deleted", name)
@@ -496,7 +548,8 @@ class Broker:
     def h_list_topics(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
                       ) -> Response:
         topics = [{"topic": t.name, "queues": t.queues} for t in
-                  sorted(self.store.topics.values(), key=lambda t: t.name)]
+                  sorted(self.store.topics.values(), key=lambda t: t.name)
+                  if t.name != OFFSETS_TOPIC]
         return 0, {"topics": topics}, b""
 
     def h_get_topic(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
@@ -531,10 +584,11 @@ class Broker:
             meta = g.get("meta")
             if meta is not None and not isinstance(meta, dict):
                 raise OnceqError(ErrorCode.INVALID_ARGUMENT, "meta must be a map")
-            checked.append((name, subs, model, meta, _held(g)))
+            checked.append((name, subs, model, meta, _held(g), g.get("reset_gen")))
         now = self.clock()
         holds = []
-        for name, subs, model, meta, held in checked:
+        resets = []
+        for name, subs, model, meta, held, reset_gen in checked:
             if model == CLUSTERING and self.retry is not None:
                 try:
                     self.retry.ensure_group_topics(name)
@@ -542,18 +596,29 @@ class Broker:
                     if not exc.retriable:
                         raise
             self.groups.heartbeat(name, client, conn, model, subs, now, meta)
+            self.fence.seen(name, client, reset_gen)
+            pending = self.fence.pending(name, client)
+            if pending is not None:  # a forced reset it has not handled: repeat it, and
+                resets.append(pending)  # do not let its held list take those queues back
+                if held is not None:
+                    held = [x for x in held
+                            if not self.fence.blocks(name, client, x[0], x[1])]
             # the queues the member holds (after a reconnect: restore the access lock)
             if held is not None and self.transition.applies(name, client):
                 holds += [[name, t, q, h] for t, q, h in
                           self.transition.reassert(name, client, held)]
         conn.client_ids.add(client)
         self.transition.touch_client(client)
-        return 0, {"expiry_s": self.config.heartbeat_expiry_s, "holds": holds}, b""
+        answer: dict[str, Any] = {"expiry_s": self.config.heartbeat_expiry_s, "holds": holds}
+        if resets:
+            answer["resets"] = resets
+        return 0, answer, b""
 
     def h_unregister(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
                      ) -> Response:
         group = check_name("group", _str(h, "group"))
         self.groups.unregister(group, _str(h, "client"), "leave")
+        self.fence.drop_client(group, _str(h, "client"))
         return 0, None, b""
 
     def h_list_members(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
@@ -616,13 +681,29 @@ class Broker:
         # only the holder (or a group without the lock) commits: a client that never got
         # the queue must not move its offset back under the one still draining it
         applies = self.transition.applies(group, client)
+        self.fence.seen(group, client, h.get("reset_gen"))
+        may_commit = (self._may_commit(group, client, topic, queue)  # before the release
+                      and not self.fence.blocks(group, client, topic, queue))
         released = self.transition.release(group, client, topic, queue)
-        if offset >= 0 and (released or not applies):
+        end = 0
+        if offset >= 0 and may_commit and (released or not applies):
             if applies:  # the holder's reads were corrected forward to the group's offset:
                 # a lower one is its stale start (its first pull still held), not progress
                 offset = max(offset, self.store.get_offset(group, topic, queue))
-            self.store.commit_offset(group, topic, queue, offset)
-        return 0, {"released": released}, b""
+            end = self.store.commit_offset(group, topic, queue, offset)
+        return self._durable_reply(conn, corr, {"released": released}, end)
+
+    def h_reset_offsets(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                        ) -> Response:
+        """Admin: move a group's offsets on a topic (see ``offset_reset.py``)."""
+        group = check_name("group", _str(h, "group"))
+        topic = _user_topic(_str(h, "topic"))
+        force = h.get("force", False)
+        if not isinstance(force, bool):
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "force must be a boolean")
+        targets = parse_targets(h.get("offsets"), self.store.get_topic(topic).queues)
+        answer, end = reset_offsets(self, group, topic, targets, force)
+        return self._durable_reply(conn, corr, answer, end)
 
     def h_query_access_locks(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
                              ) -> Response:

@@ -169,6 +169,17 @@ class TransitionLock:
                      client, reason)
         self._changed()
 
+    def reset_queue(self, group: str, topic: str, queue: int) -> None:
+        """Drop the lock and deliver offset of one queue (a forced offset reset): the next
+        pull takes it from the group's new offset."""
+        holder = self.table.holder(group, topic, queue)
+        if holder is not None:
+            self.table.release(group, topic, queue, holder)
+            log.info("access lock %s %s:%d dropped (offsets reset); holder was %s", group,
+                     topic, queue, holder)
+        self.deliver.pop((group, topic, queue), None)
+        self._changed()
+
     def drop_topic(self, topic: str) -> None:
         """Forget the locks and deliver offsets of a deleted topic (a re-created topic
         starts free)."""

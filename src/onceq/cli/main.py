@@ -146,7 +146,7 @@ async def topic_delete(name: str, broker: str) -> None:
     click.echo(f"topic {name} deleted")
 
 
-# ---------------------------------------------------------------- send / pull / offsets
+# ---------------------------------------------------------------- send / pull
 @main.command()
 @click.argument("topic_name", metavar="TOPIC")
 @click.argument("body")
@@ -221,25 +221,6 @@ async def pull(topic_name: str, queues: tuple[int, ...], offset: int | None, max
 
 
 @main.command()
-@click.argument("topic_name", metavar="TOPIC")
-@click.option("--group", "-g", default=None, help="Show this group's committed offsets and lag.")
-@broker_option
-@async_command
-async def offsets(topic_name: str, group: str | None, broker: str) -> None:
-    """Show min/max offsets per queue of TOPIC (and a group's committed offset and lag)."""
-    async with Admin(broker) as admin:
-        rows = await admin.topic_offsets(topic_name)
-        table = Table("queue", "min", "max", *(("committed", "lag") if group else ()))
-        for q, (lo, hi) in enumerate(rows):
-            extra: tuple[str, ...] = ()
-            if group:
-                c = await admin.group_offset(group, topic_name, q)
-                extra = (str(c), str(hi - max(c, lo)) if c >= 0 else str(hi - lo))
-            table.add_row(str(q), str(lo), str(hi), *extra)
-    console.print(table)
-
-
-@main.command()
 @click.option("--messages", "-n", default=5000, show_default=True, type=click.IntRange(1))
 @click.option("--queues", default=8, show_default=True, type=click.IntRange(1, 1024))
 def demo(messages: int, queues: int) -> None:
@@ -253,9 +234,11 @@ def demo(messages: int, queues: int) -> None:
 
 
 from .consumer_cmds import register  # noqa: E402 - consume, group, dlq
+from .offsets_cmds import offsets  # noqa: E402 - offsets show/reset
 from .verify_cmd import register as register_verify  # noqa: E402 - broker verify/status
 
 register(main)
+main.add_command(offsets)
 register_verify(broker)
 
 if __name__ == "__main__":

@@ -64,6 +64,15 @@ class GroupStatus:
 
 
 @dataclass(slots=True)
+class OffsetReset:
+    """One queue of an offset reset."""
+
+    queue_id: int
+    old_offset: int  # -1: the group had no offset there
+    new_offset: int
+
+
+@dataclass(slots=True)
 class ResendResult:
     """Where one dead letter went (``error`` set when it could not be resent)."""
 
@@ -112,6 +121,30 @@ class Admin(BrokerClient):
         h = await self._req(RequestCode.GET_OFFSET,
                             {"group": group, "topic": topic, "queue": queue})
         return int(h["offset"])
+
+    async def reset_offsets(self, group: str, topic: str, *, to_offset: int | None = None,
+                            to_time_ms: int | None = None, queue: int | None = None,
+                            force: bool = False) -> list[OffsetReset]:
+        """Move ``group``'s offsets on ``topic`` (every queue, or ``queue``) to ``to_offset``
+        or to the first message stored at or after ``to_time_ms``; the broker clamps each
+        to its queue's [min, max].
+
+        Refused with GROUP_ACTIVE while the group has live members, unless ``force``: then
+        the members drop those queues and read again from the new offsets."""
+        if (to_offset is None) == (to_time_ms is None):
+            raise ValueError("give exactly one of to_offset and to_time_ms")
+        queues = [queue] if queue is not None else range(await self.queue_count(topic))
+        targets = []
+        for q in queues:
+            if to_offset is not None:
+                targets.append([q, to_offset])
+            else:
+                h = await self._req(RequestCode.SEARCH_OFFSET,
+                                    {"topic": topic, "queue": q, "ts": to_time_ms})
+                targets.append([q, int(h["offset"])])
+        h = await self._req(RequestCode.RESET_OFFSETS, {"group": group, "topic": topic,
+                                                        "offsets": targets, "force": force})
+        return [OffsetReset(int(q), int(old), int(new)) for q, old, new in h["queues"]]
 
     async def list_groups(self) -> list[str]:
         return (await self._req(RequestCode.LIST_GROUPS))["groups"]

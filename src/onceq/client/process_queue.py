@@ -17,7 +17,7 @@ class ProcessQueue:
     """
 
     __slots__ = ("_ack", "_bytes", "_msgs", "dropped", "last_pull", "max_offset", "mq",
-                 "next_offset", "released")
+                 "next_offset", "released", "reset")
 
     def __init__(self, mq: MessageQueue, next_offset: int, now: float) -> None:
         self.mq = mq
@@ -29,6 +29,7 @@ class ProcessQueue:
         self.last_pull = now
         self.dropped = False
         self.released = False  # revoke finished: the next owner has these messages now
+        self.reset = False  # the group's offsets were reset: nothing of it is committed
 
     # ------------------------------------------------------------ contents
     def add(self, msgs: Iterable[MessageExt]) -> None:

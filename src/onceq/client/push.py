@@ -111,6 +111,9 @@ class PushConsumer:
         self._pull_tasks: dict[MessageQueue, asyncio.Task[None]] = {}
         self._inflight: dict[MessageQueue, set[asyncio.Task[None]]] = {}
         self._committed: dict[MessageQueue, int] = {}
+        self._refused: dict[MessageQueue, int] = {}  # a commit refused with NOT_HOLDER
+        self._reset_gen = 0  # the last forced offset reset handled (see offset_reset.py)
+        self._reset_tasks: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._running = False
         self._timer = RebalanceTimer(self.config.rebalance_interval_s, clock())
@@ -196,7 +199,7 @@ class PushConsumer:
         for t in self._tasks:
             t.cancel()
         # whatever ended a background task, the revoke, commit and unregister still happen
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._reset_tasks, return_exceptions=True)
         async with self._rebalance_lock:  # type: ignore[union-attr]
             await asyncio.gather(*(self._revoke(mq) for mq in list(self._pqs)),
                                  return_exceptions=True)
@@ -237,6 +240,7 @@ class PushConsumer:
                     except OnceqError:
                         pass
                     else:
+                        self._handle_resets(hdr)  # missed while disconnected
                         await self._resend_offsets(conn, hdr.get("holds", []))
                 self._conn = conn
             return self._conn
@@ -263,13 +267,11 @@ class PushConsumer:
             if ack <= stored:
                 self._committed[mq] = max(self._committed.get(mq, -1), stored)
                 return
-            hdr, _ = await conn.request(RequestCode.COMMIT_OFFSET,
-                                        {**q, "offset": ack, "client": self.client_id})
-            if (hdr or {}).get("ignored"):  # not the holder: the next pull commits again
-                self._committed[mq] = -1
-            else:
-                self._committed[mq] = ack
-                self.stats["offsets_resent"] += 1
+            # NOT_HOLDER (another member holds it now) lands below: the next pull commits
+            await conn.request(RequestCode.COMMIT_OFFSET, {
+                **q, "offset": ack, "client": self.client_id, **self._gen()})
+            self._committed[mq] = ack
+            self.stats["offsets_resent"] += 1
 
         results = await asyncio.gather(*(one(mq, ack) for mq, ack in todo),
                                        return_exceptions=True)
@@ -290,6 +292,62 @@ class PushConsumer:
             self._timer.notify()
             if self._wake is not None:
                 self._wake.set()
+        elif code == PushCode.OFFSETS_RESET and header.get("group") == self.group:
+            self._on_reset(header)
+
+    def _gen(self) -> dict[str, int]:
+        """``reset_gen`` for requests: the broker's fence ends once it has seen it."""
+        return {"reset_gen": self._reset_gen} if self._reset_gen else {}
+
+    def _handle_resets(self, answer: dict[str, Any]) -> None:
+        for notice in answer.get("resets", ()):
+            if isinstance(notice, dict) and notice.get("group") == self.group:
+                self._on_reset(notice)
+
+    def _on_reset(self, notice: dict[str, Any]) -> None:
+        """An admin forced the group's offsets elsewhere: drop those process queues now,
+        without committing (results still to come are thrown away), and take them again
+        from the broker's offset. Synchronous up to the re-take, so no request sent after
+        this carries an old position without the new generation."""
+        gen = notice.get("gen")
+        if (not isinstance(gen, int) or gen <= self._reset_gen or self._local is not None
+                or not self._running):
+            return
+        keys = {(t, q) for t, q in notice.get("queues", ())}
+        hit = [(mq, pq) for mq, pq in self._pqs.items() if (mq.topic, mq.queue_id) in keys]
+        for _mq, pq in hit:
+            pq.dropped = pq.released = pq.reset = True
+        self._reset_gen = gen
+        self.stats["offset_resets"] += 1
+        log.info("%s: offsets of group %s were reset on %d queue(s); taking %d again from "
+                 "the new offsets", self.client_id, self.group, len(keys), len(hit))
+        if hit:
+            task = asyncio.get_running_loop().create_task(self._retake(hit))
+            self._reset_tasks.add(task)
+            task.add_done_callback(self._reset_tasks.discard)
+
+    async def _retake(self, hit: list[tuple[MessageQueue, ProcessQueue]]) -> None:
+        async with self._rebalance_lock:  # type: ignore[union-attr]
+            for mq, pq in hit:
+                if self._pqs.get(mq) is not pq:
+                    continue  # revoked meanwhile
+                task = self._pull_tasks.pop(mq, None)
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                self._pqs.pop(mq, None)
+                self._inflight.pop(mq, None)
+                self._committed.pop(mq, None)
+                self._refused.pop(mq, None)
+                if not self._running:
+                    continue
+                try:
+                    await self._take(mq)
+                except OnceqError as exc:  # the next rebalance takes it
+                    log.warning("%s: could not take %s again after the reset: %s",
+                                self.client_id, mq, exc)
+                    self._pqs.pop(mq, None)
+                    self._timer.notify()
 
     def _heartbeat_header(self) -> dict[str, Any]:
         group: dict[str, Any] = {"group": self.group, "model": self.config.model.value,
@@ -298,10 +356,12 @@ class PushConsumer:
         if self.clustering:  # the queues held (draining ones too, until released)
             group["held"] = [[mq.topic, mq.queue_id, pq.next_offset]
                              for mq, pq in sorted(self._pqs.items()) if not pq.released]
+            group.update(self._gen())
         return {"client": self.client_id, "groups": [group]}
 
     async def _heartbeat(self) -> None:
-        await self._req(RequestCode.HEARTBEAT, self._heartbeat_header())
+        hdr, _ = await self._req(RequestCode.HEARTBEAT, self._heartbeat_header())
+        self._handle_resets(hdr)
 
     async def _every(self, seconds: float, fn: Callable[[], Awaitable[None]]) -> None:
         while self._running:  # also ends if a cancellation was swallowed inside ``fn``
@@ -402,7 +462,11 @@ class PushConsumer:
         return int(hdr["offset"]), False
 
     async def _take(self, mq: MessageQueue) -> None:
-        offset, stored = await self._start_offset(mq)
+        while True:
+            gen = self._reset_gen
+            offset, stored = await self._start_offset(mq)
+            if gen == self._reset_gen:
+                break  # else the offsets were reset meanwhile: read the new one
         pq = ProcessQueue(mq, offset, self.clock())
         self._pqs[mq] = pq
         # a start position chosen by policy (LAST, FIRST, TIMESTAMP) is not stored yet: the
@@ -434,24 +498,37 @@ class PushConsumer:
             if self._local is None:  # commit, then give the access lock up: no wait for
                 await self._req(RequestCode.RELEASE_QUEUE, {  # the next owner
                     "group": self.group, "client": self.client_id, "topic": mq.topic,
-                    "queue": mq.queue_id, "offset": pq.ack_offset})
+                    "queue": mq.queue_id, "offset": -1 if pq.reset else pq.ack_offset,
+                    **self._gen()})
             else:
                 await self._commit(mq, pq.ack_offset)
         pq.released = True
         self._pqs.pop(mq, None)
         self._inflight.pop(mq, None)
         self._committed.pop(mq, None)
+        self._refused.pop(mq, None)
 
     # ================================================================ offsets
     async def _commit(self, mq: MessageQueue, offset: int) -> None:
-        if offset <= self._committed.get(mq, -1):
+        if offset <= self._committed.get(mq, -1) or self._refused.get(mq) == offset:
             return
         if self._local is not None:
             self._local.set(mq, offset)
         else:
-            await self._req(RequestCode.COMMIT_OFFSET, {"group": self.group, "topic": mq.topic,
-                                                        "queue": mq.queue_id, "offset": offset,
-                                                        "client": self.client_id})
+            try:
+                await self._req(RequestCode.COMMIT_OFFSET, {
+                    "group": self.group, "topic": mq.topic, "queue": mq.queue_id,
+                    "offset": offset, "client": self.client_id, **self._gen()})
+            except OnceqError as exc:
+                if exc.code != ErrorCode.NOT_HOLDER:
+                    raise
+                # this member lost the queue's access lock (a rebalance or an offset reset
+                # is under way): not an error, and not worth repeating. A pull that gets
+                # the lock back carries the commit; otherwise the rebalance drops the queue
+                log.debug("commit of %s refused: %s", mq, exc.message)
+                self._refused[mq] = offset
+                self.stats["commits_refused"] += 1
+                return
         self._committed[mq] = offset
 
     async def _commit_all(self) -> None:
@@ -483,6 +560,7 @@ class PushConsumer:
             }
             if tags:
                 header["tags"] = tags
+            header.update(self._gen())
             commit = pq.ack_offset
             if self._local is None and commit > self._committed.get(mq, -1):
                 header["commit"] = commit
@@ -576,6 +654,8 @@ class PushConsumer:
         if pq.released:
             # finished after the drain timeout: the queue's next owner re-reads these
             # messages from the committed offset; a send-back now would add a second copy
+            if pq.reset:  # or the group's offsets were reset: expected, not a warning
+                return
             log.warning("listener finished on %s after its queue was released; result "
                         "dropped", pq.mq)
             return

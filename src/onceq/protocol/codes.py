@@ -17,6 +17,7 @@ class RequestCode(IntEnum):
     GET_OFFSET = 31
     CONSUMER_SEND_BACK = 32  # a failed message goes to the group's retry topic (or DLQ)
     RELEASE_QUEUE = 33  # commit and give up a queue's access lock (end of a drain)
+    RESET_OFFSETS = 34  # admin: move a group's offsets (refused while members are live)
     CREATE_TOPIC = 40
     DELETE_TOPIC = 41
     LIST_TOPICS = 42
@@ -32,6 +33,7 @@ class PushCode(IntEnum):
     """One-way server pushes."""
 
     GROUP_CHANGED = 100
+    OFFSETS_RESET = 101  # a forced offset reset: drop those queues and take them again
 
 
 RETRY_PREFIX = "%RETRY%"

@@ -6,7 +6,6 @@ flush service (``flush.py``) off the loop.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -42,6 +41,7 @@ from .metadata import (
     save_json,
     write_atomic,
 )
+from .offsets import OffsetTable
 from .openfiles import OpenFiles, default_capacity, fsync_paths
 from .recovery import NeedFullRebuild, Recovery, read_range, read_record
 
@@ -124,9 +124,8 @@ class MessageStore:
                              self.open_files)
         self.topics: dict[str, TopicConfig] = {}
         self.queues: dict[tuple[str, int], ConsumeQueue] = {}
-        self.offsets: dict[str, dict[str, dict[str, int]]] = {}
+        self.offset_table = OffsetTable(self)
         self.dedup = DedupWindow(config.dedup_window_s, config.dedup_max_keys)
-        self._offsets_dirty = False
         self.recovered_records = 0
         self.damage = DamageRegistry(os.path.join(root, "damaged.json"), files)
         self._damage_dirty = False
@@ -151,7 +150,7 @@ class MessageStore:
             self.topics[name] = TopicConfig(
                 name, int(t["queues"]), int(t["created_position"]), int(t["created_ms"])
             )
-        self.offsets = load_json(self._offsets_path, {}, self.files)
+        self.offset_table.load(load_json(self._offsets_path, None, self.files))
         self.damage.load()
         try:
             raw_checkpoint = self.files.read_file(self._checkpoint_path)
@@ -198,6 +197,7 @@ class MessageStore:
                 if cq.max_offset == 0 and loaded_max[key] > 0:
                     cq.reset(loaded_max[key])  # no record left: never reuse its offsets
         self._move_back_topics()
+        self._open_offsets()
         live = self.damaged()
         if live != self.damage.to_json() or self._damage_dirty:
             self.damage.log_ranges = live["log"]
@@ -239,6 +239,14 @@ class MessageStore:
                 self._save_topics()
             except OSError as exc:  # moved back again at the next start
                 log.error("store: cannot save the moved topics: %s", exc)
+
+    def _open_offsets(self) -> None:
+        """Replay the offset commits after the snapshot; offsets beyond a recovered queue
+        end move back to it. The snapshot is written now when either changed the past."""
+        table = self.offset_table
+        if table.replay() | table.clamp_to_queue_ends():
+            table.dirty = True
+            self.save_offsets()
 
     def _open_queue(self, topic: str, qid: int) -> ConsumeQueue:
         cq = ConsumeQueue(os.path.join(self._queues_dir, topic, str(qid)),
@@ -465,12 +473,13 @@ class MessageStore:
 
     # ================================================================ writes
     def put(self, topic: str, queue_id: int, parts: Sequence[bytes | memoryview],
-            dedup: bool = True) -> PutResult:
+            dedup: bool = True, space: bool = True) -> PutResult:
         """Store message parts in one queue; all or nothing on validation errors.
 
-        ``dedup``: apply the producer-retry dedup window (internal re-puts may opt out)."""
+        ``dedup``: apply the producer-retry dedup window (internal re-puts may opt out).
+        ``space``: refuse the write above the disk usage limit (offset commits do not)."""
         cq = self._queue(topic, queue_id)
-        self.check_writable()
+        self.check_writable(space)
         max_body = self.config.max_body
         max_record = self.log.segment_size
         tb = topic.encode()
@@ -728,35 +737,48 @@ class MessageStore:
         return self._queue(topic, queue_id).first_offset_where(3, ts_ms)
 
     # ================================================================ consumer offsets
-    def commit_offset(self, group: str, topic: str, queue_id: int, offset: int) -> None:
+    @property
+    def offsets(self) -> dict[str, dict[str, dict[str, int]]]:
+        """group -> topic -> "queue" -> committed offset (see ``offsets.py``)."""
+        return self.offset_table.groups
+
+    @property
+    def _offsets_dirty(self) -> bool:
+        return self.offset_table.dirty
+
+    @_offsets_dirty.setter
+    def _offsets_dirty(self, value: bool) -> None:
+        self.offset_table.dirty = value
+
+    def commit_offset(self, group: str, topic: str, queue_id: int, offset: int) -> int:
+        """Commit a group's offset; it is journaled in the commit log when it changed.
+
+        Returns the commit-log position the commit is durable at once the log is fsynced
+        up to it (a sync-flush broker answers after that)."""
         self._queue(topic, queue_id)
         check_name("group", group)
-        g = self.offsets.setdefault(group, {}).setdefault(topic, {})
-        g[str(queue_id)] = int(offset)
-        self._offsets_dirty = True
+        return self.offset_table.commit(group, topic, queue_id, int(offset))
 
     def get_offset(self, group: str, topic: str, queue_id: int) -> int:
         """The committed offset, or -1 when the group has none for this queue."""
         self._queue(topic, queue_id)
-        return self.offsets.get(group, {}).get(topic, {}).get(str(queue_id), -1)
+        return self.offset_table.get(group, topic, queue_id)
 
-    def offsets_snapshot(self) -> bytes | None:
-        """The consumer offsets as JSON if they changed since the last snapshot, else None.
+    def offsets_snapshot(self) -> tuple[bytes, int] | None:
+        """(``offsets.json`` content, journal records it covers) if the offsets changed
+        since the last snapshot, else None. Pass both to ``write_offsets_file``.
 
         A caller whose write of the snapshot fails calls ``offsets_changed`` to retry later.
         """
-        if not self._offsets_dirty:
-            return None
-        self._offsets_dirty = False
-        return json.dumps(self.offsets, indent=1, sort_keys=True).encode()
+        return self.offset_table.snapshot()
 
     def offsets_changed(self) -> None:
-        self._offsets_dirty = True
+        self.offset_table.dirty = True
 
     def save_offsets(self) -> None:
-        data = self.offsets_snapshot()
-        if data is not None:
-            self.write_offsets_file(data)
+        snap = self.offsets_snapshot()
+        if snap is not None:
+            self.write_offsets_file(*snap)
 
     # ================================================================ durability
     def write_checkpoint(self) -> None:
@@ -776,8 +798,10 @@ class MessageStore:
         ends = {f"{t}/{q}": cq.max_offset for (t, q), cq in list(self.queues.items())}
         write_atomic(self._checkpoint_path, encode_checkpoint(end, ends), self.files)
 
-    def write_offsets_file(self, data: bytes) -> None:
+    def write_offsets_file(self, data: bytes, covered: int) -> None:
+        """Write an offsets snapshot (safe to run off the loop)."""
         write_atomic(self._offsets_path, data, self.files)
+        self.offset_table.written(covered)
 
     def run_retention(self) -> int:
         """Delete whole segments past the age or size limit; return segments deleted."""
@@ -785,7 +809,12 @@ class MessageStore:
         now = self.clock()
         max_age = cfg.retention_hours * 3600
 
+        # offset commits that no written snapshot holds yet are kept with their segments
+        floor = self.offset_table.retention_floor()
+
         def keep(seg, total: int) -> bool:
+            if floor is not None and seg.end > floor:
+                return True
             if cfg.retention_bytes and total > cfg.retention_bytes:
                 return False
             return not (max_age and now - self.log.mtime(seg) > max_age)

@@ -1,0 +1,106 @@
+"""Consumer-offset commits as commit-log records (pure functions, no I/O).
+
+A commit is stored as an ordinary message of the internal topic ``%OFFSETS%`` (one queue,
+no unique key, so no dedup window): the commit log's CRC, group-commit fsync, tail recovery
+and damage handling apply to offsets as to messages. The message body is::
+
+    u8  format version (1)
+    u8  group length      group bytes (ascii)
+    u8  topic length      topic bytes (ascii)
+    u32 queue id
+    i64 committed offset (next offset to consume, >= 0)
+
+The offsets snapshot (``offsets.json``) records up to which offset of ``%OFFSETS%`` it
+covers: ``{"format": 2, "covered": N, "groups": {group: {topic: {queue: offset}}}}``. The
+first format (only the groups map) is read as covering nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from .record import encode_part
+
+OFFSETS_TOPIC = "%OFFSETS%"
+VERSION = 1
+SNAPSHOT_FORMAT = 2
+_TAIL = struct.Struct("<Iq")
+_MAX_NAME = 255
+
+Offsets = dict[str, dict[str, dict[str, int]]]
+
+
+class OffsetRecordError(ValueError):
+    """A body that is not an offset commit of a known format."""
+
+
+@dataclass(frozen=True, slots=True)
+class OffsetCommit:
+    group: str
+    topic: str
+    queue_id: int
+    offset: int
+
+
+def encode_commit(c: OffsetCommit) -> bytes:
+    """The message body of one offset commit."""
+    g, t = c.group.encode("ascii"), c.topic.encode("ascii")
+    if not 0 < len(g) <= _MAX_NAME or not 0 < len(t) <= _MAX_NAME:
+        raise OffsetRecordError("group and topic must be 1-255 ascii characters")
+    if not 0 <= c.queue_id < 2 ** 32 or not 0 <= c.offset < 2 ** 63:
+        raise OffsetRecordError("queue or offset out of range")
+    return b"".join((bytes((VERSION, len(g))), g, bytes((len(t),)), t,
+                     _TAIL.pack(c.queue_id, c.offset)))
+
+
+def decode_commit(body: bytes) -> OffsetCommit:
+    """Inverse of :func:`encode_commit`; raises OffsetRecordError on anything else."""
+    try:
+        if body[0] != VERSION:
+            raise OffsetRecordError(f"unknown offset record version {body[0]}")
+        p = 2 + body[1]
+        group = body[2:p].decode("ascii")
+        q = p + 1 + body[p]
+        topic = body[p + 1:q].decode("ascii")
+        if not group or not topic or len(body) != q + _TAIL.size:
+            raise OffsetRecordError("malformed offset record")
+        queue_id, offset = _TAIL.unpack_from(body, q)
+    except (IndexError, UnicodeDecodeError, struct.error):
+        raise OffsetRecordError("malformed offset record") from None
+    if offset < 0:
+        raise OffsetRecordError("negative offset in offset record")
+    return OffsetCommit(group, topic, queue_id, offset)
+
+
+def commit_part(c: OffsetCommit, now_ms: int) -> bytes:
+    """The message part stored in ``%OFFSETS%`` for one commit (no unique key: no dedup)."""
+    return encode_part(encode_commit(c), "", now_ms)
+
+
+def encode_snapshot(groups: Offsets, covered: int) -> bytes:
+    """``offsets.json``: the offsets after applying every commit record below ``covered``."""
+    return json.dumps({"format": SNAPSHOT_FORMAT, "covered": covered, "groups": groups},
+                      indent=1, sort_keys=True).encode()
+
+
+def decode_snapshot(raw: Any) -> tuple[Offsets, int]:
+    """(groups, covered) from the parsed JSON of ``offsets.json`` (either format)."""
+    if not isinstance(raw, dict):
+        raise ValueError("offsets snapshot is not a map")
+    if isinstance(raw.get("format"), int):  # a group's value is a map, never an int
+        if raw["format"] != SNAPSHOT_FORMAT:
+            raise ValueError(f"unknown offsets snapshot format {raw['format']}")
+        groups, covered = raw.get("groups", {}), raw.get("covered", 0)
+    else:
+        groups, covered = raw, 0
+    if not isinstance(covered, int) or covered < 0 or not isinstance(groups, dict):
+        raise ValueError("malformed offsets snapshot")
+    try:
+        out = {str(g): {str(t): {str(q): int(o) for q, o in qs.items()}
+                        for t, qs in topics.items()} for g, topics in groups.items()}
+    except (AttributeError, TypeError, ValueError):
+        raise ValueError("malformed offsets snapshot") from None
+    return out, covered

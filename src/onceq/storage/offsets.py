@@ -1,0 +1,195 @@
+"""Consumer offsets: a table in memory, journaled in the commit log, snapshotted to a file.
+
+Every change of a committed offset is appended to the commit log as a record of the
+internal topic ``%OFFSETS%`` (see ``log/offset_record.py``) before the commit is answered,
+so an offset is exactly as durable as a message stored at that moment under the flush
+policy: ``sync`` answers after the fsync that covers it (sharing it with concurrent sends
+and commits), ``async`` once it is in the page cache (a killed process loses nothing).
+
+``offsets.json`` is a snapshot of the table that records how many ``%OFFSETS%`` records it
+covers. At open the snapshot is loaded and the records after it are replayed; retention
+never deletes a segment holding a record the last written snapshot does not cover.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from ..log.offset_record import (
+    OFFSETS_TOPIC,
+    OffsetCommit,
+    OffsetRecordError,
+    Offsets,
+    commit_part,
+    decode_commit,
+    decode_snapshot,
+    encode_snapshot,
+)
+from ..log.record import RecordError, decode_records
+from ..protocol.codes import PullStatus
+from ..protocol.errors import OnceqError
+
+if TYPE_CHECKING:
+    from .store import MessageStore
+
+log = logging.getLogger("onceq.storage")
+
+REPLAY_BATCH = 1024
+
+
+class OffsetTable:
+    """The committed offsets of a store (``group -> topic -> "queue" -> offset``)."""
+
+    def __init__(self, store: MessageStore) -> None:
+        self.store = store
+        self.groups: Offsets = {}
+        self.dirty = False
+        self.covered = 0  # %OFFSETS% records covered by the last snapshot written
+        self.replayed = 0  # records applied at open
+        self.last_end = 0  # commit-log end after the last offset record written
+
+    # ------------------------------------------------------------------ queries
+    def get(self, group: str, topic: str, queue_id: int) -> int:
+        return self.groups.get(group, {}).get(topic, {}).get(str(queue_id), -1)
+
+    def journal_end(self) -> int:
+        """How many ``%OFFSETS%`` records exist (the offset the next one gets)."""
+        cq = self.store.queues.get((OFFSETS_TOPIC, 0))
+        return 0 if cq is None else cq.max_offset
+
+    # ------------------------------------------------------------------ changes
+    def commit(self, group: str, topic: str, queue_id: int, offset: int) -> int:
+        """Set an offset; journal it when it changed. Returns the commit-log position the
+        change is durable at once fsynced (covers an unchanged offset's earlier record).
+
+        Offset commits go on when the store cannot write (a full disk, writes stopped after
+        a failure): the offset is then kept in memory and in the next snapshot only, as the
+        journal record could not be written (0 is returned: nothing to wait for)."""
+        store = self.store
+        if self.get(group, topic, queue_id) == offset:
+            # writes stopped after a failure: its record may have been removed, and nothing
+            # will be fsynced any more: in memory and the snapshot is all there is
+            return 0 if store.write_failure is not None else self.last_end
+        end = 0
+        if store.write_failure is None:
+            try:
+                if OFFSETS_TOPIC not in store.topics:
+                    store.create_topic(OFFSETS_TOPIC, 1)
+                part = commit_part(OffsetCommit(group, topic, queue_id, offset),
+                                   int(store.clock() * 1000))
+                end = store.put(OFFSETS_TOPIC, 0, [part], dedup=False,
+                                space=False).end_position
+                self.last_end = end
+            except OnceqError as exc:
+                if not exc.retriable:
+                    raise
+                store.errors.warning("offsets", "offsets: commits are kept in memory and "
+                                     "in the snapshot only, the journal write failed: %s",
+                                     exc.message)
+        self._set(group, topic, queue_id, offset)
+        return end
+
+    def _set(self, group: str, topic: str, queue_id: int, offset: int) -> None:
+        self.groups.setdefault(group, {}).setdefault(topic, {})[str(queue_id)] = offset
+        self.dirty = True
+
+    def drop_topic(self, topic: str) -> None:
+        """A deleted topic's offsets go (its journal records are skipped at replay: they
+        lie before a re-created topic's creation position)."""
+        for g in self.groups.values():
+            g.pop(topic, None)
+        self.dirty = True
+
+    # ------------------------------------------------------------------ snapshot
+    def snapshot(self) -> tuple[bytes, int] | None:
+        """(file content, records covered) if the table changed since the last one."""
+        if not self.dirty:
+            return None
+        self.dirty = False
+        covered = self.journal_end()
+        return encode_snapshot(self.groups, covered), covered
+
+    def written(self, covered: int) -> None:
+        """A snapshot covering ``covered`` records is durable (may run off the loop)."""
+        self.covered = max(self.covered, covered)
+
+    def retention_floor(self) -> int | None:
+        """Commit-log position of the first record no written snapshot covers (segments
+        from there on must be kept), or None."""
+        cq = self.store.queues.get((OFFSETS_TOPIC, 0))
+        if cq is None or self.covered >= cq.max_offset:
+            return None
+        return cq.entry(max(self.covered, cq.min_offset))[0]
+
+    # ------------------------------------------------------------------ open
+    def load(self, raw: object) -> None:
+        """The parsed ``offsets.json`` (None when missing)."""
+        if raw is None:
+            return
+        self.groups, self.covered = decode_snapshot(raw)
+
+    def replay(self) -> bool:
+        """Apply the journal records after the snapshot; True when a snapshot must be
+        written now (the log ended below what the snapshot covers)."""
+        store = self.store
+        cq = store.queues.get((OFFSETS_TOPIC, 0))
+        if cq is None:
+            return False
+        if cq.max_offset < self.covered:
+            # the log lost records the snapshot already holds (a power cut in async mode):
+            # the next records would reuse their offsets and be skipped by the next replay
+            log.warning("offsets: the journal ends at %d, below the %d records the snapshot "
+                        "covers; the snapshot is written again", cq.max_offset, self.covered)
+            self.covered = cq.max_offset
+            return True
+        offset = self.covered
+        if offset < cq.min_offset:
+            log.error("offsets: journal records %d..%d are gone (retention); offsets "
+                      "committed then are lost", offset, cq.min_offset - 1)
+            offset = cq.min_offset
+        while offset < cq.max_offset:
+            r = store.get(OFFSETS_TOPIC, 0, offset, REPLAY_BATCH, 16 * 1024 * 1024)
+            if r.status == PullStatus.FOUND:
+                try:
+                    for m in decode_records(r.payload):
+                        self._apply(m.body, m.position, m.queue_offset)
+                except RecordError as exc:  # checked on read: not expected
+                    log.error("offsets: journal record unreadable: %s", exc)
+            elif r.status == PullStatus.DAMAGED:
+                log.error("offsets: journal records %d..%d are damaged; offsets committed "
+                          "then are lost", offset, r.next_offset - 1)
+            if r.next_offset <= offset:
+                break
+            offset = r.next_offset
+        return False
+
+    def _apply(self, body: bytes, position: int, journal_offset: int) -> None:
+        try:
+            c = decode_commit(body)
+        except OffsetRecordError as exc:
+            log.error("offsets: journal record %d: %s; skipped", journal_offset, exc)
+            return
+        t = self.store.topics.get(c.topic)
+        if t is None or position < t.created_position or c.queue_id >= t.queues:
+            return  # a deleted topic (or an older one of the same name)
+        self._set(c.group, c.topic, c.queue_id, c.offset)
+        self.replayed += 1
+
+    def clamp_to_queue_ends(self) -> bool:
+        """Offsets beyond their queue's end (the log was cut by recovery) move back to the
+        end, so the next messages stored there are delivered, not skipped. True if any."""
+        moved = False
+        for group, topics in self.groups.items():
+            for topic, qs in topics.items():
+                for q, off in qs.items():
+                    cq = self.store.queues.get((topic, int(q)))
+                    if cq is not None and off > cq.max_offset:
+                        log.error("offsets: group %s committed %d on %s queue %s, beyond the "
+                                  "recovered queue end %d; moved back to it", group, off,
+                                  topic, q, cq.max_offset)
+                        qs[q] = cq.max_offset
+                        moved = True
+        if moved:
+            self.dirty = True
+        return moved
