@@ -342,9 +342,7 @@ class MessageStore:
                 log.warning("store: index files of deleted topic %s: %s", name, exc)
         self.files.rmtree(os.path.join(self._queues_dir, name))
         self.dedup.drop_topic(name)
-        for group in self.offsets.values():
-            group.pop(name, None)
-        self._offsets_dirty = True
+        self.offset_table.drop_topic(name)
 
     def get_topic(self, name: str) -> TopicConfig:
         t = self.topics.get(name)
@@ -741,14 +739,6 @@ class MessageStore:
     def offsets(self) -> dict[str, dict[str, dict[str, int]]]:
         """group -> topic -> "queue" -> committed offset (see ``offsets.py``)."""
         return self.offset_table.groups
-
-    @property
-    def _offsets_dirty(self) -> bool:
-        return self.offset_table.dirty
-
-    @_offsets_dirty.setter
-    def _offsets_dirty(self, value: bool) -> None:
-        self.offset_table.dirty = value
 
     def commit_offset(self, group: str, topic: str, queue_id: int, offset: int) -> int:
         """Commit a group's offset; it is journaled in the commit log when it changed.
