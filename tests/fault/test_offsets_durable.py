@@ -73,6 +73,36 @@ def test_async_commits_survive_a_killed_process(tmp_path):
     store.close()
 
 
+def test_commits_carried_by_pulls_are_journaled_together(tmp_path):
+    """A commit carried by a pull is set at once and journaled with the next batch: one
+    record per changed queue, whatever the number of pulls; a kill after the batch keeps
+    the last values, a kill before it keeps what was journaled before."""
+    root = str(tmp_path)
+    store = open_store(root)
+    store.create_topic("T", 2)
+    fill(store, "T", 2, 50)
+    store.commit_offset("g", "T", 0, 1)  # journaled at once (an explicit commit)
+    journal = store.offset_table.journal_end()
+    for off in range(2, 41):
+        store.commit_offset_later("g", "T", 0, off)
+        store.commit_offset_later("g", "T", 1, off)
+    assert store.get_offset("g", "T", 0) == 40  # visible at once
+    assert store.offset_table.journal_end() == journal  # nothing written per pull
+    end = store.offset_table.flush_pending()
+    assert store.offset_table.journal_end() == journal + 2
+    assert end == store.log.end
+    store.commit_offset_later("g", "T", 1, 45)  # set, never journaled: lost with the kill
+    crash(store)
+    store = open_store(root)
+    assert [store.get_offset("g", "T", q) for q in range(2)] == [40, 40]
+    store.commit_offset_later("g", "T", 0, 42)
+    store.commit_offset("g", "T", 1, 43)  # an explicit commit takes the pending ones along
+    crash(store)
+    store = open_store(root)
+    assert [store.get_offset("g", "T", q) for q in range(2)] == [42, 43]
+    store.close()
+
+
 def test_sync_commits_survive_a_power_cut_once_fsynced(tmp_path):
     """What a sync broker answers after: the log fsynced up to the commit's position."""
     root = str(tmp_path)

@@ -184,6 +184,8 @@ class Broker:
             loop.create_task(self._every(cfg.store.checkpoint_interval_ms / 1000,
                                          self._checkpoint)),
             loop.create_task(self._every(cfg.offsets_save_s, self._save_offsets)),
+            loop.create_task(self._every(cfg.offsets_journal_ms / 1000,
+                                         self.store.offset_table.flush_pending)),
             loop.create_task(self._every(cfg.expiry_check_s, self._expire_members)),
             loop.create_task(self._every(cfg.retention_check_s, self._retention)),
             loop.create_task(self._save_locks()),
@@ -417,9 +419,9 @@ class Broker:
                 group, client if isinstance(client, str) else None, topic, queue):
             commit = -1  # another client holds the queue: its commits count
         if group is not None and commit >= 0:
-            # journaled, not waited for: a consumer sends its finished offsets again after
-            # a reconnect (and with its next pull), so the pull answer does not wait for fsync
-            self.store.commit_offset(group, topic, queue, commit)
+            # journaled with the next batch, not waited for: a consumer sends its finished
+            # offsets again after a reconnect (and with its next pull)
+            self.store.commit_offset_later(group, topic, queue, commit)
         res = self._do_pull(req)
         if res is None:
             seconds = min(req["suspend_ms"] / 1000, self.config.long_poll_max_s)

@@ -17,6 +17,7 @@ class BrokerConfig:
     heartbeat_expiry_s: float = 120.0  # a member without heartbeat for this long is removed
     expiry_check_s: float = 5.0
     offsets_save_s: float = 1.0
+    offsets_journal_ms: int = 100  # commits carried by pulls are journaled this often
     retention_check_s: float = 60.0
     auto_create_topics: bool = False
     default_queues: int = 8
@@ -38,6 +39,8 @@ class BrokerConfig:
             raise ValueError(f"port must be 0..65535, not {self.port}")
         if self.long_poll_max_s < 0 or self.heartbeat_expiry_s <= 0:
             raise ValueError("long_poll_max_s must be >= 0 and heartbeat_expiry_s > 0")
+        if not 1 <= self.offsets_journal_ms <= 60_000:
+            raise ValueError("offsets_journal_ms must be 1..60000")
         if not 1 <= self.default_queues <= 1024:
             raise ValueError("default_queues must be 1..1024")
         parse_delay_levels(self.delay_levels)

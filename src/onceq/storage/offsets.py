@@ -9,6 +9,12 @@ and commits), ``async`` once it is in the page cache (a killed process loses not
 ``offsets.json`` is a snapshot of the table that records how many ``%OFFSETS%`` records it
 covers. At open the snapshot is loaded and the records after it are replayed; retention
 never deletes a segment holding a record the last written snapshot does not cover.
+
+Commits carried by pulls are not answered on their own: they are set at once and journaled
+together by ``flush_pending`` (the broker calls it every ``offsets_journal_ms``, 100 ms, and
+before any explicit commit), one record per changed queue, so a consumer committing on every
+pull does not pay a log write per pull. A consumer re-sends its finished offsets after a
+reconnect, which covers the interval a crash may lose.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class OffsetTable:
         self.covered = 0  # %OFFSETS% records covered by the last snapshot written
         self.replayed = 0  # records applied at open
         self.last_end = 0  # commit-log end after the last offset record written
+        self._pending: dict[tuple[str, str, int], int] = {}  # set, not journaled yet
 
     # ------------------------------------------------------------------ queries
     def get(self, group: str, topic: str, queue_id: int) -> int:
@@ -67,28 +74,47 @@ class OffsetTable:
         a failure): the offset is then kept in memory and in the next snapshot only, as the
         journal record could not be written (0 is returned: nothing to wait for)."""
         store = self.store
-        if self.get(group, topic, queue_id) == offset:
+        key = (group, topic, queue_id)
+        if self.get(group, topic, queue_id) == offset and key not in self._pending:
             # writes stopped after a failure: its record may have been removed, and nothing
             # will be fsynced any more: in memory and the snapshot is all there is
             return 0 if store.write_failure is not None else self.last_end
-        end = 0
-        if store.write_failure is None:
-            try:
-                if OFFSETS_TOPIC not in store.topics:
-                    store.create_topic(OFFSETS_TOPIC, 1)
-                part = commit_part(OffsetCommit(group, topic, queue_id, offset),
-                                   int(store.clock() * 1000))
-                end = store.put(OFFSETS_TOPIC, 0, [part], dedup=False,
-                                space=False).end_position
-                self.last_end = end
-            except OnceqError as exc:
-                if not exc.retriable:
-                    raise
-                store.errors.warning("offsets", "offsets: commits are kept in memory and "
-                                     "in the snapshot only, the journal write failed: %s",
-                                     exc.message)
+        self._pending[key] = offset
         self._set(group, topic, queue_id, offset)
-        return end
+        return self.flush_pending()
+
+    def commit_later(self, group: str, topic: str, queue_id: int, offset: int) -> None:
+        """Set an offset now and journal it with the next ``flush_pending`` (a commit
+        carried by a pull: nobody waits for its durability)."""
+        if self.get(group, topic, queue_id) != offset:
+            self._pending[(group, topic, queue_id)] = offset
+            self._set(group, topic, queue_id, offset)
+
+    def flush_pending(self) -> int:
+        """Journal the offsets set since the last call in one write; return the commit-log
+        position they are durable at once fsynced (0: not journaled, see ``commit``)."""
+        if not self._pending:
+            return self.last_end
+        store = self.store
+        pending, self._pending = self._pending, {}
+        if store.write_failure is not None:
+            return 0
+        try:
+            if OFFSETS_TOPIC not in store.topics:
+                store.create_topic(OFFSETS_TOPIC, 1)
+            now_ms = int(store.clock() * 1000)
+            parts = [commit_part(OffsetCommit(g, t, q, off), now_ms)
+                     for (g, t, q), off in pending.items()]
+            self.last_end = store.put(OFFSETS_TOPIC, 0, parts, dedup=False,
+                                      space=False).end_position
+        except OnceqError as exc:
+            if not exc.retriable:
+                raise
+            store.errors.warning("offsets", "offsets: commits are kept in memory and "
+                                 "in the snapshot only, the journal write failed: %s",
+                                 exc.message)
+            return 0
+        return self.last_end
 
     def _set(self, group: str, topic: str, queue_id: int, offset: int) -> None:
         self.groups.setdefault(group, {}).setdefault(topic, {})[str(queue_id)] = offset

@@ -749,6 +749,14 @@ class MessageStore:
         check_name("group", group)
         return self.offset_table.commit(group, topic, queue_id, int(offset))
 
+    def commit_offset_later(self, group: str, topic: str, queue_id: int, offset: int
+                            ) -> None:
+        """Commit a group's offset now and journal it with the next batch of such commits
+        (``offset_table.flush_pending``): for commits nobody waits for."""
+        self._queue(topic, queue_id)
+        check_name("group", group)
+        self.offset_table.commit_later(group, topic, queue_id, int(offset))
+
     def get_offset(self, group: str, topic: str, queue_id: int) -> int:
         """The committed offset, or -1 when the group has none for this queue."""
         self._queue(topic, queue_id)
