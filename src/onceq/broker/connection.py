@@ -7,48 +7,73 @@ import logging
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from ..protocol.errors import ProtocolError
+from ..protocol.errors import ErrorCode, ProtocolError
 from ..protocol.frame import PUSH, RESPONSE, FrameDecoder, encode_frame
+from .config import WRITE_HIGH_WATER
 
 if TYPE_CHECKING:
     from .broker import Broker
 
 log = logging.getLogger("onceq.broker")
 
-_HIGH_WATER = 8 * 1024 * 1024
+HIGH_WATER = WRITE_HIGH_WATER  # stop dispatching a client's requests above this much output
 _FLUSH_AT = 256 * 1024
+# a push waits (coalesced with later ones of its group) while this much output is unsent
+PUSH_WATER = 256 * 1024
 
 
 class Connection(asyncio.Protocol):
-    def __init__(self, broker: Broker, max_frame: int) -> None:
+    def __init__(self, broker: Broker, max_frame: int, max_output: int) -> None:
         self.broker = broker
         self.decoder = FrameDecoder(max_frame)
+        self.max_output = max_output
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.peer = "?"
         self.client_ids: set[str] = set()
+        self.refused = False  # over the connection cap: answered and closed at once
         self._backlog: deque[tuple[int, int, int, int, bytes, bytes]] = deque()
         self._broken: ProtocolError | None = None
         self._write_paused = False
         self._out: list[bytes] = []  # frames written this loop pass (one send for all)
         self._out_size = 0
+        # GROUP_CHANGED and other pushes not sent yet, the latest per (code, group)
+        self._pushes: dict[tuple[int, Any], dict[str, Any]] = {}
+        self.deferred_pulls = False  # held pulls kept waiting while writing was paused
+        # counters and marks for the periodic sweep (broker/limits.py)
+        self.activity = 0  # reads, and resumed writing (the client read our answers)
+        self.frames_in = 0
+        self.active_mark = -1
+        self.active_at = 0.0
+        self.partial_mark = -1
+        self.partial_at: float | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        self.transport.set_write_buffer_limits(high=_HIGH_WATER)  # type: ignore[union-attr]
-        self.broker.connections.add(self)
+        broker = self.broker
+        if not broker.guard.admit(len(broker.connections), self.peer):
+            self.closed = self.refused = True  # never a member nor a puller
+            transport.write(encode_frame(  # type: ignore[attr-defined]
+                RESPONSE, int(ErrorCode.TOO_MANY_CONNECTIONS), 0,
+                {"message": "too many connections: try again later"}))
+            transport.close()
+            return
+        self.transport.set_write_buffer_limits(high=HIGH_WATER)  # type: ignore[union-attr]
+        broker.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
         if self.closed or self._broken is not None:
             return
+        self.activity += 1
         self.decoder.feed(data)
         try:
             frames = self.decoder.frames()
         except ProtocolError as exc:
             self._broken = exc
         else:
+            self.frames_in += len(frames)
             self._backlog.extend(frames)
             if self.decoder.broken is not None:
                 self._broken = self.decoder.broken  # after the frames before it
@@ -70,6 +95,20 @@ class Connection(asyncio.Protocol):
         if not backlog and self._broken is not None and not self.closed:
             self._protocol_error(self._broken)
 
+    @property
+    def reading_paused(self) -> bool:
+        """True while the broker does not read this client (it does not read its answers)."""
+        return self._write_paused
+
+    @property
+    def write_paused(self) -> bool:
+        return self._write_paused
+
+    def pending_output(self) -> int:
+        """Bytes queued for this client: the transport's buffer and frames not handed over."""
+        t = self.transport
+        return self._out_size + (t.get_write_buffer_size() if t is not None else 0)
+
     def pause_writing(self) -> None:
         self._write_paused = True
         if self.transport is not None and not self.closed:
@@ -78,7 +117,12 @@ class Connection(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._write_paused = False
         if self.transport is not None and not self.closed:
+            self.activity += 1  # the client reads: not idle
             self.transport.resume_reading()
+            self.send_pushes()
+            if self.deferred_pulls:  # answers that waited for the client to read
+                self.deferred_pulls = False
+                self.broker.holds.notify_connection(self)
             self._drain()
 
     def _protocol_error(self, exc: ProtocolError) -> None:
@@ -92,7 +136,27 @@ class Connection(asyncio.Protocol):
         self._write(encode_frame(RESPONSE, code, corr_id, header, payload))
 
     def push(self, code: int, header: dict[str, Any]) -> None:
-        self._write(encode_frame(PUSH, code, 0, header))
+        """Queue a one-way push. Pushes of one code and group coalesce: while one is not
+        sent yet, a later one replaces it (only the latest state matters to the client)."""
+        if self.closed or self.transport is None:
+            return
+        if not self._pushes:
+            asyncio.get_running_loop().call_soon(self.send_pushes)
+        self._pushes[(code, header.get("group"))] = header
+
+    def send_pushes(self) -> None:
+        """Write the waiting pushes unless the client has much output still unread (then
+        they wait for ``resume_writing`` or the next sweep, coalescing meanwhile)."""
+        if not self._pushes:
+            return
+        if self.closed or self.transport is None:
+            self._pushes.clear()
+            return
+        if self._write_paused or self.pending_output() >= PUSH_WATER:
+            return
+        pushes, self._pushes = self._pushes, {}
+        for (code, _group), header in pushes.items():
+            self._write(encode_frame(PUSH, code, 0, header))
 
     def _write(self, frame: bytes) -> None:
         """Queue a frame; frames written in one loop pass go out in one send."""
@@ -109,8 +173,34 @@ class Connection(asyncio.Protocol):
         if self._out and not self.closed and self.transport is not None:
             out = self._out
             self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+            if self._write_paused:
+                self._out = []
+                self._out_size = 0
+                self._check_output()
+                return
         self._out = []
         self._out_size = 0
+
+    def _check_output(self) -> None:
+        """A client with more than ``max_output`` bytes queued is a slow consumer: drop it
+        (its unread output with it) rather than let it hold the broker's memory."""
+        pending = self.pending_output()
+        if pending > self.max_output:
+            self.abort(f"slow consumer: {pending} bytes of output queued, above the limit "
+                       f"of {self.max_output} bytes", logging.WARNING)
+
+    def abort(self, reason: str, level: int = logging.WARNING) -> None:
+        """Close at once, dropping unsent output; the disconnect releases the client's
+        group memberships, access locks and held pulls as any disconnect does."""
+        if self.closed:
+            return
+        log.log(level, "closing connection %s: %s", self.peer, reason)
+        self.closed = True
+        self._out = []
+        self._out_size = 0
+        self._pushes.clear()
+        if self.transport is not None:
+            self.transport.abort()
 
     def close(self) -> None:
         if not self.closed:
@@ -121,4 +211,5 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self.broker.on_disconnect(self)
+        if not self.refused:
+            self.broker.on_disconnect(self)

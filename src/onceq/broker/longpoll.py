@@ -33,7 +33,8 @@ class PullHold:
             lst.remove(held)
             if not lst:
                 del self.held[key]
-            self.retry(held, True)
+            if not held.conn.closed:
+                self.retry(held, True)
 
     def notify(self, key: tuple[str, int]) -> None:
         lst = self.held.pop(key, None)
@@ -41,12 +42,30 @@ class PullHold:
             return
         keep = []
         for held in lst:
-            if held.conn.closed or self.retry(held, False):
+            conn = held.conn
+            if conn.closed:
+                held.timer.cancel()
+            elif getattr(conn, "write_paused", False):
+                # the client does not read what it was sent: the answer waits (held) until
+                # it does (``notify_connection``) or the hold ends, so that many held pulls
+                # answered at once do not pile up in the broker's memory
+                conn.deferred_pulls = True
+                keep.append(held)
+            elif self.retry(held, False):
                 held.timer.cancel()
             else:
                 keep.append(held)
         if keep:
             self.held.setdefault(key, []).extend(keep)
+
+    def notify_connection(self, conn: Any) -> None:
+        """Retry the queues where ``conn`` has held pulls (it reads again)."""
+        for key in [k for k, lst in self.held.items() if any(h.conn is conn for h in lst)]:
+            self.notify(key)
+
+    def connections(self) -> set[Any]:
+        """The connections with a held pull."""
+        return {h.conn for lst in self.held.values() for h in lst}
 
     def drop_connection(self, conn: Any) -> None:
         for key in list(self.held):
