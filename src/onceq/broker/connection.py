@@ -18,8 +18,6 @@ log = logging.getLogger("onceq.broker")
 
 HIGH_WATER = WRITE_HIGH_WATER  # stop dispatching a client's requests above this much output
 _FLUSH_AT = 256 * 1024
-# a push waits (coalesced with later ones of its group) while this much output is unsent
-PUSH_WATER = 256 * 1024
 
 
 class Connection(asyncio.Protocol):
@@ -144,15 +142,17 @@ class Connection(asyncio.Protocol):
             asyncio.get_running_loop().call_soon(self.send_pushes)
         self._pushes[(code, header.get("group"))] = header
 
-    def send_pushes(self) -> None:
-        """Write the waiting pushes unless the client has much output still unread (then
-        they wait for ``resume_writing`` or the next sweep, coalescing meanwhile)."""
+    def send_pushes(self, force: bool = False) -> None:
+        """Write the waiting pushes, unless the client still has output unsent: then they
+        wait (coalescing) for the next sweep, which sends them anyway (``force``). A client
+        that does not read thus gets at most one push per group and sweep, not one per
+        change (each small write queued costs the broker far more than its bytes)."""
         if not self._pushes:
             return
         if self.closed or self.transport is None:
             self._pushes.clear()
             return
-        if self._write_paused or self.pending_output() >= PUSH_WATER:
+        if not force and self.pending_output():
             return
         pushes, self._pushes = self._pushes, {}
         for (code, _group), header in pushes.items():

@@ -116,7 +116,7 @@ class ConnectionGuard:
         for conn in conns:
             if conn.closed:
                 continue
-            conn.send_pushes()  # pushes held back while the client was not reading
+            conn.send_pushes(force=True)  # pushes held back while output was unsent
             # read timeout: a frame started (bytes buffered) and not completed since
             if read_to > 0 and conn.decoder.buffered and not conn.reading_paused:
                 if conn.partial_at is None or conn.partial_mark != conn.frames_in:
