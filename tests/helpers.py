@@ -43,14 +43,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_broker(data_dir: str, *args: str, port: int | None = None
-                 ) -> tuple[subprocess.Popen[bytes], str]:
-    """Start ``onceq broker start`` in a child process and wait until it accepts."""
+def spawn_broker(data_dir: str, *args: str, port: int | None = None,
+                 preexec_fn: Any = None) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``onceq broker start`` in a child process and wait until it accepts
+    (``preexec_fn`` runs in the child before it starts, e.g. to lower its fd limit)."""
     port = port or free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "onceq.cli.main", "broker", "start", "--data-dir", data_dir,
          "--port", str(port), "--log-level", "WARNING", *args],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ},
+        preexec_fn=preexec_fn,
     )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
