@@ -318,3 +318,40 @@ async def test_connection_cap_follows_the_fd_limit(tmp_path):
         assert g.capacity() == g.fd_limit - g.fd_reserve - g.own_fds
         g.max_connections = 10
         assert g.capacity() == min(10, g.fd_limit - g.fd_reserve - g.own_fds)
+
+
+async def test_a_client_cannot_park_pulls_without_bound(tmp_path, caplog):
+    """Each held pull counts HELD_PULL_COST bytes against the output limit: a client that
+    parks more is dropped, and its held pulls with it."""
+    from onceq.broker.connection import HELD_PULL_COST
+
+    limit = 10 * 1024 * 1024
+    async with running_broker(str(tmp_path / "d"), max_output_bytes=limit,
+                              max_pull_bytes=1024 * 1024) as broker:
+        addr = f"127.0.0.1:{broker.port}"
+        async with Admin(addr) as admin:
+            await admin.create_topic("T", 4)
+        most = limit // HELD_PULL_COST
+        ok = await Raw.open(broker.port)  # right at the bound: kept
+        await ok.write(b"".join(encode_frame(REQUEST, RequestCode.PULL, i, {
+            "topic": "T", "queue": i % 4, "offset": 0, "suspend_ms": 5000})
+            for i in range(1, most + 1)))
+        greedy = await Raw.open(broker.port)
+        await greedy.write(b"".join(encode_frame(REQUEST, RequestCode.PULL, i, {
+            "topic": "T", "queue": i % 4, "offset": 0, "suspend_ms": 5000})
+            for i in range(1, most + 100)))
+        assert await closed_within(greedy, 5.0) < 5.0
+        assert any("too many held pulls" in r.getMessage() for r in caplog.records)
+        assert sum(len(v) for v in broker.holds.held.values()) == most
+        assert broker_side(broker, ok).held_pulls == most
+        async with Producer(addr) as p:  # one message answers the pulls of its queue
+            await p.send("T", b"x", queue=0)
+        got = 0
+        while got < most // 4:
+            code, _corr, hdr, _p = await ok.read_frame(5.0)
+            assert code == 0 and hdr["n"] == 1
+            got += 1
+        assert broker_side(broker, ok).held_pulls == most - most // 4
+        await ok.close()
+        await asyncio.sleep(0.1)
+        assert not broker.holds.held

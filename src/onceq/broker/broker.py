@@ -247,7 +247,7 @@ class Broker:
                 await asyncio.sleep(1.0)
 
     def _sweep_connections(self) -> None:
-        self.guard.sweep(self.connections, self.holds.connections)
+        self.guard.sweep(self.connections)
 
     def _expire_members(self) -> None:
         for group, cid in self.groups.expire(self.clock()):

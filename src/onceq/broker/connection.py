@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("onceq.broker")
 
+# what one held pull costs the broker (request, timer, its answer's header), counted
+# against ``max_output``: a client cannot park pulls without bound either
+HELD_PULL_COST = 2048
 HIGH_WATER = WRITE_HIGH_WATER  # stop dispatching a client's requests above this much output
 _FLUSH_AT = 256 * 1024
 
@@ -38,6 +41,7 @@ class Connection(asyncio.Protocol):
         # GROUP_CHANGED and other pushes not sent yet, the latest per (code, group)
         self._pushes: dict[tuple[int, Any], dict[str, Any]] = {}
         self.deferred_pulls = False  # held pulls kept waiting while writing was paused
+        self.held_pulls = 0  # long-poll pulls of this client held by the broker
         # counters and marks for the periodic sweep (broker/limits.py)
         self.activity = 0  # reads, and resumed writing (the client read our answers)
         self.frames_in = 0
@@ -143,16 +147,17 @@ class Connection(asyncio.Protocol):
         self._pushes[(code, header.get("group"))] = header
 
     def send_pushes(self, force: bool = False) -> None:
-        """Write the waiting pushes, unless the client still has output unsent: then they
-        wait (coalescing) for the next sweep, which sends them anyway (``force``). A client
-        that does not read thus gets at most one push per group and sweep, not one per
-        change (each small write queued costs the broker far more than its bytes)."""
+        """Write the waiting pushes (with the frames of this loop pass), unless the socket
+        still has output unsent: then they wait (coalescing) for the next sweep, which sends
+        them anyway (``force``). A client that does not read thus gets at most one push per
+        group and sweep, not one per change (each small write queued costs the broker far
+        more than its bytes)."""
         if not self._pushes:
             return
         if self.closed or self.transport is None:
             self._pushes.clear()
             return
-        if not force and self.pending_output():
+        if not force and self.transport.get_write_buffer_size():
             return
         pushes, self._pushes = self._pushes, {}
         for (code, _group), header in pushes.items():
@@ -170,16 +175,19 @@ class Connection(asyncio.Protocol):
             self._flush()  # large answers: hand them over now (backpressure sees them)
 
     def _flush(self) -> None:
-        if self._out and not self.closed and self.transport is not None:
-            out = self._out
-            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
-            if self._write_paused:
-                self._out = []
-                self._out_size = 0
-                self._check_output()
-                return
+        out = self._out
         self._out = []
         self._out_size = 0
+        if out and not self.closed and self.transport is not None:
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+            if self._write_paused:  # above the high-water mark: is it above the limit?
+                self._check_output()
+
+    def held_pull_added(self) -> None:
+        if self.held_pulls * HELD_PULL_COST > self.max_output:
+            self.abort(f"too many held pulls: {self.held_pulls} held, each counted as "
+                       f"{HELD_PULL_COST} bytes against the output limit of {self.max_output} "
+                       f"bytes", logging.WARNING)
 
     def _check_output(self) -> None:
         """A client with more than ``max_output`` bytes queued is a slow consumer: drop it

@@ -22,7 +22,7 @@ import os
 import resource
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .connection import Connection
@@ -105,14 +105,12 @@ class ConnectionGuard:
         return False
 
     # ------------------------------------------------------------------ the sweep
-    def sweep(self, connections: Iterable[Connection],
-              held_connections: Callable[[], set[Any]]) -> None:
+    def sweep(self, connections: Iterable[Connection]) -> None:
         """Close connections past their read or idle timeout; flush waiting pushes."""
         conns = list(connections)
         self.measure(len(conns))
         now = self.clock()
         read_to, idle_to = self.read_timeout_s, self.idle_timeout_s
-        idle_candidates: list[Connection] = []
         for conn in conns:
             if conn.closed:
                 continue
@@ -132,13 +130,8 @@ class ConnectionGuard:
             if idle_to > 0:
                 if conn.active_mark != conn.activity:
                     conn.active_mark, conn.active_at = conn.activity, now
-                elif now - conn.active_at >= idle_to:
-                    idle_candidates.append(conn)
-        if idle_candidates:
-            waiting = held_connections()  # a held long-poll pull is not idleness
-            for conn in idle_candidates:
-                if conn in waiting:
+                elif conn.held_pulls:  # waiting for a held long-poll pull is not idleness
                     conn.active_at = now
-                else:
+                elif now - conn.active_at >= idle_to:
                     conn.abort(f"idle for {now - conn.active_at:.1f}s (limit {idle_to:g}s)",
                                logging.INFO)
