@@ -274,6 +274,20 @@ def test_output_limit_must_exceed_a_pull_answer(tmp_path):
     BrokerConfig(small_store(str(tmp_path)), max_output_bytes=17 * 1024 * 1024).validate()
 
 
+def test_input_budget_default_and_bounds(tmp_path):
+    from onceq.broker.config import BrokerConfig
+    from tests.helpers import small_store
+
+    cfg = BrokerConfig(small_store(str(tmp_path)))  # max_body 64 KiB
+    assert cfg.input_budget() == 256 * 1024 * 1024
+    big = BrokerConfig(small_store(str(tmp_path), max_body=100 * 1024 * 1024,
+                                   segment_size=200 * 1024 * 1024))
+    assert big.input_budget() == 4 * (100 * 1024 * 1024 + 64 * 1024)
+    with pytest.raises(ValueError, match="max_input_buffer_bytes"):
+        BrokerConfig(small_store(str(tmp_path)), max_input_buffer_bytes=200_000).validate()
+    BrokerConfig(small_store(str(tmp_path)), max_input_buffer_bytes=262_144).validate()
+
+
 # ================================================================ connection cap
 async def test_connection_cap_refuses_with_a_clear_error(tmp_path, caplog):
     async with running_broker(str(tmp_path / "d"), max_connections=3) as broker:
@@ -355,3 +369,38 @@ async def test_a_client_cannot_park_pulls_without_bound(tmp_path, caplog):
         await ok.close()
         await asyncio.sleep(0.1)
         assert not broker.holds.held
+
+
+async def test_partial_frames_of_all_connections_share_one_budget(tmp_path):
+    """Eight connections send a frame of the largest size minus one byte. Once their partial
+    frames fill the input budget, the broker stops reading connections that add to it (each
+    holds at most what it had plus one read); the read timeout closes the stalled senders,
+    and a producer that had to wait is read again and served."""
+    max_body = 1024 * 1024
+    max_frame = max_body + 64 * 1024
+    budget = 2 * max_frame
+    async with running_broker(str(tmp_path / "d"),
+                              store_kw={"max_body": max_body, "segment_size": 4 * max_body},
+                              max_input_buffer_bytes=budget, read_timeout_s=1.0,
+                              idle_timeout_s=30) as broker:
+        addr = f"127.0.0.1:{broker.port}"
+        async with Admin(addr) as admin:
+            await admin.create_topic("T", 1)
+        guard = broker.guard
+        stalled = [await Raw.open(broker.port) for _ in range(8)]
+        for r in stalled:
+            r.writer.write(raw_frame(max_frame) + b"\0" * (max_frame - 12 - 1))
+        await asyncio.sleep(0.3)
+        assert guard.input_buffered > budget // 2
+        # at most one socket read (256 KiB) each past the budget, not one frame each
+        assert guard.input_buffered <= budget + 8 * 256 * 1024 < 8 * max_frame
+        assert guard.blocked
+        async with Producer(addr, send_timeout=5.0) as p:
+            r = await p.send("T", b"v" * 600_000, queue=0)  # waits for the budget
+        assert r.offset == 0
+        times = await asyncio.gather(*(closed_within(s, 5.0) for s in stalled))
+        assert max(times) < 4.0
+        await asyncio.sleep(0.1)
+        assert guard.input_buffered == 0 and not guard.blocked
+        async with PullConsumer(addr, "g") as c:
+            assert (await c.pull("T", 0, 0, 1)).messages[0].body == b"v" * 600_000

@@ -99,7 +99,8 @@ class Broker:
         self.store = MessageStore(config.store, clock, files)
         self.connections: set[Connection] = set()
         self.guard = ConnectionGuard(config.max_connections, config.fd_reserve,
-                                     config.read_timeout_s, config.idle_timeout_s)
+                                     config.read_timeout_s, config.idle_timeout_s,
+                                     max_input=config.input_budget())
         self.groups = GroupRegistry(config.heartbeat_expiry_s, self._on_group_change)
         self.holds = PullHold(self._retry_pull)
         self.transition = TransitionLock(

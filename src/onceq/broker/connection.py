@@ -33,6 +33,9 @@ class Connection(asyncio.Protocol):
         self.peer = "?"
         self.client_ids: set[str] = set()
         self.refused = False  # over the connection cap: answered and closed at once
+        self.guard = broker.guard
+        self.buffered = 0  # bytes of a partial frame, counted in guard.input_buffered
+        self.input_blocked = False  # not read while partial frames take the whole budget
         self._backlog: deque[tuple[int, int, int, int, bytes, bytes]] = deque()
         self._broken: ProtocolError | None = None
         self._write_paused = False
@@ -69,17 +72,48 @@ class Connection(asyncio.Protocol):
         if self.closed or self._broken is not None:
             return
         self.activity += 1
-        self.decoder.feed(data)
+        decoder = self.decoder
+        decoder.feed(data)
         try:
-            frames = self.decoder.frames()
+            frames = decoder.frames()
         except ProtocolError as exc:
             self._broken = exc
         else:
             self.frames_in += len(frames)
             self._backlog.extend(frames)
-            if self.decoder.broken is not None:
-                self._broken = self.decoder.broken  # after the frames before it
+            if decoder.broken is not None:
+                self._broken = decoder.broken  # after the frames before it
+        buffered = decoder.buffered
+        if buffered != self.buffered:
+            guard = self.guard
+            guard.input_buffered += buffered - self.buffered
+            if buffered > self.buffered and guard.input_buffered > guard.max_input:
+                self.block_input()
+            self.buffered = buffered
         self._drain()
+
+    def block_input(self) -> None:
+        """Stop reading: partial frames of all connections hold the whole input budget.
+        It is read again once the total is below the budget (``guard.unblock``, on every
+        sweep and connection end); its read timeout keeps running meanwhile."""
+        if not self.input_blocked and self.transport is not None and not self.closed:
+            self.input_blocked = True
+            self.guard.blocked.add(self)
+            self.transport.pause_reading()
+
+    def unblock_input(self) -> None:
+        self.input_blocked = False
+        if self.transport is not None and not self.closed and not self._write_paused:
+            self.transport.resume_reading()
+
+    def _forget_input(self) -> None:
+        """The connection ends: its partial frame no longer counts."""
+        guard = self.guard
+        guard.input_buffered -= self.buffered
+        self.buffered = 0
+        self.input_blocked = False
+        guard.blocked.discard(self)
+        guard.unblock()
 
     def _drain(self) -> None:
         """Dispatch decoded frames until the client stops reading our answers.
@@ -96,11 +130,6 @@ class Connection(asyncio.Protocol):
             dispatch(self, kind, code, corr_id, header, payload)
         if not backlog and self._broken is not None and not self.closed:
             self._protocol_error(self._broken)
-
-    @property
-    def reading_paused(self) -> bool:
-        """True while the broker does not read this client (it does not read its answers)."""
-        return self._write_paused
 
     @property
     def write_paused(self) -> bool:
@@ -120,7 +149,8 @@ class Connection(asyncio.Protocol):
         self._write_paused = False
         if self.transport is not None and not self.closed:
             self.activity += 1  # the client reads: not idle
-            self.transport.resume_reading()
+            if not self.input_blocked:
+                self.transport.resume_reading()
             self.send_pushes()
             if self.deferred_pulls:  # answers that waited for the client to read
                 self.deferred_pulls = False
@@ -220,4 +250,5 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if not self.refused:
+            self._forget_input()
             self.broker.on_disconnect(self)

@@ -59,7 +59,8 @@ def sweep_interval(read_timeout_s: float, idle_timeout_s: float) -> float:
 
 class ConnectionGuard:
     def __init__(self, max_connections: int, fd_reserve: int, read_timeout_s: float,
-                 idle_timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+                 idle_timeout_s: float, clock: Callable[[], float] = time.monotonic,
+                 max_input: int = 1 << 62) -> None:
         self.max_connections = max_connections  # 0: only the file-descriptor bound
         self.fd_reserve = fd_reserve
         self.read_timeout_s = read_timeout_s
@@ -69,6 +70,11 @@ class ConnectionGuard:
         self.fd_limit = fd_limit()
         self.own_fds = 0  # descriptors not held by client connections (store, sockets...)
         self.refused = 0  # refused connections, total
+        # partial frames of all connections: above max_input, connections adding to it
+        # are not read until the total is below again (checked on every sweep)
+        self.max_input = max_input
+        self.input_buffered = 0
+        self.blocked: set[Connection] = set()
         self._refused_unlogged = 0
         self._refusal_logged_at = -REFUSAL_LOG_EVERY_S
 
@@ -104,19 +110,30 @@ class ConnectionGuard:
             self._refused_unlogged = 0
         return False
 
+    # ------------------------------------------------------------------ input budget
+    def unblock(self) -> None:
+        """Read the blocked connections again once partial frames fit the budget."""
+        if self.blocked and self.input_buffered <= self.max_input:
+            blocked, self.blocked = self.blocked, set()
+            for conn in blocked:
+                conn.unblock_input()
+
     # ------------------------------------------------------------------ the sweep
     def sweep(self, connections: Iterable[Connection]) -> None:
         """Close connections past their read or idle timeout; flush waiting pushes."""
         conns = list(connections)
         self.measure(len(conns))
         now = self.clock()
+        self.unblock()
         read_to, idle_to = self.read_timeout_s, self.idle_timeout_s
         for conn in conns:
             if conn.closed:
                 continue
             conn.send_pushes(force=True)  # pushes held back while output was unsent
-            # read timeout: a frame started (bytes buffered) and not completed since
-            if read_to > 0 and conn.decoder.buffered and not conn.reading_paused:
+            # read timeout: a frame started (bytes buffered) and not completed since; not
+            # while the client does not read our answers (we do not read it then), but
+            # while the input budget is full (else stalled senders would keep it full)
+            if read_to > 0 and conn.decoder.buffered and not conn.write_paused:
                 if conn.partial_at is None or conn.partial_mark != conn.frames_in:
                     conn.partial_at, conn.partial_mark = now, conn.frames_in
                 elif now - conn.partial_at >= read_to:

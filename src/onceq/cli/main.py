@@ -73,6 +73,11 @@ def broker() -> None:
                    "reserve).")
 @click.option("--fd-reserve", default=128, show_default=True, type=click.IntRange(16),
               help="File descriptors always left free for the broker's own files.")
+@click.option("--max-input-buffer-bytes", default=0, show_default=True,
+              type=click.IntRange(0),
+              help="Bytes of incomplete frames buffered for all connections together; "
+                   "above, connections adding to it wait (0: the larger of 256 MiB and "
+                   "four frames of the largest size).")
 @click.option("--log-level", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
 def broker_start(data_dir: str, host: str, port: int, flush: str, flush_interval_ms: int,
@@ -80,7 +85,8 @@ def broker_start(data_dir: str, host: str, port: int, flush: str, flush_interval
                  retention_bytes: int, dedup_window: float, auto_create_topics: bool,
                  access_lock: bool, access_lock_restore_hold: float, delay_levels: str | None,
                  max_output_bytes: int, read_timeout: float, idle_timeout: float,
-                 max_connections: int, fd_reserve: int, log_level: str) -> None:
+                 max_connections: int, fd_reserve: int, max_input_buffer_bytes: int,
+                 log_level: str) -> None:
     """Start a broker in the foreground (SIGTERM or Ctrl-C flushes and stops it)."""
     from ..broker.server import run
 
@@ -94,7 +100,7 @@ def broker_start(data_dir: str, host: str, port: int, flush: str, flush_interval
                        access_lock_restore_hold_s=access_lock_restore_hold,
                        max_output_bytes=max_output_bytes, read_timeout_s=read_timeout,
                        idle_timeout_s=idle_timeout, max_connections=max_connections,
-                       fd_reserve=fd_reserve)
+                       fd_reserve=fd_reserve, max_input_buffer_bytes=max_input_buffer_bytes)
     if delay_levels is not None:
         cfg.delay_levels = delay_levels
     try:
