@@ -241,3 +241,88 @@ async def test_connection_cap_with_a_low_fd_limit(tmp_path):
 async def _new_ping(addr: str) -> None:
     async with Admin(addr) as a:
         await a.ping()
+
+
+async def test_large_partial_frames_slowloris_and_idle_connections(tmp_path):
+    """100 connections send a frame of the largest size minus one byte, 5 trickle a frame a
+    byte at a time, one sends nothing: the input budget bounds the broker's RSS, the read and
+    idle timeouts close them all, and a push consumer (heartbeats, held pulls) stays
+    connected and keeps consuming."""
+    from onceq.client.push import PushConsumer
+
+    max_body = MB
+    max_frame = max_body + 64 * 1024
+    budget = 8 * MB
+    bound = 64 * MB  # without the budget: 100 x 1.06 MiB held at once
+    proc, addr = spawn_broker(str(tmp_path / "d"), "--max-body", str(max_body),
+                              "--segment-size", str(16 * MB), "--read-timeout", "2",
+                              "--idle-timeout", "3", "--max-input-buffer-bytes", str(budget))
+    got: list[bytes] = []
+    consumer = None
+    try:
+        port = int(addr.rsplit(":", 1)[1])
+        async with Admin(addr) as admin:
+            await admin.create_topic("T", 2)
+
+        async def listener(msgs, ctx):
+            got.extend(m.body for m in msgs)
+
+        consumer = PushConsumer(addr, "G", listener, consume_from="FIRST",
+                                heartbeat_interval_s=1.0, pull_suspend_s=15.0)
+        consumer.subscribe("T", "*")
+        await consumer.start()
+        async with Admin(addr) as admin:
+            for _ in range(100):
+                members = await admin.group_members("G")
+                if members:
+                    break
+                await asyncio.sleep(0.05)
+            (member,) = members
+        base = status(proc.pid)
+        t0 = time.monotonic()
+        big = [await Raw.open(port) for _ in range(100)]
+        frame = encode_frame(REQUEST, RequestCode.PING, 1)
+        for r in big:
+            r.writer.write((max_frame).to_bytes(4, "little") + frame[4:16]
+                           + b"\0" * (max_frame - 12 - 1))
+        slow = [await Raw.open(port) for _ in range(5)]
+        idle = await Raw.open(port)
+
+        async def trickle(r: Raw) -> None:
+            data = encode_frame(REQUEST, RequestCode.PING, 1, {"pad": "x" * 100})
+            with contextlib.suppress(ConnectionError):
+                for b in data:
+                    r.writer.write(bytes([b]))
+                    await asyncio.sleep(0.5)
+
+        trickles = [asyncio.create_task(trickle(r)) for r in slow]
+        closed = await asyncio.gather(*(wait_closed(r, 8.0) for r in big + slow + [idle]))
+        took = time.monotonic() - t0
+        for t in trickles:
+            t.cancel()
+        peak = status(proc.pid)
+        grown = peak["VmHWM"] - base["VmHWM"]
+        print(f"{sum(closed)}/106 closed in {took:.1f}s; RSS {base['VmRSS'] / MB:.0f} MiB, "
+              f"peak +{grown / MB:.0f} MiB")
+        assert all(closed)
+        assert grown < bound
+        # the consumer is still the same member (its connection was never closed)
+        async with Producer(addr) as p:
+            for i in range(10):
+                await p.send("T", f"after-{i}".encode())
+        for _ in range(100):
+            if len(got) >= 10:
+                break
+            await asyncio.sleep(0.05)
+        assert sorted(got) == sorted(f"after-{i}".encode() for i in range(10))
+        async with Admin(addr) as admin:
+            (now,) = await admin.group_members("G")
+        assert (now["client"], now["peer"]) == (member["client"], member["peer"])
+        for r in big + slow + [idle]:
+            await r.close()
+    finally:
+        if consumer is not None:
+            await consumer.shutdown()
+        if proc.poll() is None:
+            log = stop(proc)
+            assert "read timeout" in log
