@@ -404,3 +404,32 @@ async def test_partial_frames_of_all_connections_share_one_budget(tmp_path):
         assert guard.input_buffered == 0 and not guard.blocked
         async with PullConsumer(addr, "g") as c:
             assert (await c.pull("T", 0, 0, 1)).messages[0].body == b"v" * 600_000
+
+
+async def test_closed_connection_whose_client_does_not_read_is_aborted(tmp_path, monkeypatch):
+    """A protocol error closes the connection after its answers are sent; a client that never
+    reads them would keep the socket (and its buffer) forever: aborted after a grace time."""
+    from onceq.broker import limits
+
+    monkeypatch.setattr(limits, "CLOSE_GRACE_S", 0.5)
+    async with running_broker(str(tmp_path / "d"), **FAST) as broker:
+        addr = f"127.0.0.1:{broker.port}"
+        async with Admin(addr) as admin:
+            await admin.create_topic("bulk", 1)
+        async with Producer(addr) as p:
+            for _ in range(20):
+                await p.send("bulk", b"B" * 60_000)
+        raw = await open_raw(broker.port, rcvbuf=4096)
+        conn = None
+        pulls = b"".join(encode_frame(REQUEST, RequestCode.PULL, i, {
+            "topic": "bulk", "queue": 0, "offset": 0}) for i in range(1, 6))  # ~6 MB
+        await raw.write(pulls + raw_frame(1 << 31))  # then a frame above the limit
+        await asyncio.sleep(0.1)
+        (conn,) = list(broker.connections)
+        assert conn.closed and conn.pending_output() > 0  # closing, output not read
+        t0 = time.monotonic()
+        while broker.connections and time.monotonic() - t0 < 5:
+            await asyncio.sleep(0.05)
+        assert not broker.connections
+        assert 0.4 <= time.monotonic() - t0 < 3
+        await raw.close()

@@ -52,6 +52,7 @@ class Connection(asyncio.Protocol):
         self.active_at = 0.0
         self.partial_mark = -1
         self.partial_at: float | None = None
+        self.closed_at: float | None = None  # closed by the broker, output still unsent
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -241,9 +242,12 @@ class Connection(asyncio.Protocol):
             self.transport.abort()
 
     def close(self) -> None:
+        """Close once the output is sent (the sweep aborts it if the client does not read
+        that output within ``CLOSE_GRACE_S``)."""
         if not self.closed:
             self._flush()
             self.closed = True
+            self.closed_at = self.guard.clock()
             if self.transport is not None:
                 self.transport.close()
 

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("onceq.broker")
 
 REFUSAL_LOG_EVERY_S = 10.0  # at most one log line about refused connections per period
+CLOSE_GRACE_S = 10.0  # a closed connection whose client does not read its last answers
 _FD_DIRS = ("/proc/self/fd", "/dev/fd")
 
 
@@ -128,6 +129,14 @@ class ConnectionGuard:
         read_to, idle_to = self.read_timeout_s, self.idle_timeout_s
         for conn in conns:
             if conn.closed:
+                # closed by the broker (protocol error, shutdown) but the client does not
+                # read the last answers: the transport would wait for it forever
+                if (conn.closed_at is not None and now - conn.closed_at >= CLOSE_GRACE_S
+                        and conn.transport is not None):
+                    log.info("closing connection %s: its last answers were not read within "
+                             "%gs", conn.peer, CLOSE_GRACE_S)
+                    conn.transport.abort()
+                    conn.closed_at = None
                 continue
             conn.send_pushes(force=True)  # pushes held back while output was unsent
             # read timeout: a frame started (bytes buffered) and not completed since; not
