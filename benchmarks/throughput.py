@@ -37,13 +37,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_broker(data_dir: str, flush: str) -> tuple[subprocess.Popen, str]:
+def start_broker(data_dir: str, flush: str, extra: list[str] | None = None
+                 ) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     os.makedirs(data_dir, exist_ok=True)
     err = open(os.path.join(data_dir, "broker.err"), "w+")  # noqa: SIM115 - read on failure
     proc = subprocess.Popen(
         [sys.executable, "-m", "onceq.cli.main", "broker", "start", "--data-dir", data_dir,
-         "--port", str(port), "--flush", flush, "--log-level", "WARNING"],
+         "--port", str(port), "--flush", flush, "--log-level", "WARNING", *(extra or [])],
         stdout=subprocess.DEVNULL, stderr=err,
     )
     deadline = time.monotonic() + 30

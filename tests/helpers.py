@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -44,15 +45,20 @@ def free_port() -> int:
 
 
 def spawn_broker(data_dir: str, *args: str, port: int | None = None,
-                 preexec_fn: Any = None) -> tuple[subprocess.Popen[bytes], str]:
-    """Start ``onceq broker start`` in a child process and wait until it accepts
-    (``preexec_fn`` runs in the child before it starts, e.g. to lower its fd limit)."""
+                 fd_limit: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``onceq broker start`` in a child process and wait until it accepts;
+    ``fd_limit``: the child's limit on open file descriptors (``ulimit -n``)."""
     port = port or free_port()
+
+    def limit_fds() -> None:
+        if fd_limit is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit))
+
     proc = subprocess.Popen(
         [sys.executable, "-m", "onceq.cli.main", "broker", "start", "--data-dir", data_dir,
          "--port", str(port), "--log-level", "WARNING", *args],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ},
-        preexec_fn=preexec_fn,
+        preexec_fn=limit_fds,
     )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

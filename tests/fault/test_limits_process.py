@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import resource
 import signal
 import socket
 import time
@@ -155,12 +154,6 @@ async def test_group_changed_flood_to_non_reading_members_rss_bounded(tmp_path):
             stop(proc)
 
 
-def _low_fd_limit(n: int):
-    def apply() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
-    return apply
-
-
 async def test_connection_cap_with_a_low_fd_limit(tmp_path):
     """The broker runs with 256 file descriptors; 400 clients connect and stay idle. Those
     above the cap get TOO_MANY_CONNECTIONS; earlier clients keep working; the broker creates
@@ -168,7 +161,7 @@ async def test_connection_cap_with_a_low_fd_limit(tmp_path):
     lost across a restart."""
     data = str(tmp_path / "d")
     proc, addr = spawn_broker(data, "--segment-size", str(MB), "--max-body", str(200_000),
-                              preexec_fn=_low_fd_limit(256))
+                              fd_limit=256)
     raws: list[Raw] = []
     try:
         port = int(addr.rsplit(":", 1)[1])

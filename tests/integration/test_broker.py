@@ -622,7 +622,9 @@ async def test_sync_send_in_flight_at_stop_is_answered(tmp_path, monkeypatch):
             b"at shutdown"]
 
 
-async def test_failed_fsync_is_not_acknowledged(tmp_path, monkeypatch):
+async def test_failed_fsync_is_not_acknowledged_and_stops_writes(tmp_path, monkeypatch):
+    """A failed fsync is never retried (its pages' state is unknown): the waiting send gets
+    STORAGE_ERROR, its record is removed, and writes are refused until a restart."""
     import onceq.broker.flush as flush_mod
 
     real = flush_mod._fsync_all
@@ -638,17 +640,24 @@ async def test_failed_fsync_is_not_acknowledged(tmp_path, monkeypatch):
     async with running_broker(str(tmp_path), {"flush": "sync"}) as b:
         addr = f"127.0.0.1:{b.port}"
         await _topic(addr, "T", 1)
-        monkeypatch.setattr(flush_mod, "_fsync_all", failing_fsync)
         async with Producer(addr, retries=0) as p:
+            await p.send("T", Message(b"kept", unique_key="GOOD-KEY"))
+            monkeypatch.setattr(flush_mod, "_fsync_all", failing_fsync)
             with pytest.raises(OnceqError) as ei:
                 await p.send("T", Message(b"m", unique_key="FSYNC-KEY"))
-            assert ei.value.code == ErrorCode.FLUSH_TIMEOUT and ei.value.retriable
-            # the producer's retry is recognised and acknowledged after a good fsync that
-            # covers the segment of the failed one again
+            assert ei.value.code == ErrorCode.STORAGE_ERROR and ei.value.retriable
+            with pytest.raises(OnceqError) as ei:  # no new write, not even the retry
+                await p.send("T", Message(b"m", unique_key="FSYNC-KEY"))
+            assert ei.value.code == ErrorCode.STORAGE_ERROR
+            assert "restart" in ei.value.message
+        assert len(calls) == 1  # the failed fsync was not tried again
+        assert [m.body for m in await _read_queue(addr, "T", 0)] == [b"kept"]  # reads go on
+    async with running_broker(str(tmp_path), {"flush": "sync"}) as b:
+        addr = f"127.0.0.1:{b.port}"
+        assert [m.body for m in await _read_queue(addr, "T", 0)] == [b"kept"]
+        async with Producer(addr, retries=0) as p:  # writes accepted again after a restart
             r = await p.send("T", Message(b"m", unique_key="FSYNC-KEY"))
-        assert r.duplicate and r.offset == 0
-        assert calls[0][0] in calls[1]
-        assert len(await _read_queue(addr, "T", 0)) == 1
+        assert not r.duplicate and r.offset == 1
 
 
 # ================================================================ dedup

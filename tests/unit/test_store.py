@@ -605,3 +605,33 @@ def test_config_validation(tmp_path):
         cfg.update(kw)
         with pytest.raises(ValueError):
             MessageStore(StoreConfig(str(tmp_path), **cfg))
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_many_queues_through_a_small_cache_of_open_index_files(tmp_path):
+    """200 queues, 3 index files each, at most 4 index files open: every message is read
+    back at its offset before and after a reopen, and open descriptors do not grow."""
+    before = _open_fds()
+    store = open_store(tmp_path, max_open_index_files=4)
+    store.create_topic("many", 200)
+    for round_ in range(3 * PER_FILE):
+        for q in range(200):
+            store.put("many", q, [part(round_ * 1000 + q)])
+    assert len(store.open_files) <= 4
+    assert _open_fds() - before <= 4 + len(store.log.segments)
+    for q in (0, 99, 199):
+        assert [m.queue_offset for m in read_all(store, "many", q)] == list(range(3 * PER_FILE))
+    store.write_checkpoint()
+    store.close()
+    assert _open_fds() == before
+    store = open_store(tmp_path, max_open_index_files=4)
+    for q in range(200):
+        msgs = read_all(store, "many", q)
+        assert msgs[0].body.startswith(f"m{q}:".encode())
+        assert msgs[-1].body.startswith(f"m{(3 * PER_FILE - 1) * 1000 + q}:".encode())
+        assert [m.queue_offset for m in msgs] == list(range(3 * PER_FILE))
+    assert len(store.open_files) <= 4
+    store.close()

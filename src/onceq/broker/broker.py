@@ -14,6 +14,7 @@ from ..log.record import tag_hash
 from ..protocol.codes import PullStatus, PushCode, RequestCode
 from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.frame import REQUEST, decode_header, max_frame_for_body
+from ..storage.failures import storage_error
 from ..storage.files import OS_FILES, FileOps
 from ..storage.store import MessageStore, check_name
 from .config import BrokerConfig
@@ -190,6 +191,10 @@ class Broker:
                     await result
             except asyncio.CancelledError:
                 raise
+            except OSError as exc:  # a full or failing disk: one line per 10 s, no traceback
+                name = getattr(fn, "__name__", str(fn))
+                self.store.errors.error(f"task:{name}", "periodic task %s failed: %s",
+                                        name, exc)
             except Exception:
                 log.exception("periodic task %s failed", getattr(fn, "__name__", fn))
 
@@ -197,11 +202,12 @@ class Broker:
         # fsync of indexes and the checkpoint file run off the loop; the list of fds and the
         # end position are taken on the loop so they are consistent.
         store = self.store
+        if store.write_failure is not None:  # the log after the last checkpoint is suspect
+            return
         end = store.log.end
         if self.flusher is not None:
             await self.flusher.flush_now()
-        fds = [fd for cq in store.queues.values() for fd in cq.dirty_fds()]
-        await self._off_loop(store.checkpoint_at, end, fds)
+        await self._off_loop(store.checkpoint_at, end, store.dirty_index_files())
 
     async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run blocking file work in a thread. A cancelled caller does not stop the thread,
@@ -243,7 +249,8 @@ class Broker:
             try:
                 await self._off_loop(self.transition.write_file, self.transition.file_data())
             except OSError as exc:
-                log.error("cannot save the access locks: %s; retrying", exc)
+                self.store.errors.error("locks", "cannot save the access locks: %s; "
+                                        "retrying", exc)
                 self._locks_dirty.set()
                 await asyncio.sleep(1.0)
 
@@ -307,6 +314,11 @@ class Broker:
             result = handler(conn, corr_id, header, payload)
         except OnceqError as exc:
             conn.respond(corr_id, int(exc.code), {"message": exc.message})
+            return
+        except OSError as exc:  # disk trouble outside the store's own handling: no trace
+            err = storage_error(exc, "the request failed")
+            self.store.errors.error(f"request:{code}", "request %s failed: %s", code, exc)
+            conn.respond(corr_id, int(err.code), {"message": err.message})
             return
         except Exception as exc:
             log.exception("request %s failed", code)
@@ -533,7 +545,11 @@ class Broker:
         holds = []
         for name, subs, model, meta, held in checked:
             if model == CLUSTERING and self.retry is not None:
-                self.retry.ensure_group_topics(name)
+                try:
+                    self.retry.ensure_group_topics(name)
+                except OnceqError as exc:  # a full disk: created by a later heartbeat
+                    if not exc.retriable:
+                        raise
             self.groups.heartbeat(name, client, conn, model, subs, now, meta)
             # the queues the member holds (after a reconnect: restore the access lock)
             if held is not None and self.transition.applies(name, client):
@@ -625,10 +641,12 @@ class Broker:
 
     def h_broker_status(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
                         ) -> Response:
-        """Store health: log range, flush policy, damaged positions and offsets."""
+        """Store health: log range, flush policy, damaged positions and offsets, whether
+        writes are accepted."""
         store = self.store
         return 0, {"log_start": store.log.start, "log_end": store.log.end,
-                   "flush": self.config.store.flush, "damaged": store.damaged()}, b""
+                   "flush": self.config.store.flush, "damaged": store.damaged(),
+                   "writes": store.write_state()}, b""
 
     def _on_internal_put(self, topic: str, queue: int) -> None:
         self.holds.notify((topic, queue))

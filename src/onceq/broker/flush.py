@@ -6,6 +6,12 @@ a send is acknowledged once its bytes are in the page cache (like Redis/NATS def
 ``sync``: a send is acknowledged only after an fsync that covers its bytes. Sends that
 arrive while an fsync is running wait for the next one, so concurrent sends share one fsync
 (group commit).
+
+A failed fsync is never retried: after it the state of the written pages is unknown (Linux
+may mark them clean and report the next fsync as a success). The store stops accepting
+writes until a restart (``MessageStore.fail_stop``); in ``sync`` mode the records after the
+last successful fsync, none of them acknowledged, are removed from the log and the indexes
+first, and the sends waiting for that fsync get ``STORAGE_ERROR``.
 """
 
 from __future__ import annotations
@@ -46,7 +52,6 @@ class Flusher:
         # still running in the first one (it would find no dirty fds and return at once).
         self._lock = asyncio.Lock()
         self._inflight: asyncio.Future[None] | None = None
-        self._retry_fds: set[int] = set()
         self.fsyncs = 0
 
     def start(self) -> None:
@@ -64,11 +69,13 @@ class Flusher:
 
     async def flush_now(self) -> None:
         async with self._lock:
-            target = self.store.log.end
-            fds = self.store.log.take_dirty()
-            if self._retry_fds:  # segments whose last fsync failed are synced again
-                fds = list(set(fds) | self._retry_fds)
-                self._retry_fds.clear()
+            store = self.store
+            if store.write_failure is not None:  # nothing after ``flushed`` is durable
+                self._fail(OnceqError(ErrorCode.STORAGE_ERROR, "not acknowledged: writes "
+                                      f"are refused until a restart ({store.write_failure})"))
+                return
+            target = store.log.end
+            fds = store.log.take_dirty()
             if fds:
                 fut = asyncio.get_running_loop().run_in_executor(None, _fsync_all, fds,
                                                                  self.store.files.fsync)
@@ -78,10 +85,13 @@ class Flusher:
                     # fsync still runs (``stop`` waits for it before the final flush)
                     await asyncio.shield(fut)
                 except OSError as exc:
-                    self._retry_fds.update(fds)
-                    # Never acknowledge bytes whose fsync failed: fail their waiters (the
-                    # producer retries; the dedup window answers with the stored result).
-                    self._fail(OnceqError(ErrorCode.FLUSH_TIMEOUT, f"fsync failed: {exc}"))
+                    # Never acknowledge bytes whose fsync failed, and never fsync them
+                    # again hoping for a success: stop writing (sync: remove the records
+                    # that were waiting for this fsync first)
+                    reason = f"fsync of the commit log failed: {exc}"
+                    store.fail_stop(reason, self.flushed if self.sync_policy else None)
+                    self._fail(OnceqError(ErrorCode.STORAGE_ERROR, f"{reason}: not "
+                                          "acknowledged; writes refused until a restart"))
                     raise
                 self.fsyncs += 1  # fsync rounds that had something to sync
             self.flushed = max(self.flushed, target)
@@ -116,7 +126,10 @@ class Flusher:
                     await self.flush_now()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # keep flushing; a failed fsync is retried next round
+            except OSError as exc:  # the store stopped writing (logged there)
+                log.debug("flush failed: %s", exc)
+                await asyncio.sleep(self.interval)
+            except Exception:
                 log.exception("flush failed")
                 await asyncio.sleep(self.interval)
 
@@ -129,6 +142,6 @@ class Flusher:
             await asyncio.wait([self._inflight])
         try:
             await self.flush_now()
-        except OSError:
-            log.exception("final flush failed")
+        except OSError as exc:
+            log.error("final flush failed: %s", exc)
         self._fail(OnceqError(ErrorCode.SHUTTING_DOWN, "broker stopped before the flush"))

@@ -179,6 +179,16 @@ class RetryService:
                         break
                     try:
                         self._deliver(m)
+                    except OnceqError as exc:
+                        if exc.retriable:
+                            # a full disk (or writes stopped): try again later, drop nothing
+                            store.errors.warning("retry-deliver", "cannot deliver scheduled "
+                                                 "retries now: %s", exc)
+                            next_due = min(next_due, 1.0)
+                            stop = True
+                            break
+                        log.error("dropping scheduled message %s at %s[%d]@%d: %s",
+                                  m.unique_key, SCHEDULE_TOPIC, level, m.queue_offset, exc)
                     except Exception:  # one bad message must not stop every retry behind it
                         log.exception("dropping scheduled message %s at %s[%d]@%d: it cannot "
                                       "be delivered", m.unique_key, SCHEDULE_TOPIC, level,

@@ -50,6 +50,10 @@ def broker() -> None:
               help="Delete the oldest segments above this total (0: no limit).")
 @click.option("--dedup-window", default=120.0, show_default=True, type=click.FloatRange(0),
               help="Seconds during which a retried send is recognised (0: off).")
+@click.option("--disk-max-used-ratio", default=0.90, show_default=True,
+              type=click.FloatRange(0, 1, min_open=True),
+              help="Refuse writes with DISK_FULL while the data directory's file system is "
+                   "used above this ratio (1: only when it is full).")
 @click.option("--auto-create-topics/--no-auto-create-topics", default=False, show_default=True)
 @click.option("--access-lock/--no-access-lock", default=True, show_default=True,
               help="Transition-state queue lock for CLUSTERING groups.")
@@ -82,7 +86,8 @@ def broker() -> None:
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
 def broker_start(data_dir: str, host: str, port: int, flush: str, flush_interval_ms: int,
                  segment_size: int, max_body: int, retention_hours: float,
-                 retention_bytes: int, dedup_window: float, auto_create_topics: bool,
+                 retention_bytes: int, dedup_window: float, disk_max_used_ratio: float,
+                 auto_create_topics: bool,
                  access_lock: bool, access_lock_restore_hold: float, delay_levels: str | None,
                  max_output_bytes: int, read_timeout: float, idle_timeout: float,
                  max_connections: int, fd_reserve: int, max_input_buffer_bytes: int,
@@ -94,7 +99,8 @@ def broker_start(data_dir: str, host: str, port: int, flush: str, flush_interval
     store = StoreConfig(data_dir, segment_size=segment_size, flush=flush,
                         flush_interval_ms=flush_interval_ms, max_body=max_body,
                         retention_hours=retention_hours, retention_bytes=retention_bytes,
-                        dedup_window_s=dedup_window)
+                        dedup_window_s=dedup_window,
+                        disk_max_used_ratio=disk_max_used_ratio)
     cfg = BrokerConfig(store, host=host, port=port, auto_create_topics=auto_create_topics,
                        access_lock=access_lock,
                        access_lock_restore_hold_s=access_lock_restore_hold,

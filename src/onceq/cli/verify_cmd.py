@@ -67,6 +67,11 @@ async def status(as_json: bool, broker: str) -> None:
         click.echo(json.dumps(st, indent=1))
         return
     click.echo(f"commit log [{st['log_start']}, {st['log_end']}), flush={st['flush']}")
+    w = st.get("writes")
+    if w is not None:
+        usage = f"disk {w['disk_used']:.0%} used, limit {w['disk_max_used']:.0%}"
+        click.echo(f"writes accepted ({usage})" if w["accepted"]
+                   else f"writes refused: {w['reason']} ({usage})")
     damaged = st["damaged"]
     for a, b in damaged.get("log", []):
         click.echo(f"damaged log positions [{a}, {b})")

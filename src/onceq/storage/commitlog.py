@@ -8,6 +8,7 @@ segments touched since the last sync. Reads use ``pread``. File calls go through
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -190,12 +191,22 @@ class CommitLog:
 
     # ---------------------------------------------------------------- segments
     def _new_segment(self, base: int) -> Segment:
+        """Create the segment file at ``base``; on failure remove it (when possible)."""
         path = os.path.join(self.dir, file_name(base))
         fs = self.files
         fd = fs.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        fs.write_all(fd, encode_file_header(LOG_MAGIC, base), 0)
-        fs.fsync(fd)
-        fs.fsync_dir(self.dir)
+        try:
+            fs.write_all(fd, encode_file_header(LOG_MAGIC, base), 0)
+            fs.fsync(fd)
+            fs.fsync_dir(self.dir)
+        except OSError:
+            # an empty file left behind is harmless: ``open`` rewrites its header and the
+            # next roll truncates it again
+            with contextlib.suppress(OSError):
+                fs.close(fd)
+            with contextlib.suppress(OSError):
+                fs.unlink(path)
+            raise
         seg = Segment(base, path, fd, 0)
         self.segments.append(seg)
         return seg
@@ -231,6 +242,32 @@ class CommitLog:
         self.files.write_all(seg.fd, data, FILE_HEADER_SIZE + seg.size)
         seg.size += len(data)
         self._dirty.add(seg.fd)
+
+    def truncate_to(self, position: int) -> None:
+        """Undo every write at and after ``position`` (a failed write's rollback).
+
+        Segments starting at or after ``position`` (created by a roll of the failed write)
+        are deleted; the segment holding ``position`` is cut there and fsynced, so the
+        undone bytes cannot come back after a power cut either. Raises ``OSError`` when the
+        file system refuses: the caller must then stop writing.
+        """
+        fs = self.files
+        dropped = False
+        while len(self.segments) > 1 and self.segments[-1].base >= position:
+            seg = self.segments[-1]
+            fs.unlink(seg.path)
+            self.segments.pop()
+            self._dirty.discard(seg.fd)
+            with contextlib.suppress(OSError):
+                fs.close(seg.fd)
+            dropped = True
+        if dropped:
+            fs.fsync_dir(self.dir)
+        seg = self.segments[-1]
+        keep = max(0, position - seg.base)
+        fs.ftruncate(seg.fd, FILE_HEADER_SIZE + keep)
+        fs.fsync(seg.fd)
+        seg.size = keep
 
     def read(self, position: int, size: int) -> bytes:
         """Read ``size`` bytes at ``position``; the range may cross segment boundaries."""

@@ -18,6 +18,12 @@ class StoreConfig:
     retention_bytes: int = 0  # delete oldest segments above this total (0: unlimited)
     dedup_window_s: float = 120.0  # producer-retry dedup window on the unique key
     dedup_max_keys: int = 2_000_000  # memory bound of the dedup window
+    # writes are refused with DISK_FULL while the data dir's file system is used above this
+    # ratio (1.0: never; RocketMQ refuses writes at 0.90, its diskSpaceWarningLevelRatio)
+    disk_max_used_ratio: float = 0.90
+    # index files kept open at once (least recently used closed first); 0: a quarter of
+    # the process's descriptor limit (see openfiles.py)
+    max_open_index_files: int = 0
 
     def validate(self) -> None:
         if self.flush not in ("async", "sync"):
@@ -34,3 +40,7 @@ class StoreConfig:
             raise ValueError("retention limits must be >= 0")
         if self.dedup_window_s < 0 or self.dedup_max_keys < 0:
             raise ValueError("dedup window settings must be >= 0")
+        if not 0.0 < self.disk_max_used_ratio <= 1.0:
+            raise ValueError("disk_max_used_ratio must be in (0, 1]")
+        if self.max_open_index_files < 0:
+            raise ValueError("max_open_index_files must be >= 0 (0: from the fd limit)")

@@ -3,10 +3,13 @@
 Entry ``k`` of a queue (queue offset ``k``) lives in the file whose base offset is
 ``k - k % entries_per_file``. An entry is (commit-log position, size, tag hash, store
 timestamp). The index is derived data: recovery rebuilds it from the commit log.
+Index files are opened through a bounded cache shared by every queue (``OpenFiles``), so
+the number of open descriptors does not grow with the number of queues.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from bisect import bisect_left
 
@@ -20,20 +23,21 @@ from ..log.segment import (
     encode_file_header,
     file_name,
 )
-from .files import OS_FILES, FileOps
+from .openfiles import OpenFiles
 
 
 class ConsumeQueue:
-    __slots__ = ("_dirty", "_fds", "dir", "files", "lost_entries", "max_offset", "min_offset",
-                 "per_file")
+    __slots__ = ("_bases", "_dirty", "_open", "_paths", "dir", "files", "lost_entries",
+                 "max_offset", "min_offset", "per_file")
 
-    def __init__(self, directory: str, entries_per_file: int, files: FileOps = OS_FILES
-                 ) -> None:
+    def __init__(self, directory: str, entries_per_file: int, open_files: OpenFiles) -> None:
         self.dir = directory
-        self.files = files
+        self.files = files = open_files.files
         self.per_file = entries_per_file
-        self._fds: dict[int, int] = {}  # file base offset -> fd
-        self._dirty: set[int] = set()  # fds written since the last dirty_fds()
+        self._open = open_files  # shared by every queue of the store
+        self._bases: set[int] = set()  # base offsets of the index files
+        self._paths: dict[int, str] = {}  # file base offset -> path
+        self._dirty: set[str] = set()  # paths written since the last dirty_paths()
         self.min_offset = 0
         self.max_offset = 0  # next offset to be written
         self.lost_entries = False  # ``load`` found damaged files: rebuild from the log
@@ -50,15 +54,16 @@ class ConsumeQueue:
                 fs.unlink(path)
                 self.lost_entries = True
                 continue
-            fd = fs.open(path, os.O_RDWR)
+            fd = self._open.get(path)
             try:
                 decode_file_header(fs.pread(fd, FILE_HEADER_SIZE, 0), INDEX_MAGIC, base)
             except FileHeaderError:
-                fs.close(fd)
+                self._open.close(path)
                 fs.unlink(path)
                 self.lost_entries = True
                 continue
-            self._fds[base] = fd
+            self._bases.add(base)
+            self._paths[base] = path
             good.append(base)
         # only the last file may be partial; a short earlier file ends the index there
         for base in good[:-1]:
@@ -66,11 +71,11 @@ class ConsumeQueue:
                 self._cut(base + self._entries_in(base))
                 self.lost_entries = True
                 break
-        if not self._fds:
+        if not self._bases:
             self.min_offset = self.max_offset = 0
             return
-        last = max(self._fds)
-        self.min_offset = min(self._fds)
+        last = max(self._bases)
+        self.min_offset = min(self._bases)
         self.max_offset = last + self._entries_in(last)
         # a queue restarted at k > 0 leaves zero-filled entries before k in its first file
         # (only there: a zeroed entry further on is damage, repaired on read)
@@ -80,8 +85,18 @@ class ConsumeQueue:
             self.min_offset = self.first_offset_where(1, 1)
             self.max_offset = saved
 
+    def _path(self, base: int) -> str:
+        path = self._paths.get(base)
+        if path is None:
+            path = self._paths[base] = os.path.join(self.dir, file_name(base))
+        return path
+
+    def _fd(self, base: int) -> int:
+        """An open descriptor of the index file at ``base`` (use it at once)."""
+        return self._open.get(self._path(base))
+
     def _entries_in(self, base: int) -> int:
-        size = self.files.size(self._fds[base]) - FILE_HEADER_SIZE
+        size = self.files.size(self._fd(base)) - FILE_HEADER_SIZE
         return min(max(0, size) // INDEX_ENTRY_SIZE, self.per_file)
 
     def reset(self, offset: int) -> None:
@@ -95,9 +110,8 @@ class ConsumeQueue:
         (never valid) entries, so that ``load`` finds the same next offset after a restart
         and the queue's offsets are never reused.
         """
-        for base in list(self._fds):
-            self._close(base)
-            self.files.unlink(os.path.join(self.dir, file_name(base)))
+        for base in list(self._bases):
+            self._remove(base)
         if offset > 0:
             base = offset - offset % self.per_file
             fd = self._create(base)
@@ -111,14 +125,12 @@ class ConsumeQueue:
         view = memoryview(entries)
         while count:
             base = offset - offset % self.per_file
-            fd = self._fds.get(base)
-            if fd is None:
-                fd = self._create(base)
+            fd = self._fd(base) if base in self._bases else self._create(base)
             room = base + self.per_file - offset
             n = min(room, count)
             chunk = view[: n * INDEX_ENTRY_SIZE]
             self.files.write_all(fd, chunk, FILE_HEADER_SIZE + (offset - base) * INDEX_ENTRY_SIZE)
-            self._dirty.add(fd)
+            self._dirty.add(self._paths[base])
             view = view[n * INDEX_ENTRY_SIZE:]
             offset += n
             count -= n
@@ -127,16 +139,25 @@ class ConsumeQueue:
     def write_entry(self, offset: int, entry: bytes) -> None:
         """Overwrite the entry of ``offset`` (in [min, max)): a repaired or damaged entry."""
         base = offset - offset % self.per_file
-        fd = self._fds[base]
-        self.files.write_all(fd, entry, FILE_HEADER_SIZE + (offset - base) * INDEX_ENTRY_SIZE)
-        self._dirty.add(fd)
+        if base not in self._bases:
+            raise KeyError(offset)
+        self.files.write_all(self._fd(base), entry,
+                             FILE_HEADER_SIZE + (offset - base) * INDEX_ENTRY_SIZE)
+        self._dirty.add(self._paths[base])
 
     def _create(self, base: int) -> int:
-        path = os.path.join(self.dir, file_name(base))
-        fd = self.files.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.files.write_all(fd, encode_file_header(INDEX_MAGIC, base), 0)
-        self._fds[base] = fd
-        self._dirty.add(fd)
+        path = self._path(base)
+        fd = self._open.create(path)
+        try:
+            self.files.write_all(fd, encode_file_header(INDEX_MAGIC, base), 0)
+        except OSError:
+            # a file with a partial header would cost a rebuild of every index at start
+            self._open.close(path)
+            with contextlib.suppress(OSError):
+                self.files.unlink(path)
+            raise
+        self._bases.add(base)
+        self._dirty.add(path)
         return fd
 
     def truncate(self, offset: int) -> None:
@@ -153,17 +174,23 @@ class ConsumeQueue:
         self._cut(offset)
         self.max_offset = offset
 
+    def rollback(self, offset: int) -> None:
+        """Undo the entries appended at and after ``offset`` (a failed write's), keeping
+        ``min_offset``; index files created for them are removed. Raises ``OSError`` when
+        the file system refuses."""
+        self._cut(offset)
+        self.max_offset = offset
+
     def _cut(self, offset: int) -> None:
         """Delete the files after ``offset``'s file and cut that one at ``offset``."""
         keep = offset - offset % self.per_file
-        for base in list(self._fds):
+        for base in list(self._bases):
             if base > keep:
-                self._close(base)
-                self.files.unlink(os.path.join(self.dir, file_name(base)))
+                self._remove(base)
             elif base == keep:
-                self.files.ftruncate(self._fds[base],
+                self.files.ftruncate(self._fd(base),
                                      FILE_HEADER_SIZE + (offset - base) * INDEX_ENTRY_SIZE)
-                self._dirty.add(self._fds[base])
+                self._dirty.add(self._paths[base])
 
     # ---------------------------------------------------------------- reads
     def read(self, offset: int, count: int) -> bytes:
@@ -175,7 +202,7 @@ class ConsumeQueue:
             base = offset - offset % self.per_file
             n = min(count, base + self.per_file - offset)
             out.append(self.files.pread(
-                self._fds[base], n * INDEX_ENTRY_SIZE,
+                self._fd(base), n * INDEX_ENTRY_SIZE,
                 FILE_HEADER_SIZE + (offset - base) * INDEX_ENTRY_SIZE,
             ))
             offset += n
@@ -209,27 +236,31 @@ class ConsumeQueue:
         if new_min <= self.min_offset:
             return
         self.min_offset = new_min
-        last = max(self._fds)  # kept: it tells ``load`` where the queue ends
-        for base in sorted(self._fds):
+        last = max(self._bases)  # kept: it tells ``load`` where the queue ends
+        for base in sorted(self._bases):
             if base + self.per_file <= new_min and base != last:
-                self._close(base)
-                self.files.unlink(os.path.join(self.dir, file_name(base)))
+                self._remove(base)
 
-    def _close(self, base: int) -> None:
-        fd = self._fds.pop(base)
-        self._dirty.discard(fd)
-        self.files.close(fd)
+    def _remove(self, base: int) -> None:
+        """Close and delete the index file at ``base``."""
+        path = self._path(base)
+        self._bases.discard(base)
+        self._dirty.discard(path)
+        self._open.close(path)
+        self.files.unlink(path)
+        del self._paths[base]
 
-    def dirty_fds(self) -> list[int]:
+    def dirty_paths(self) -> list[str]:
         """The files written since the last call (to fsync before a checkpoint)."""
-        fds = list(self._dirty)
+        paths = list(self._dirty)
         self._dirty.clear()
-        return fds
+        return paths
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            self.files.close(fd)
-        self._fds.clear()
+        for base in self._bases:
+            self._open.close(self._path(base))
+        self._bases.clear()
+        self._paths.clear()
         self._dirty.clear()
 
     def destroy(self) -> None:

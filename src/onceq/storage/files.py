@@ -72,6 +72,11 @@ class FileOps:
         finally:
             os.close(fd)
 
+    def disk_usage(self, path: str) -> tuple[int, int]:
+        """``(total, available)`` bytes of the file system holding ``path``."""
+        st = os.statvfs(path)
+        return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
     def write_all(self, fd: int, data: bytes | memoryview, offset: int) -> None:
         """``pwrite`` until every byte is written."""
         view = memoryview(data)

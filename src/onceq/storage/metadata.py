@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -11,16 +12,34 @@ from typing import Any
 from .files import OS_FILES, FileOps
 
 
+class RenameNotDurable(OSError):
+    """``write_atomic`` renamed the new file in place but could not fsync the directory:
+    the new content is visible, yet a power cut may bring the old one back."""
+
+
 def write_atomic(path: str, data: bytes, files: FileOps = OS_FILES) -> None:
+    """Replace ``path`` by ``data``: temp file, fsync, rename, fsync of the directory.
+
+    A failure before the rename leaves ``path`` as it was (the temp file is removed when
+    possible); a failure of the last fsync raises ``RenameNotDurable``.
+    """
     tmp = f"{path}.tmp"
-    fd = files.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        files.write_all(fd, data, 0)
-        files.fsync(fd)
-    finally:
-        files.close(fd)
-    files.replace(tmp, path)
-    files.fsync_dir(os.path.dirname(path) or ".")
+        fd = files.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            files.write_all(fd, data, 0)
+            files.fsync(fd)
+        finally:
+            files.close(fd)
+        files.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            files.unlink(tmp)
+        raise
+    try:
+        files.fsync_dir(os.path.dirname(path) or ".")
+    except OSError as exc:
+        raise RenameNotDurable(exc.errno, exc.strerror or str(exc)) from exc
 
 
 def save_json(path: str, value: Any, files: FileOps = OS_FILES) -> None:

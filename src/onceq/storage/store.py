@@ -6,7 +6,6 @@ flush service (``flush.py``) off the loop.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -32,8 +31,10 @@ from .config import StoreConfig
 from .consumequeue import ConsumeQueue
 from .damage import DamageRegistry
 from .dedup import DedupWindow
+from .failures import DiskGuard, RateLimitedLog, storage_error
 from .files import OS_FILES, FileOps
 from .metadata import (
+    RenameNotDurable,
     decode_checkpoint,
     decode_checkpoint_ends,
     encode_checkpoint,
@@ -41,6 +42,7 @@ from .metadata import (
     save_json,
     write_atomic,
 )
+from .openfiles import OpenFiles, default_capacity, fsync_paths
 from .recovery import NeedFullRebuild, Recovery, read_range, read_record
 
 log = logging.getLogger("onceq.storage")
@@ -119,6 +121,7 @@ class MessageStore:
         self.log = CommitLog(os.path.join(root, "commitlog"), config.segment_size, files)
         self.topics: dict[str, TopicConfig] = {}
         self.queues: dict[tuple[str, int], ConsumeQueue] = {}
+        self.open_files = OpenFiles(files, config.max_open_index_files or default_capacity())
         self.offsets: dict[str, dict[str, dict[str, int]]] = {}
         self.dedup = DedupWindow(config.dedup_window_s, config.dedup_max_keys)
         self._offsets_dirty = False
@@ -126,6 +129,12 @@ class MessageStore:
         self.damage = DamageRegistry(os.path.join(root, "damaged.json"), files)
         self._damage_dirty = False
         self._last_store_ms = 0  # store times never go backwards (search_offset bisects them)
+        self.errors = RateLimitedLog(log, clock)  # one line per kind of failure per 10 s
+        self.guard = DiskGuard(root, config.disk_max_used_ratio, clock, files.disk_usage,
+                               on_change=self._disk_state_changed)
+        # set when a failed write could not be undone (or an fsync failed): writes are
+        # refused until a restart, reads go on
+        self.write_failure: str | None = None
 
     # ================================================================ recovery
     def open(self) -> None:
@@ -192,11 +201,24 @@ class MessageStore:
             self.damage.log_ranges = live["log"]
             self.damage.queues = {(t, int(q)): r for t, qs in live["queues"].items()
                                   for q, r in qs.items()}
-            self.damage.save()
-            self._damage_dirty = False
+            try:
+                self.damage.save()
+                self._damage_dirty = False
+            except OSError as exc:  # a full disk: kept in memory, saved with the next change
+                log.error("store: cannot save the damaged ranges: %s", exc)
         # the scanned tail and the rebuilt index entries are fsynced here, before the broker
         # answers anything (a "duplicate" answer promises a durable first copy)
-        self.write_checkpoint()
+        try:
+            self.log.sync()
+        except OSError as exc:  # the recovered tail may not be durable: serve reads only
+            self._fail_stop(f"fsync of the recovered commit log failed at start: {exc}")
+        else:
+            try:
+                self.write_checkpoint()
+            except OSError as exc:
+                # a full disk must not keep the broker from serving reads: the previous
+                # checkpoint stays valid (the next start scans a longer tail); retried later
+                log.error("store: cannot write the checkpoint at start: %s", exc)
 
     def _move_back_topics(self) -> None:
         """Topic creation positions beyond the recovered log end are moved back to it.
@@ -211,11 +233,14 @@ class MessageStore:
                       "end %d; moved back", t.name, t.created_position, end)
             t.created_position = end
         if moved:
-            self._save_topics()
+            try:
+                self._save_topics()
+            except OSError as exc:  # moved back again at the next start
+                log.error("store: cannot save the moved topics: %s", exc)
 
     def _open_queue(self, topic: str, qid: int) -> ConsumeQueue:
         cq = ConsumeQueue(os.path.join(self._queues_dir, topic, str(qid)),
-                          self.config.index_entries_per_file, self.files)
+                          self.config.index_entries_per_file, self.open_files)
         cq.load()
         self.queues[(topic, qid)] = cq
         return cq
@@ -252,25 +277,59 @@ class MessageStore:
                     ErrorCode.INVALID_ARGUMENT,
                     f"topic {name!r} has {old.queues} queues; the count cannot shrink",
                 )
-            t = TopicConfig(name, queues, old.created_position, old.created_ms)
-        else:
-            # the log must be durable up to created_position first: a log that ended below it
-            # after a power loss would make the new topic's records look like an old topic's
-            self.log.sync()
-            t = TopicConfig(name, queues, self.log.end, int(self.clock() * 1000))
-        for qid in range(old.queues if old else 0, queues):
-            cq = self._open_queue(name, qid)
-            cq.reset(0)
+            if queues == old.queues:
+                return old
+        self.check_writable()
+        new: list[ConsumeQueue] = []
+        try:
+            if old is not None:
+                t = TopicConfig(name, queues, old.created_position, old.created_ms)
+            else:
+                # the log must be durable up to created_position first: a log that ended
+                # below it after a power loss would make the new topic's records look like
+                # an old topic's
+                self.sync_log()
+                t = TopicConfig(name, queues, self.log.end, int(self.clock() * 1000))
+            # index directories first: left over after a failure, the next open drops them
+            for qid in range(old.queues if old else 0, queues):
+                cq = ConsumeQueue(os.path.join(self._queues_dir, name, str(qid)),
+                                  self.config.index_entries_per_file, self.open_files)
+                new.append(cq)
+                cq.load()
+                cq.reset(0)
+            # the table is durable before anything changes in memory
+            self._write_topics({**self.topics, name: t})
+        except OSError as exc:
+            for cq in new:
+                cq.close()
+            if old is None:
+                self.files.rmtree(os.path.join(self._queues_dir, name))
+            else:
+                for cq in new:
+                    self.files.rmtree(cq.dir)
+            err = storage_error(exc, f"topic {name!r} was not created")
+            self.errors.error("topics", "store: cannot create topic %s: %s", name, exc)
+            raise err from None
+        for qid, cq in enumerate(new, start=old.queues if old else 0):
+            self.queues[(name, qid)] = cq
         self.topics[name] = t
-        self._save_topics()
         return t
 
     def delete_topic(self, name: str) -> None:
         t = self.get_topic(name)
+        self.check_writable(space=False)  # deleting frees space: allowed on a full disk
+        table = {n: v for n, v in self.topics.items() if n != name}
+        try:
+            self._write_topics(table)
+        except OSError as exc:
+            self.errors.error("topics", "store: cannot delete topic %s: %s", name, exc)
+            raise storage_error(exc, f"topic {name!r} was not deleted") from None
         del self.topics[name]
-        self._save_topics()
         for qid in range(t.queues):
-            self.queues.pop((name, qid)).destroy()
+            try:
+                self.queues.pop((name, qid)).destroy()
+            except OSError as exc:  # the next open drops the directory of an unknown topic
+                log.warning("store: index files of deleted topic %s: %s", name, exc)
         self.files.rmtree(os.path.join(self._queues_dir, name))
         self.dedup.drop_topic(name)
         for group in self.offsets.values():
@@ -288,6 +347,23 @@ class MessageStore:
         save_json(self._topics_path, {n: t.to_json() for n, t in self.topics.items()},
                   self.files)
 
+    def _write_topics(self, table: dict[str, TopicConfig]) -> None:
+        """Make ``table`` the durable topics table, or raise with the old one in place.
+
+        When the rename went through but its directory fsync failed, the new table is
+        visible on disk while memory keeps the old one: the old table is written back, and
+        when even that fails the store stops writing (a restart reads whichever is there).
+        """
+        try:
+            save_json(self._topics_path, {n: t.to_json() for n, t in table.items()},
+                      self.files)
+        except RenameNotDurable as exc:
+            try:
+                self._save_topics()
+            except OSError as again:
+                self._fail_stop(f"the topics table cannot be restored: {again}")
+            raise exc from None
+
     def _queue(self, topic: str, queue_id: int) -> ConsumeQueue:
         cq = self.queues.get((topic, queue_id))
         if cq is None:
@@ -298,6 +374,93 @@ class MessageStore:
             )
         return cq
 
+    # ================================================================ write failures
+    def check_writable(self, space: bool = True) -> None:
+        """Raise unless writes are accepted: not stopped by a failure, and (``space``) the
+        disk is used below ``disk_max_used_ratio``."""
+        if self.write_failure is not None:
+            raise OnceqError(ErrorCode.STORAGE_ERROR, "writes refused until the broker "
+                             f"restarts: {self.write_failure}")
+        if space:
+            self.guard.check()
+
+    def write_state(self) -> dict:
+        """Whether writes are accepted, why not, and the disk usage (for the status)."""
+        guard = self.guard
+        guard.refresh()
+        reason = None
+        if self.write_failure is not None:
+            reason = f"stopped until a restart: {self.write_failure}"
+        elif guard.refusing:
+            reason = (f"DISK_FULL: disk {guard.used_ratio:.0%} used, above the limit of "
+                      f"{guard.max_ratio:.0%}")
+        return {"accepted": reason is None, "reason": reason,
+                "disk_used": round(guard.used_ratio, 4), "disk_max_used": guard.max_ratio}
+
+    def _disk_state_changed(self, refusing: bool, ratio: float) -> None:
+        if refusing:
+            log.error("store: disk %.1f%% used, above disk_max_used_ratio %.0f%%: writes "
+                      "refused with DISK_FULL until space is freed", ratio * 100,
+                      self.guard.max_ratio * 100)
+        else:
+            log.warning("store: disk %.1f%% used: writes accepted again", ratio * 100)
+
+    def _fail_stop(self, reason: str) -> None:
+        """Refuse every later write (reads go on): logged once."""
+        if self.write_failure is None:
+            self.write_failure = reason
+            log.error("store: %s; writes are refused until the broker restarts (reads go "
+                      "on)", reason)
+
+    def fail_stop(self, reason: str, rollback_to: int | None = None) -> None:
+        """Stop writing after a failed fsync (whose pages' state is unknown).
+
+        ``rollback_to``: a commit-log position up to which everything is known durable;
+        every record after it (never acknowledged: sync flush) is removed from the log and
+        the indexes, so that it can never be read, nor come back after a restart.
+        """
+        self._fail_stop(reason)
+        if rollback_to is None or rollback_to >= self.log.end:
+            return
+        try:
+            for cq in self.queues.values():
+                if cq.max_offset > cq.min_offset:
+                    cq.rollback(cq.first_offset_where(0, rollback_to))
+            self.log.truncate_to(rollback_to)
+        except OSError as exc:
+            log.error("store: cannot remove the records after position %d: %s", rollback_to,
+                      exc)
+
+    def sync_log(self) -> None:
+        """Fsync the commit log; a failure stops writes (see ``fail_stop``)."""
+        try:
+            self.log.sync()
+        except OSError as exc:
+            self._fail_stop(f"fsync of the commit log failed: {exc}")
+            raise
+
+    def _undo_put(self, cq: ConsumeQueue, topic: str, position: int, offset: int,
+                  exc: OSError) -> OnceqError:
+        """Roll a failed put back to the log end and queue offset it started from."""
+        failed: OSError | None = None
+        try:
+            self.log.truncate_to(position)
+        except OSError as again:
+            failed = again
+        try:
+            cq.rollback(offset)
+        except OSError as again:
+            failed = failed or again
+            cq.max_offset = offset  # at least never read through the failed entries
+        if failed is not None:
+            self._fail_stop(f"a failed write to {topic}[{cq.dir.rsplit(os.sep, 1)[-1]}] "
+                            f"could not be rolled back ({exc}; then {failed})")
+            return OnceqError(ErrorCode.STORAGE_ERROR, f"storage I/O error ({exc}): the write "
+                              "could not be rolled back; writes refused until a restart")
+        self.errors.error("put", "store: a write to %s failed and was rolled back: %s",
+                          topic, exc)
+        return storage_error(exc, "the write was rolled back")
+
     # ================================================================ writes
     def put(self, topic: str, queue_id: int, parts: Sequence[bytes | memoryview],
             dedup: bool = True) -> PutResult:
@@ -305,6 +468,7 @@ class MessageStore:
 
         ``dedup``: apply the producer-retry dedup window (internal re-puts may opt out)."""
         cq = self._queue(topic, queue_id)
+        self.check_writable()
         max_body = self.config.max_body
         max_record = self.log.segment_size
         tb = topic.encode()
@@ -339,48 +503,51 @@ class MessageStore:
         entries: list[bytes] = []
         records: list[bytes | memoryview] = []
         log_ = self.log
-        pos = log_.end
+        pos = start_pos = log_.end
         room = log_.room
-        offset = cq.max_offset
+        offset = start_offset = cq.max_offset
         pack_entry = INDEX_ENTRY.pack
         build = build_record_parts
         seen_tags: dict[bytes, int] = {}
         window = dedup.table(topic) if use_dedup else None
-        for i, part in enumerate(parts):
-            key, tags = metas[i]
-            if window is not None and key:
-                prev = window.get(key)
-                if prev is not None:
-                    dups.append(i)
-                    dup_queues.append(prev[0])
-                    offsets.append(prev[1])
-                    continue
-                first = batch_keys.get(key)
-                if first is not None:
-                    dups.append(i)
-                    dup_queues.append(queue_id)
-                    offsets.append(first)
-                    continue
-                batch_keys[key] = offset
-            size = fixed + len(part)
-            if size > room:  # a record never spans two segments
-                pos = log_.roll(records)
-                room = log_.room
-            head, trailer = build(tb, queue_id, offset, pos, now_ms, part)
-            records += (head, part, trailer)
-            th = seen_tags.get(tags)
-            if th is None:
-                th = seen_tags[tags] = tag_hash(tags)
-            entries.append(pack_entry(pos, size, th, now_ms))
-            offsets.append(offset)
-            offset += 1
-            pos += size
-            room -= size
-        if records:
-            log_.write(records)
-            self._last_store_ms = now_ms
-        if entries:
-            cq.append(b"".join(entries), len(entries))
+        try:  # a failed write (log, roll, index) leaves no trace: it is rolled back
+            for i, part in enumerate(parts):
+                key, tags = metas[i]
+                if window is not None and key:
+                    prev = window.get(key)
+                    if prev is not None:
+                        dups.append(i)
+                        dup_queues.append(prev[0])
+                        offsets.append(prev[1])
+                        continue
+                    first = batch_keys.get(key)
+                    if first is not None:
+                        dups.append(i)
+                        dup_queues.append(queue_id)
+                        offsets.append(first)
+                        continue
+                    batch_keys[key] = offset
+                size = fixed + len(part)
+                if size > room:  # a record never spans two segments
+                    pos = log_.roll(records)
+                    room = log_.room
+                head, trailer = build(tb, queue_id, offset, pos, now_ms, part)
+                records += (head, part, trailer)
+                th = seen_tags.get(tags)
+                if th is None:
+                    th = seen_tags[tags] = tag_hash(tags)
+                entries.append(pack_entry(pos, size, th, now_ms))
+                offsets.append(offset)
+                offset += 1
+                pos += size
+                room -= size
+            if records:
+                log_.write(records)
+                self._last_store_ms = now_ms
+            if entries:
+                cq.append(b"".join(entries), len(entries))
+        except OSError as exc:
+            raise self._undo_put(cq, topic, start_pos, start_offset, exc) from None
         if use_dedup and batch_keys:
             # only now that the records are written: a failed write must not turn the
             # producer's retry into a "duplicate" of a message that was never stored
@@ -482,8 +649,7 @@ class MessageStore:
                 p, _sz, _th, ets = cq.entry(k)
                 cq.write_entry(k, damaged_entry(p, ets))
             self._mark_damaged((topic, qid), offset, last + 1, "its segment file is lost")
-            self.damage.save()
-            self._damage_dirty = False
+            self._save_damage()
             return True
         lo_pos = hi_pos = None
         ts = 0
@@ -517,9 +683,19 @@ class MessageStore:
         cq.write_entry(offset, damaged_entry(lo_pos, ts))
         self._mark_damaged((topic, qid), offset, offset + 1, "record unreadable")
         if self._damage_dirty:
+            self._save_damage()
+        return False
+
+    def _save_damage(self) -> None:
+        """Save the damage registry; on a full disk a read still succeeds (the markers are
+        in the index entries, and the registry is saved again with the next change or at
+        the next start)."""
+        try:
             self.damage.save()
             self._damage_dirty = False
-        return False
+        except OSError as exc:
+            self._damage_dirty = True
+            self.errors.error("damage", "store: cannot save the damaged ranges: %s", exc)
 
     def damaged(self) -> dict:
         """The damaged ranges (commit-log positions and queue offsets) as JSON.
@@ -584,15 +760,15 @@ class MessageStore:
     def write_checkpoint(self) -> None:
         """Fsync log and indexes, then record that everything before the log end is indexed."""
         self.log.sync()
-        self.checkpoint_at(self.log.end, [fd for cq in self.queues.values()
-                                          for fd in cq.dirty_fds()])
+        self.checkpoint_at(self.log.end, self.dirty_index_files())
 
-    def checkpoint_at(self, end: int, index_fds: list[int]) -> None:
-        """Fsync ``index_fds`` and record ``end`` as indexed (safe to run off the loop)."""
-        for fd in index_fds:
-            # an index file closed meanwhile (topic deleted) raises OSError
-            with contextlib.suppress(OSError):
-                self.files.fsync(fd)
+    def dirty_index_files(self) -> list[str]:
+        """The index files written since the last call (to fsync before a checkpoint)."""
+        return [p for cq in self.queues.values() for p in cq.dirty_paths()]
+
+    def checkpoint_at(self, end: int, index_files: list[str]) -> None:
+        """Fsync ``index_files`` and record ``end`` as indexed (safe to run off the loop)."""
+        fsync_paths(self.files, index_files)
         # every entry counted here was written before: after a crash the index holds at
         # least as many (a power cut losing unsynced entries costs a full rebuild)
         ends = {f"{t}/{q}": cq.max_offset for (t, q), cq in list(self.queues.items())}
@@ -620,9 +796,18 @@ class MessageStore:
         return before - len(self.log.segments)
 
     def close(self) -> None:
-        self.write_checkpoint()
-        self.save_offsets()
+        # on a full or failing disk each step may fail: the files written atomically keep
+        # their previous (consistent) content, and the next start recovers from it
+        try:
+            if self.write_failure is None:
+                self.write_checkpoint()
+        except OSError as exc:
+            log.error("store: cannot write the checkpoint at close: %s", exc)
+        try:
+            self.save_offsets()
+        except OSError as exc:
+            log.error("store: cannot save the consumer offsets at close: %s", exc)
         self.log.close()
         for cq in self.queues.values():
             cq.close()
-
+        self.open_files.close_all()
