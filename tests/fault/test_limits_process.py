@@ -185,7 +185,8 @@ async def test_connection_cap_with_a_low_fd_limit(tmp_path):
             refused += 1
         print(f"accepted {len(accepted)}, refused {refused}")
         assert len(accepted) + refused == 400
-        assert 50 <= len(accepted) <= 256 - 128
+        # 256 - 128 (reserve) - 64 (index-file cache, a quarter of the limit) - own sockets
+        assert 20 <= len(accepted) <= 256 - 128 - 64
         # accepted clients are served
         for r in accepted[::5]:
             code, _h, _p = await r.request(RequestCode.PING, corr=5)

@@ -329,6 +329,8 @@ async def test_connection_cap_follows_the_fd_limit(tmp_path):
     async with running_broker(str(tmp_path / "d")) as broker:
         g = broker.guard
         assert g.own_fds > 0  # at least the store's files and the listening socket
+        files = broker.store.open_files  # the index-file cache's capacity is set aside
+        assert g.own_fds >= files.capacity
         assert g.capacity() == g.fd_limit - g.fd_reserve - g.own_fds
         g.max_connections = 10
         assert g.capacity() == min(10, g.fd_limit - g.fd_reserve - g.own_fds)

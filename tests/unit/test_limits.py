@@ -36,6 +36,13 @@ def test_measure_counts_what_is_not_a_connection():
     assert g.own_fds >= n - 5
 
 
+def test_measure_sets_aside_what_the_store_may_still_open():
+    g = ConnectionGuard(0, 128, 30, 300, headroom=lambda: 250)
+    g.measure(0)
+    n = open_fds()
+    assert n is not None and g.own_fds >= 250 + n - 2
+
+
 def test_refusals_are_logged_at_most_once_per_period(caplog):
     now = [100.0]
     g = ConnectionGuard(2, 16, 30, 300, clock=lambda: now[0])

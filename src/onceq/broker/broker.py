@@ -101,7 +101,8 @@ class Broker:
         self.connections: set[Connection] = set()
         self.guard = ConnectionGuard(config.max_connections, config.fd_reserve,
                                      config.read_timeout_s, config.idle_timeout_s,
-                                     max_input=config.input_budget())
+                                     max_input=config.input_budget(),
+                                     headroom=self._index_files_headroom)
         self.groups = GroupRegistry(config.heartbeat_expiry_s, self._on_group_change)
         self.holds = PullHold(self._retry_pull)
         self.transition = TransitionLock(
@@ -253,6 +254,10 @@ class Broker:
                                         "retrying", exc)
                 self._locks_dirty.set()
                 await asyncio.sleep(1.0)
+
+    def _index_files_headroom(self) -> int:
+        files = self.store.open_files
+        return files.capacity - len(files)
 
     def _sweep_connections(self) -> None:
         self.guard.sweep(self.connections)

@@ -5,7 +5,8 @@
   fewer than ``fd_reserve`` file descriptors free below the process limit
   (``RLIMIT_NOFILE``). The descriptors the broker holds for itself (commit-log segments,
   index files, its listening socket...) are counted from ``/proc/self/fd`` at start and on
-  every sweep, so the store's files never starve, however many clients try to connect.
+  every sweep, and the index-file cache's whole capacity is set aside, so the store's
+  files never starve, however many clients try to connect.
 * **Read timeout**: a frame started but not completed within ``read_timeout_s`` closes the
   connection (slow senders, partial frames trickled byte by byte).
 * **Idle timeout**: a connection that sends nothing for ``idle_timeout_s`` is closed, unless
@@ -61,7 +62,7 @@ def sweep_interval(read_timeout_s: float, idle_timeout_s: float) -> float:
 class ConnectionGuard:
     def __init__(self, max_connections: int, fd_reserve: int, read_timeout_s: float,
                  idle_timeout_s: float, clock: Callable[[], float] = time.monotonic,
-                 max_input: int = 1 << 62) -> None:
+                 max_input: int = 1 << 62, headroom: Callable[[], int] = lambda: 0) -> None:
         self.max_connections = max_connections  # 0: only the file-descriptor bound
         self.fd_reserve = fd_reserve
         self.read_timeout_s = read_timeout_s
@@ -70,6 +71,8 @@ class ConnectionGuard:
         self.interval = sweep_interval(read_timeout_s, idle_timeout_s)
         self.fd_limit = fd_limit()
         self.own_fds = 0  # descriptors not held by client connections (store, sockets...)
+        # descriptors the store may still open on its own (its index-file cache not full yet)
+        self.headroom = headroom
         self.refused = 0  # refused connections, total
         # partial frames of all connections: above max_input, connections adding to it
         # are not read until the total is below again (checked on every sweep)
@@ -81,10 +84,11 @@ class ConnectionGuard:
 
     # ------------------------------------------------------------------ connection cap
     def measure(self, connections: int) -> None:
-        """Count the descriptors the broker holds besides its client connections."""
+        """Count the descriptors the broker holds or may open itself, besides its client
+        connections: those open now and what its index-file cache may still open."""
         n = open_fds()
         if n is not None:
-            self.own_fds = max(0, n - connections)
+            self.own_fds = max(0, n - connections) + max(0, self.headroom())
 
     def capacity(self) -> int:
         """How many client connections may be open now."""
