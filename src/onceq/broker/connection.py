@@ -190,9 +190,16 @@ class Connection(asyncio.Protocol):
             return
         if not force and self.transport.get_write_buffer_size():
             return
+        self._add_pushes()
+
+    def _add_pushes(self) -> None:
         pushes, self._pushes = self._pushes, {}
         for (code, _group), header in pushes.items():
-            self._write(encode_frame(PUSH, code, 0, header))
+            frame = encode_frame(PUSH, code, 0, header)
+            if not self._out:
+                asyncio.get_running_loop().call_soon(self._flush)
+            self._out.append(frame)
+            self._out_size += len(frame)
 
     def _write(self, frame: bytes) -> None:
         """Queue a frame; frames written in one loop pass go out in one send."""
@@ -206,6 +213,9 @@ class Connection(asyncio.Protocol):
             self._flush()  # large answers: hand them over now (backpressure sees them)
 
     def _flush(self) -> None:
+        if self._pushes and self.transport is not None and not self.closed \
+                and not self.transport.get_write_buffer_size():
+            self._add_pushes()  # waiting pushes go with these answers: the socket drained
         out = self._out
         self._out = []
         self._out_size = 0
