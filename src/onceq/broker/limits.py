@@ -1,4 +1,4 @@
-"""Per-connection limits: the connection cap and one periodic sweep for timeouts.
+"""Per-connection limits: the connection cap, the input budget and one periodic sweep.
 
 * **Connection cap**: a new connection is refused (one ``TOO_MANY_CONNECTIONS`` error frame,
   then close) when ``max_connections`` connections are open, or when accepting it would leave
@@ -11,9 +11,16 @@
   connection (slow senders, partial frames trickled byte by byte).
 * **Idle timeout**: a connection that sends nothing for ``idle_timeout_s`` is closed, unless
   it waits for a held long-poll pull or its answers are being read (resumed writing).
+* **Input budget**: the partial frames of all connections together are bounded by
+  ``max_input``; a connection whose read passes it is not read until the total is below
+  again (``unblock``, on every sweep and whenever a connection ends).
+* A connection the broker closed whose client does not read the last answers is aborted
+  after ``CLOSE_GRACE_S``.
 
-One sweep every ``interval`` seconds checks every connection; connections only count their
-activity (two integer increments per read), so the request path stays cheap.
+One sweep every ``interval`` seconds checks every connection and sends the pushes that
+waited; connections only count their activity (a few integer operations per read), so the
+request path stays cheap. The output limit is enforced by the connection itself
+(``Connection._check_output``), when its writes pass the high-water mark.
 """
 
 from __future__ import annotations
