@@ -190,9 +190,19 @@ def test_broker_start_refuses_bad_config(tmp_path):
          "--segment-size", "1000000"),
         ("broker", "start", "-d", str(tmp_path / "b"), "-p", "70000"),
         ("broker", "start", "-p", port),
+        ("broker", "start", "-d", str(tmp_path / "c"), "-p", port, "--max-output-bytes",
+         "1000000"),
+        ("broker", "start", "-d", str(tmp_path / "d"), "-p", port, "--read-timeout", "-1"),
+        ("broker", "start", "-d", str(tmp_path / "e"), "-p", port,
+         "--max-input-buffer-bytes", "1000"),
+        ("broker", "start", "-d", str(tmp_path / "f"), "-p", port, "--fd-reserve", "2"),
     ])
-    assert [r.returncode for r in results] == [2, 2, 2]
+    assert [r.returncode for r in results] == [2] * 7
     assert "segment_size" in results[0].stderr
+    assert "max_output_bytes must exceed" in results[3].stderr
+    assert "--read-timeout" in results[4].stderr
+    assert "max_input_buffer_bytes" in results[5].stderr
+    assert "--fd-reserve" in results[6].stderr
     for r in results:
         assert "Traceback" not in r.stderr
 

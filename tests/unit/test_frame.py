@@ -270,3 +270,21 @@ def test_decode_header_accepts_memoryview():
     raw = msgpack.packb({"topic": "t", "n": 3})
     assert decode_header(memoryview(raw)) == {"topic": "t", "n": 3}
     assert decode_header(b"") == {}
+
+
+def test_decoder_buffers_only_what_it_received():
+    """A prefix announcing the largest frame reserves nothing: the buffer holds the bytes
+    received, and is empty again once the frame is complete."""
+    from onceq.protocol.frame import PREFIX, PROTOCOL_VERSION, REQUEST
+
+    max_frame = 4 * 1024 * 1024 + 64 * 1024
+    dec = FrameDecoder(max_frame)
+    prefix = PREFIX.pack(max_frame, PROTOCOL_VERSION, REQUEST, 1, 7, 0)
+    dec.feed(prefix)
+    assert dec.frames() == [] and dec.buffered == len(prefix)
+    dec.feed(b"\0" * 1000)
+    assert dec.frames() == [] and dec.buffered == len(prefix) + 1000
+    dec.feed(b"\0" * (max_frame - 12 - 1000))
+    (frame,) = dec.frames()
+    assert frame[3] == 7 and len(frame[5]) == max_frame - 12
+    assert dec.buffered == 0

@@ -22,6 +22,7 @@ from .config import BrokerConfig
 from .connection import Connection
 from .flush import Flusher
 from .groups import BROADCASTING, CLUSTERING, GroupRegistry
+from .limits import ConnectionGuard
 from .longpoll import HeldPull, PullHold
 from .offset_reset import FENCE_MAX_AGE_S, ResetFence, parse_targets, reset_offsets
 from .retry import RetryService, parse_delay_levels
@@ -109,6 +110,10 @@ class Broker:
         self.clock = clock
         self.store = MessageStore(config.store, clock, files)
         self.connections: set[Connection] = set()
+        self.guard = ConnectionGuard(config.max_connections, config.fd_reserve,
+                                     config.read_timeout_s, config.idle_timeout_s,
+                                     max_input=config.input_budget(),
+                                     headroom=self._index_files_headroom)
         self.groups = GroupRegistry(config.heartbeat_expiry_s, self._on_group_change)
         self.holds = PullHold(self._retry_pull)
         self.fence = ResetFence()  # members that have not seen a forced offset reset yet
@@ -170,10 +175,11 @@ class Broker:
         self.flusher.start()
         loop = asyncio.get_running_loop()
         max_frame = max_frame_for_body(cfg.store.max_body)
+        self.guard.measure(0)
         try:
             self._server = await loop.create_server(
-                lambda: Connection(self, max_frame), cfg.host, cfg.port, reuse_address=True
-            )
+                lambda: Connection(self, max_frame, cfg.max_output_bytes), cfg.host, cfg.port,
+                reuse_address=True)
         except BaseException:  # e.g. port in use: leave no flusher task nor open store
             await self.retry.stop()
             await self.flusher.stop()
@@ -189,6 +195,7 @@ class Broker:
             loop.create_task(self._every(cfg.expiry_check_s, self._expire_members)),
             loop.create_task(self._every(cfg.retention_check_s, self._retention)),
             loop.create_task(self._save_locks()),
+            loop.create_task(self._every(self.guard.interval, self._sweep_connections)),
         ]
         log.info("broker listening on %s:%d (flush=%s)", cfg.host, self.port, cfg.store.flush)
 
@@ -265,6 +272,13 @@ class Broker:
                                         "retrying", exc)
                 self._locks_dirty.set()
                 await asyncio.sleep(1.0)
+
+    def _index_files_headroom(self) -> int:
+        files = self.store.open_files
+        return files.capacity - len(files)
+
+    def _sweep_connections(self) -> None:
+        self.guard.sweep(self.connections)
 
     def _expire_members(self) -> None:
         for group, cid in self.groups.expire(self.clock()):

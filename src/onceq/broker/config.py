@@ -4,8 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..protocol.frame import HEADER_ALLOWANCE, max_frame_for_body
 from ..storage.config import StoreConfig
 from .retry import DEFAULT_DELAY_LEVELS, parse_delay_levels
+
+WRITE_HIGH_WATER = 8 * 1024 * 1024  # a client's requests wait while this much output is unsent
+
+
+def min_output_bytes(max_pull_bytes: int) -> int:
+    """What a client that pipelines pulls may have queued while it reads them normally."""
+    return WRITE_HIGH_WATER + max_pull_bytes + HEADER_ALLOWANCE
 
 
 @dataclass
@@ -31,7 +39,21 @@ class BrokerConfig:
     # after a restart, a saved holder keeps its queue this long (from broker start) unless
     # it re-asserts or gives it up first; covers the clients' reconnect and first heartbeat
     access_lock_restore_hold_s: float = 20.0
+    # per-connection limits (broker/connection.py, broker/limits.py; docs/broker.md)
+    max_output_bytes: int = 64 * 1024 * 1024  # queued for one client: above, it is dropped
+    read_timeout_s: float = 30.0  # a frame started must be complete within this (0: off)
+    idle_timeout_s: float = 300.0  # a connection sending nothing this long is closed (0: off)
+    max_connections: int = 0  # 0: as many as the fd limit allows, less fd_reserve
+    fd_reserve: int = 128  # file descriptors always left free for the broker's own files
+    # partial frames of all connections together (0: the larger of 256 MiB and 4 frames)
+    max_input_buffer_bytes: int = 0
     extra: dict = field(default_factory=dict)
+
+    def input_budget(self) -> int:
+        """The effective ``max_input_buffer_bytes``."""
+        if self.max_input_buffer_bytes:
+            return self.max_input_buffer_bytes
+        return max(256 * 1024 * 1024, 4 * max_frame_for_body(self.store.max_body))
 
     def validate(self) -> None:
         self.store.validate()
@@ -49,5 +71,17 @@ class BrokerConfig:
                              "pull is suspended must not look idle")
         if not self.access_lock_restore_hold_s > 0:
             raise ValueError("access_lock_restore_hold_s must be > 0")
+        if self.max_output_bytes <= min_output_bytes(self.max_pull_bytes):
+            raise ValueError(f"max_output_bytes must exceed "
+                             f"{min_output_bytes(self.max_pull_bytes)} (the write high-water "
+                             f"mark plus one pull answer of max_pull_bytes)")
+        if self.read_timeout_s < 0 or self.idle_timeout_s < 0:
+            raise ValueError("read_timeout_s and idle_timeout_s must be >= 0 (0: off)")
+        if self.max_input_buffer_bytes and self.max_input_buffer_bytes < 2 * max_frame_for_body(
+                self.store.max_body):
+            raise ValueError("max_input_buffer_bytes must be 0 (auto) or at least two frames "
+                             "of the largest size (2 x (max_body + 64 KiB))")
+        if self.max_connections < 0 or self.fd_reserve < 16:
+            raise ValueError("max_connections must be >= 0 (0: auto) and fd_reserve >= 16")
         if self.access_lock_stable_checks < 1:
             raise ValueError("access_lock_stable_checks must be >= 1")

@@ -7,52 +7,114 @@ import logging
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from ..protocol.errors import ProtocolError
+from ..protocol.errors import ErrorCode, ProtocolError
 from ..protocol.frame import PUSH, RESPONSE, FrameDecoder, encode_frame
+from .config import WRITE_HIGH_WATER
 
 if TYPE_CHECKING:
     from .broker import Broker
 
 log = logging.getLogger("onceq.broker")
 
-_HIGH_WATER = 8 * 1024 * 1024
+# what one held pull costs the broker (request, timer, its answer's header), counted
+# against ``max_output``: a client cannot park pulls without bound either
+HELD_PULL_COST = 2048
+HIGH_WATER = WRITE_HIGH_WATER  # stop dispatching a client's requests above this much output
 _FLUSH_AT = 256 * 1024
 
 
 class Connection(asyncio.Protocol):
-    def __init__(self, broker: Broker, max_frame: int) -> None:
+    def __init__(self, broker: Broker, max_frame: int, max_output: int) -> None:
         self.broker = broker
         self.decoder = FrameDecoder(max_frame)
+        self.max_output = max_output
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.peer = "?"
         self.client_ids: set[str] = set()
+        self.refused = False  # over the connection cap: answered and closed at once
+        self.guard = broker.guard
+        self.buffered = 0  # bytes of a partial frame, counted in guard.input_buffered
+        self.input_blocked = False  # not read while partial frames take the whole budget
         self._backlog: deque[tuple[int, int, int, int, bytes, bytes]] = deque()
         self._broken: ProtocolError | None = None
         self._write_paused = False
         self._out: list[bytes] = []  # frames written this loop pass (one send for all)
         self._out_size = 0
+        # GROUP_CHANGED and other pushes not sent yet, the latest per (code, group)
+        self._pushes: dict[tuple[int, Any], dict[str, Any]] = {}
+        self.deferred_pulls = False  # held pulls kept waiting while writing was paused
+        self.held_pulls = 0  # long-poll pulls of this client held by the broker
+        # counters and marks for the periodic sweep (broker/limits.py)
+        self.activity = 0  # reads, and resumed writing (the client read our answers)
+        self.frames_in = 0
+        self.active_mark = -1
+        self.active_at = 0.0
+        self.partial_mark = -1
+        self.partial_at: float | None = None
+        self.closed_at: float | None = None  # closed by the broker, output still unsent
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        self.transport.set_write_buffer_limits(high=_HIGH_WATER)  # type: ignore[union-attr]
-        self.broker.connections.add(self)
+        broker = self.broker
+        if not broker.guard.admit(len(broker.connections), self.peer):
+            self.closed = self.refused = True  # never a member nor a puller
+            transport.write(encode_frame(  # type: ignore[attr-defined]
+                RESPONSE, int(ErrorCode.TOO_MANY_CONNECTIONS), 0,
+                {"message": "too many connections: try again later"}))
+            transport.close()
+            return
+        self.transport.set_write_buffer_limits(high=HIGH_WATER)  # type: ignore[union-attr]
+        broker.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
         if self.closed or self._broken is not None:
             return
-        self.decoder.feed(data)
+        self.activity += 1
+        decoder = self.decoder
+        decoder.feed(data)
         try:
-            frames = self.decoder.frames()
+            frames = decoder.frames()
         except ProtocolError as exc:
             self._broken = exc
         else:
+            self.frames_in += len(frames)
             self._backlog.extend(frames)
-            if self.decoder.broken is not None:
-                self._broken = self.decoder.broken  # after the frames before it
+            if decoder.broken is not None:
+                self._broken = decoder.broken  # after the frames before it
+        buffered = decoder.buffered
+        if buffered != self.buffered:
+            guard = self.guard
+            guard.input_buffered += buffered - self.buffered
+            if buffered > self.buffered and guard.input_buffered > guard.max_input:
+                self.block_input()
+            self.buffered = buffered
         self._drain()
+
+    def block_input(self) -> None:
+        """Stop reading: partial frames of all connections hold the whole input budget.
+        It is read again once the total is below the budget (``guard.unblock``, on every
+        sweep and connection end); its read timeout keeps running meanwhile."""
+        if not self.input_blocked and self.transport is not None and not self.closed:
+            self.input_blocked = True
+            self.guard.blocked.add(self)
+            self.transport.pause_reading()
+
+    def unblock_input(self) -> None:
+        self.input_blocked = False
+        if self.transport is not None and not self.closed and not self._write_paused:
+            self.transport.resume_reading()
+
+    def _forget_input(self) -> None:
+        """The connection ends: its partial frame no longer counts."""
+        guard = self.guard
+        guard.input_buffered -= self.buffered
+        self.buffered = 0
+        self.input_blocked = False
+        guard.blocked.discard(self)
+        guard.unblock()
 
     def _drain(self) -> None:
         """Dispatch decoded frames until the client stops reading our answers.
@@ -70,6 +132,15 @@ class Connection(asyncio.Protocol):
         if not backlog and self._broken is not None and not self.closed:
             self._protocol_error(self._broken)
 
+    @property
+    def write_paused(self) -> bool:
+        return self._write_paused
+
+    def pending_output(self) -> int:
+        """Bytes queued for this client: the transport's buffer and frames not handed over."""
+        t = self.transport
+        return self._out_size + (t.get_write_buffer_size() if t is not None else 0)
+
     def pause_writing(self) -> None:
         self._write_paused = True
         if self.transport is not None and not self.closed:
@@ -78,7 +149,13 @@ class Connection(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._write_paused = False
         if self.transport is not None and not self.closed:
-            self.transport.resume_reading()
+            self.activity += 1  # the client reads: not idle
+            if not self.input_blocked:
+                self.transport.resume_reading()
+            self.send_pushes()
+            if self.deferred_pulls:  # answers that waited for the client to read
+                self.deferred_pulls = False
+                self.broker.holds.notify_connection(self)
             self._drain()
 
     def _protocol_error(self, exc: ProtocolError) -> None:
@@ -92,7 +169,37 @@ class Connection(asyncio.Protocol):
         self._write(encode_frame(RESPONSE, code, corr_id, header, payload))
 
     def push(self, code: int, header: dict[str, Any]) -> None:
-        self._write(encode_frame(PUSH, code, 0, header))
+        """Queue a one-way push. Pushes of one code and group coalesce: while one is not
+        sent yet, a later one replaces it (only the latest state matters to the client)."""
+        if self.closed or self.transport is None:
+            return
+        if not self._pushes:
+            asyncio.get_running_loop().call_soon(self.send_pushes)
+        self._pushes[(code, header.get("group"))] = header
+
+    def send_pushes(self, force: bool = False) -> None:
+        """Write the waiting pushes (with the frames of this loop pass), unless the socket
+        still has output unsent: then they wait (coalescing) for the next sweep, which sends
+        them anyway (``force``). A client that does not read thus gets at most one push per
+        group and sweep, not one per change (each small write queued costs the broker far
+        more than its bytes)."""
+        if not self._pushes:
+            return
+        if self.closed or self.transport is None:
+            self._pushes.clear()
+            return
+        if not force and self.transport.get_write_buffer_size():
+            return
+        self._add_pushes()
+
+    def _add_pushes(self) -> None:
+        pushes, self._pushes = self._pushes, {}
+        for (code, _group), header in pushes.items():
+            frame = encode_frame(PUSH, code, 0, header)
+            if not self._out:
+                asyncio.get_running_loop().call_soon(self._flush)
+            self._out.append(frame)
+            self._out_size += len(frame)
 
     def _write(self, frame: bytes) -> None:
         """Queue a frame; frames written in one loop pass go out in one send."""
@@ -106,19 +213,56 @@ class Connection(asyncio.Protocol):
             self._flush()  # large answers: hand them over now (backpressure sees them)
 
     def _flush(self) -> None:
-        if self._out and not self.closed and self.transport is not None:
-            out = self._out
-            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+        if self._pushes and self.transport is not None and not self.closed \
+                and not self.transport.get_write_buffer_size():
+            self._add_pushes()  # waiting pushes go with these answers: the socket drained
+        out = self._out
         self._out = []
         self._out_size = 0
+        if out and not self.closed and self.transport is not None:
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+            if self._write_paused:  # above the high-water mark: is it above the limit?
+                self._check_output()
+
+    def held_pull_added(self) -> None:
+        if self.held_pulls * HELD_PULL_COST > self.max_output:
+            self.abort(f"too many held pulls: {self.held_pulls} held, each counted as "
+                       f"{HELD_PULL_COST} bytes against the output limit of {self.max_output} "
+                       f"bytes", logging.WARNING)
+
+    def _check_output(self) -> None:
+        """A client with more than ``max_output`` bytes queued is a slow consumer: drop it
+        (its unread output with it) rather than let it hold the broker's memory."""
+        pending = self.pending_output()
+        if pending > self.max_output:
+            self.abort(f"slow consumer: {pending} bytes of output queued, above the limit "
+                       f"of {self.max_output} bytes", logging.WARNING)
+
+    def abort(self, reason: str, level: int = logging.WARNING) -> None:
+        """Close at once, dropping unsent output; the disconnect releases the client's
+        group memberships, access locks and held pulls as any disconnect does."""
+        if self.closed:
+            return
+        log.log(level, "closing connection %s: %s", self.peer, reason)
+        self.closed = True
+        self._out = []
+        self._out_size = 0
+        self._pushes.clear()
+        if self.transport is not None:
+            self.transport.abort()
 
     def close(self) -> None:
+        """Close once the output is sent (the sweep aborts it if the client does not read
+        that output within ``CLOSE_GRACE_S``)."""
         if not self.closed:
             self._flush()
             self.closed = True
+            self.closed_at = self.guard.clock()
             if self.transport is not None:
                 self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self.broker.on_disconnect(self)
+        if not self.refused:
+            self._forget_input()
+            self.broker.on_disconnect(self)

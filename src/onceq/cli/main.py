@@ -66,6 +66,25 @@ def broker() -> None:
                    "its queues unless it re-asserts or gives them up first.")
 @click.option("--delay-levels", default=None,
               help="Retry delay levels, e.g. '1s 5s 10s 30s 1m ...' (default RocketMQ's).")
+@click.option("--max-output-bytes", default=64 * 1024 * 1024, show_default=True,
+              type=click.IntRange(1),
+              help="Bytes queued for one client (answers, held pulls answered, pushes) above "
+                   "which it is disconnected as a slow consumer.")
+@click.option("--read-timeout", default=30.0, show_default=True, type=click.FloatRange(0),
+              help="Seconds within which a frame once started must be complete (0: off).")
+@click.option("--idle-timeout", default=300.0, show_default=True, type=click.FloatRange(0),
+              help="Seconds after which a connection that sends nothing and waits for no "
+                   "held pull is closed (0: off).")
+@click.option("--max-connections", default=0, show_default=True, type=click.IntRange(0),
+              help="Most client connections (0: as many as the fd limit allows, less the "
+                   "reserve).")
+@click.option("--fd-reserve", default=128, show_default=True, type=click.IntRange(16),
+              help="File descriptors always left free for the broker's own files.")
+@click.option("--max-input-buffer-bytes", default=0, show_default=True,
+              type=click.IntRange(0),
+              help="Bytes of incomplete frames buffered for all connections together; "
+                   "above, connections adding to it wait (0: the larger of 256 MiB and "
+                   "four frames of the largest size).")
 @click.option("--log-level", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
 def broker_start(data_dir: str, host: str, port: int, flush: str, flush_interval_ms: int,
@@ -73,6 +92,8 @@ def broker_start(data_dir: str, host: str, port: int, flush: str, flush_interval
                  retention_bytes: int, dedup_window: float, disk_max_used_ratio: float,
                  max_open_files: int, auto_create_topics: bool,
                  access_lock: bool, access_lock_restore_hold: float, delay_levels: str | None,
+                 max_output_bytes: int, read_timeout: float, idle_timeout: float,
+                 max_connections: int, fd_reserve: int, max_input_buffer_bytes: int,
                  log_level: str) -> None:
     """Start a broker in the foreground (SIGTERM or Ctrl-C flushes and stops it)."""
     from ..broker.server import run
@@ -85,7 +106,10 @@ def broker_start(data_dir: str, host: str, port: int, flush: str, flush_interval
                         disk_max_used_ratio=disk_max_used_ratio, max_open_files=max_open_files)
     cfg = BrokerConfig(store, host=host, port=port, auto_create_topics=auto_create_topics,
                        access_lock=access_lock,
-                       access_lock_restore_hold_s=access_lock_restore_hold)
+                       access_lock_restore_hold_s=access_lock_restore_hold,
+                       max_output_bytes=max_output_bytes, read_timeout_s=read_timeout,
+                       idle_timeout_s=idle_timeout, max_connections=max_connections,
+                       fd_reserve=fd_reserve, max_input_buffer_bytes=max_input_buffer_bytes)
     if delay_levels is not None:
         cfg.delay_levels = delay_levels
     try:

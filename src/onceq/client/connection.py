@@ -30,8 +30,8 @@ class ConnectionLost(OnceqError):
     """The connection closed or timed out before the reply: the request may or may not have
     been carried out (retry relies on the broker's dedup window)."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(ErrorCode.SERVICE_UNAVAILABLE, message)
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.SERVICE_UNAVAILABLE) -> None:
+        super().__init__(code, message)
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -50,6 +50,7 @@ class BrokerConnection(asyncio.Protocol):
         self._out: list[bytes] = []
         self._on_push = on_push
         self.closed = False
+        self.error: OnceqError | None = None  # why the connection failed
         self.lost = asyncio.get_event_loop().create_future()
 
     @classmethod
@@ -79,6 +80,15 @@ class BrokerConnection(asyncio.Protocol):
             return
         for _v, kind, code, corr_id, header, payload in frames:
             if kind == RESPONSE:
+                if corr_id == 0 and code:  # about the connection (e.g. TOO_MANY_CONNECTIONS)
+                    try:
+                        message = str(decode_header(header).get("message", ""))
+                    except ValueError:
+                        message = ""
+                    err = OnceqError(code, message or None)
+                    self._fail(ConnectionLost(f"broker closed the connection: {err.message}",
+                                              err.code))
+                    return
                 fut = self._pending.pop(corr_id, None)
                 if fut is None or fut.done():
                     continue
@@ -107,6 +117,8 @@ class BrokerConnection(asyncio.Protocol):
 
     def _fail(self, err: OnceqError) -> None:
         self.closed = True
+        if self.error is None:
+            self.error = err
         pending, self._pending = self._pending, {}
         for fut in pending.values():
             if not fut.done():
@@ -119,8 +131,10 @@ class BrokerConnection(asyncio.Protocol):
     def send_request(self, code: int, header: dict[str, Any] | None, payload: bytes = b""
                      ) -> asyncio.Future[tuple[dict[str, Any], bytes]]:
         if self.closed:
+            if self.error is not None and self.error.code != ErrorCode.SERVICE_UNAVAILABLE:
+                raise self.error  # e.g. refused: TOO_MANY_CONNECTIONS
             raise ConnectionLost("connection to broker is closed")
-        corr = next(self._ids) & 0xFFFFFFFF
+        corr = next(self._ids) & 0xFFFFFFFF or 1  # 0 is for answers about the connection
         fut = asyncio.get_running_loop().create_future()
         self._pending[corr] = fut
         frame = encode_frame(REQUEST, code, corr, header, payload)

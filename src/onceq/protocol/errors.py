@@ -33,6 +33,7 @@ class ErrorCode(IntEnum):
     SHUTTING_DOWN = 33
     DISK_FULL = 34
     STORAGE_ERROR = 35
+    TOO_MANY_CONNECTIONS = 36
 
 
 RETRIABLE: frozenset[ErrorCode] = frozenset(
@@ -43,6 +44,7 @@ RETRIABLE: frozenset[ErrorCode] = frozenset(
         ErrorCode.SHUTTING_DOWN,
         ErrorCode.DISK_FULL,
         ErrorCode.STORAGE_ERROR,
+        ErrorCode.TOO_MANY_CONNECTIONS,
     }
 )
 
@@ -68,6 +70,7 @@ DEFAULT_MESSAGES: dict[ErrorCode, str] = {
     ErrorCode.SHUTTING_DOWN: "broker is shutting down",
     ErrorCode.DISK_FULL: "disk full or above the usage limit: writes refused for now",
     ErrorCode.STORAGE_ERROR: "storage I/O error: the write was rolled back",
+    ErrorCode.TOO_MANY_CONNECTIONS: "the broker is at its connection limit: try again later",
 }
 
 
