@@ -113,7 +113,7 @@ class Broker:
         self.guard = ConnectionGuard(config.max_connections, config.fd_reserve,
                                      config.read_timeout_s, config.idle_timeout_s,
                                      max_input=config.input_budget(),
-                                     headroom=self._index_files_headroom)
+                                     headroom=self._open_files_headroom)
         self.groups = GroupRegistry(config.heartbeat_expiry_s, self._on_group_change)
         self.holds = PullHold(self._retry_pull)
         self.fence = ResetFence()  # members that have not seen a forced offset reset yet
@@ -273,7 +273,9 @@ class Broker:
                 self._locks_dirty.set()
                 await asyncio.sleep(1.0)
 
-    def _index_files_headroom(self) -> int:
+    def _open_files_headroom(self) -> int:
+        """Descriptors the store's cache of open files (index files, older segments) may
+        still take: set aside from the connection cap."""
         files = self.store.open_files
         return files.capacity - len(files)
 
