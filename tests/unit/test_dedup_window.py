@@ -1,0 +1,191 @@
+"""The compact dedup window against a plain-dict reference model.
+
+Any sequence of add / lookup / expire / drop_topic with a fake clock must give the same
+answers, the same key count and the same effective window as the model below. The index is
+also run with a single table and a tiny ring, so that probe chains, deletions inside them,
+ring wrap-around and growth all occur with few keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from onceq.storage import dedup as dedup_mod
+from onceq.storage.dedup import DedupWindow
+
+
+class ModelWindow:
+    """The window's semantics in plain Python containers.
+
+    Entries are kept in add order (at most ``max_keys``: the oldest go first, whatever
+    their age); a key added again points at its newest entry, and an older entry leaving
+    the window no longer removes the key. A dropped topic's keys vanish at once (its
+    entries still count against ``max_keys`` until they leave)."""
+
+    def __init__(self, window_s: float, max_keys: int) -> None:
+        self.window_ms = int(window_s * 1000)
+        self.max_keys = max_keys
+        self.gen: dict[str, int] = {}  # topic -> incarnation
+        self.next_gen = 0
+        self.order: list[tuple[int, int, int, bytes]] = []  # (seq, ts, gen, key)
+        self.live: dict[tuple[int, bytes], tuple[int, int, int, int]] = {}
+        self.seq = 0
+        self.cut: int | None = None
+
+    def _pop(self, now_ms: int, for_cap: bool) -> None:
+        seq, ts, g, key = self.order.pop(0)
+        if for_cap and ts >= now_ms - self.window_ms:
+            self.cut = ts if self.cut is None else max(self.cut, ts)
+        v = self.live.get((g, key))
+        if v is not None and v[3] == seq:
+            del self.live[(g, key)]
+
+    def add(self, topic: str, key: bytes, q: int, off: int, ts: int) -> None:
+        if self.max_keys <= 0:
+            return
+        g = self.gen.get(topic)
+        if g is None:
+            g = self.gen[topic] = self.next_gen
+            self.next_gen += 1
+        while len(self.order) >= self.max_keys:
+            self._pop(ts, True)
+        self.order.append((self.seq, ts, g, key))
+        self.live[(g, key)] = (q, off, ts, self.seq)
+        self.seq += 1
+
+    def lookup(self, topic: str, key: bytes) -> tuple[int, int, int] | None:
+        g = self.gen.get(topic)
+        v = None if g is None else self.live.get((g, key))
+        return None if v is None else v[:3]
+
+    def expire(self, now_ms: int) -> None:
+        while self.order:
+            if len(self.order) > self.max_keys:
+                self._pop(now_ms, True)
+            elif self.order[0][1] < now_ms - self.window_ms:
+                self._pop(now_ms, False)
+            else:
+                break
+
+    def drop_topic(self, topic: str) -> None:
+        g = self.gen.pop(topic, None)
+        if g is not None:
+            for k in [k for k in self.live if k[0] == g]:
+                del self.live[k]
+
+    def __len__(self) -> int:
+        return len(self.live)
+
+    def effective_window_s(self, now_ms: int) -> float:
+        w = self.window_ms
+        if self.cut is not None and now_ms - self.cut < w:
+            w = max(now_ms - self.cut, 0)
+        return w / 1000
+
+
+TOPICS = ["A", "B", "C"]
+KEYS = [b"", b"k0", b"k1", b"k2", b"k3", b"k1#1", b"0A00000100003039BEEF018BCFE6B80000000001"]
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.sampled_from(TOPICS), st.sampled_from(KEYS),
+              st.integers(0, 7), st.integers(0, 2**40)),
+    st.tuples(st.just("lookup"), st.sampled_from(TOPICS), st.sampled_from(KEYS)),
+    st.tuples(st.just("expire")),
+    st.tuples(st.just("drop"), st.sampled_from(TOPICS)),
+    st.tuples(st.just("tick"), st.integers(0, 5000)),
+), max_size=120)
+
+
+@pytest.fixture(params=["default", "one-table-tiny-ring"])
+def layout(request, monkeypatch):
+    if request.param != "default":
+        monkeypatch.setattr(dedup_mod, "_SEG_BITS", 0)
+        monkeypatch.setattr(dedup_mod, "_NSEG", 1)
+        monkeypatch.setattr(dedup_mod, "_SEG_MASK", 0)
+        monkeypatch.setattr(dedup_mod, "_SEG_MIN", 2)
+        monkeypatch.setattr(dedup_mod, "_RING_MIN", 2)
+    return request.param
+
+
+def run_and_compare(sequence, window_s: float, max_keys: int) -> None:
+    w = DedupWindow(window_s, max_keys)
+    m = ModelWindow(window_s, max_keys)
+    now = 1_700_000_000_000
+    for op in sequence:
+        kind = op[0]
+        if kind == "add":
+            _k, topic, key, q, off = op
+            w.add(topic, key, q, off, now)
+            m.add(topic, key, q, off, now)
+        elif kind == "lookup":
+            assert w.table(op[1]).get(op[2]) == m.lookup(op[1], op[2])
+        elif kind == "expire":
+            w.expire(now)
+            m.expire(now)
+        elif kind == "drop":
+            w.drop_topic(op[1])
+            m.drop_topic(op[1])
+        else:
+            now += op[1]
+        assert len(w) == len(m)
+        assert w.entries() == len(m.order)
+        assert w.effective_window_s(now) == m.effective_window_s(now)
+    for topic in TOPICS:
+        for key in KEYS:
+            assert w.table(topic).get(key) == m.lookup(topic, key)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(sequence=ops, window_s=st.sampled_from([0.5, 2.0, 10.0]),
+       max_keys=st.sampled_from([1, 2, 3, 5, 8, 1000]))
+def test_window_matches_model(layout, sequence, window_s, max_keys):
+    run_and_compare(sequence, window_s, max_keys)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_many_keys_match_model(layout, seed):
+    """Thousands of keys: index tables grow, probe chains get long, the ring wraps."""
+    rnd = random.Random(seed)
+    keys = [b"%040X" % rnd.getrandbits(160) for _ in range(3000)]
+    seq = []
+    for _ in range(20_000):
+        r = rnd.random()
+        if r < 0.5:
+            seq.append(("add", rnd.choice(TOPICS), rnd.choice(keys), rnd.randrange(8),
+                        rnd.randrange(10**9)))
+        elif r < 0.8:
+            seq.append(("lookup", rnd.choice(TOPICS), rnd.choice(keys)))
+        elif r < 0.9:
+            seq.append(("tick", rnd.randrange(3)))
+        elif r < 0.999:
+            seq.append(("expire",))
+        else:
+            seq.append(("drop", rnd.choice(TOPICS)))
+    run_and_compare(seq, 5.0, 4000)
+
+
+def test_cap_cuts_window_warns_once_a_minute(caplog):
+    w = DedupWindow(120, 3)
+    now = 1_700_000_000_000
+    with caplog.at_level(logging.WARNING, logger="onceq.storage"):
+        for i in range(10):
+            w.add("T", b"k%d" % i, 0, i, now + i * 1000)
+    # keys 7, 8, 9 are kept; key 6, stored 3 s before the last add, was forgotten
+    assert w.effective_window_s(now + 9000) == 3.0
+    assert len([r for r in caplog.records if "maximum of 3 keys" in r.message]) == 1
+    assert w.table("T").get(b"k7") == (0, 7, now + 7000)
+    assert w.table("T").get(b"k6") is None
+    assert w.effective_window_s(now + 6000 + 120_000) == 120.0  # the cut key aged out
+
+
+def test_disabled_window_holds_nothing():
+    w = DedupWindow(120, 0)
+    assert not w.enabled
+    w.add("T", b"k", 0, 0, 1)
+    assert len(w) == 0 and w.table("T").get(b"k") is None
