@@ -376,6 +376,33 @@ def test_dedup_window_before_the_checkpoint_is_rebuilt_within_its_key_bound(tmp_
     store.close()
 
 
+def test_dedup_window_rebuild_past_damaged_bytes_before_the_checkpoint(tmp_path):
+    """The window's pass over the trusted log falls back to the resyncing scan at a record
+    that does not check: the records after it, in that segment and the next ones, are
+    still in the window; the damaged one is not."""
+    root = str(tmp_path)
+    clock = FakeClock(T0)
+    store = MessageStore(cfg(root), clock=clock)
+    store.open()
+    store.create_topic("T", 2)
+    acked = send(store, "T", 0, 3000, queues=2)  # several segments
+    store.close()
+    assert len(segments(root)) >= 2
+    first = segments(root)[0]
+    flip(first, FILE_HEADER_SIZE + 1000)  # inside the first record's body, or the second's
+    clock.advance(30)
+    store = MessageStore(cfg(root), clock=clock)
+    store.open()
+    for i in (5, 100, 1500, 2999):
+        q, off = acked[f"UK{i:06d}"]
+        r = store.put("T", q, [encode_part(body(i), f"UK{i:06d}", 1)])
+        assert r.duplicates == [0] and r.offsets == [off], i
+    lost = [i for i in (0, 1, 2) if store.put(
+        "T", acked[f"UK{i:06d}"][0], [encode_part(body(i), f"UK{i:06d}", 1)]).duplicates == []]
+    assert len(lost) == 1  # the damaged record is not in the window
+    store.close()
+
+
 def test_verify_command_exit_codes_and_json(tmp_path):
     root = str(tmp_path)
     store = open_store(root)

@@ -6,28 +6,32 @@ at start (records carry their unique key and store time), so it survives restart
 bounded by ``max_keys``: above it the oldest keys are forgotten first, and the window is
 then shorter than configured (``effective_window_s``; a warning is logged).
 
-Compact layout (about 60 bytes per key, no Python object per key):
+Compact layout (about 70 bytes per key, no Python object per key):
 
-* each key is a 128-bit keyed BLAKE2b digest of (topic id, dedup key); the digest key is
-  random per broker process, so clients cannot aim keys at one hash bucket. Two different
+* each key is kept as a 20-byte identity: the key itself when it has the producer's shape
+  (40 upper-case hex digits, stored as their 20 bytes, exact), else a 128-bit BLAKE2b
+  digest of the key, keyed with a secret drawn at random per broker process. Two different
   keys answer "duplicate" for each other only if their digests collide: with 128 bits and
-  2 million keys in the window the odds are about 1 in 10^26;
-* the entries live in an insertion-ordered ring of parallel ``array`` columns (digest, queue,
-  offset, store time, topic id), numbered by a sequence number that only grows; expiry pops
-  the oldest entries from the head;
-* the index is 256 open-addressing (linear probing) tables of sequence numbers, chosen by
-  the digest's low bits; each grows on its own, so a resize never stalls for long.
+  2 million keys in the window the odds are about 1 in 10^26, and no client can aim at
+  another's key without the secret;
+* the entries live in an insertion-ordered ring of parallel columns (identity, topic id,
+  hash, queue, offset, store time), numbered by a sequence number that only grows; expiry
+  pops the oldest entries from the head;
+* the index is 256 open-addressing (linear probing) tables of sequence numbers, placed by
+  Python's per-process randomised hash of the key; each table grows on its own, so a
+  resize never stalls for long.
 
 A topic gets a new id when it is dropped: its entries stay in the ring (they still count
-against ``max_keys``, as before) but can no longer be found, and go with their time.
+against ``max_keys``) but can no longer be found, and go with their time.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import struct
 from array import array
+from binascii import Error as HexError
+from binascii import unhexlify
 from collections.abc import Iterable
 from hashlib import blake2b
 
@@ -38,57 +42,96 @@ _NSEG = 1 << _SEG_BITS
 _SEG_MASK = _NSEG - 1
 _SEG_MIN = 8  # slots of an empty index table (a power of two)
 _RING_MIN = 1024  # entries of the ring when first needed
-_DIGEST = struct.Struct("<QQ").unpack
-_TID = struct.Struct("<I").pack
+_IDENT = 20  # bytes of a key's identity in the ring
+_HEX_KEY = 2 * _IDENT  # a producer's unique key: 40 upper-case hex digits
+_DIGEST_KIND = 1 << 31  # in the topic-id column: the identity is a digest, not the key
+_H32 = 0xFFFFFFFF
 _WARN_EVERY_MS = 60_000
+
+
+class _Digests:
+    """128-bit keyed BLAKE2b digests of the keys that are not producer-shaped."""
+
+    __slots__ = ("_copy",)
+
+    def __init__(self) -> None:
+        self._copy = blake2b(digest_size=16, key=os.urandom(16)).copy
+
+    def __call__(self, key: bytes) -> bytes:
+        h = self._copy()
+        h.update(key)
+        return h.digest() + b"\0\0\0\0"
+
+
+def _identity(key: bytes, tid: int, digest: _Digests) -> tuple[bytes, int]:
+    """(20-byte identity, topic-id column value) of a key."""
+    if len(key) == _HEX_KEY and key == key.upper():
+        try:
+            return unhexlify(key), tid
+        except HexError:
+            pass
+    return digest(key), tid | _DIGEST_KIND
 
 
 class TopicTable:
     """Lookups in one topic's part of the window: ``get(key)`` -> (queue, offset, ts_ms)."""
 
-    __slots__ = ("_hasher", "_window")
+    __slots__ = ("_tid", "_window")
 
-    def __init__(self, window: DedupWindow, hasher: blake2b | None) -> None:
+    def __init__(self, window: DedupWindow, tid: int | None) -> None:
         self._window = window
-        self._hasher = hasher
+        self._tid = tid
 
     def get(self, key: bytes) -> tuple[int, int, int] | None:
-        if self._hasher is None:
+        tid = self._tid
+        if tid is None:
             return None
-        h = self._hasher.copy()
-        h.update(key)
         w = self._window
-        s = w._find(*_DIGEST(h.digest()))
-        if s < 0:
-            return None
-        return w._queue[s], w._offset[s], w._ts[s]
+        h = hash(key) & _H32
+        seg = w._segs[h & _SEG_MASK]
+        m = len(seg) - 1
+        i = (h >> _SEG_BITS) & m
+        v = seg[i]
+        if not v:
+            return None  # the common case: a new key
+        ident, tidk = _identity(key, tid, w._digest)
+        base = w._base
+        cap = w._cap
+        hs = w._hash
+        while v:
+            s = (v - 1 - base) % cap
+            if hs[s] == h and w._tid[s] == tidk and \
+                    w._ident[s * _IDENT:s * _IDENT + _IDENT] == ident:
+                return w._queue[s], w._offset[s], w._ts[s]
+            i = (i + 1) & m
+            v = seg[i]
+        return None
 
     def __contains__(self, key: bytes) -> bool:
         return self.get(key) is not None
 
 
 class DedupWindow:
-    __slots__ = ("_base", "_cap", "_cut_ts", "_head", "_hi", "_live", "_lo", "_next_tid",
-                 "_offset", "_queue", "_secret", "_seg_used", "_segs", "_tail", "_tid",
+    __slots__ = ("_base", "_cap", "_cut_ts", "_digest", "_hash", "_head", "_ident", "_live",
+                 "_next_tid", "_offset", "_queue", "_seg_used", "_segs", "_tail", "_tid",
                  "_topics", "_ts", "_warned_ms", "max_keys", "window_ms")
 
     def __init__(self, window_s: float, max_keys: int) -> None:
         self.window_ms = int(window_s * 1000)
         self.max_keys = max_keys
-        self._secret = blake2b(digest_size=16, key=os.urandom(16))
-        # topic -> (topic id, hasher primed with the id); live keys per topic id
-        self._topics: dict[str, tuple[int, blake2b]] = {}
-        self._live: dict[int, int] = {}
+        self._digest = _Digests()
+        self._topics: dict[str, int] = {}  # topic -> topic id (a new one after a drop)
+        self._live: dict[int, int] = {}  # topic id -> keys that answer
         self._next_tid = 0
-        # the ring: sequence number n is at slot (n - _base) % _cap; live seqs [_head, _tail)
+        # the ring: sequence number n is at slot (n - _base) % _cap; held seqs [_head, _tail)
         self._cap = 0
         self._base = self._head = self._tail = 0
-        self._lo = array("Q")
-        self._hi = array("Q")
-        self._queue = array("I")
+        self._ident = bytearray()
+        self._tid = array("I")
+        self._hash = array("I")
+        self._queue = array("H")
         self._offset = array("q")
         self._ts = array("q")
-        self._tid = array("I")
         # the index: seq + 1 per used slot, 0 when empty
         self._segs = [array("Q", bytes(8 * _SEG_MIN)) for _ in range(_NSEG)]
         self._seg_used = [0] * _NSEG
@@ -109,36 +152,15 @@ class DedupWindow:
     # ------------------------------------------------------------------ lookups
     def table(self, topic: str) -> TopicTable:
         """One topic's key table: ``get(key)`` -> (queue_id, offset, ts_ms) or None."""
-        t = self._topics.get(topic)
-        return TopicTable(self, None if t is None else t[1])
+        return TopicTable(self, self._topics.get(topic))
 
-    def _topic(self, topic: str) -> tuple[int, blake2b]:
-        t = self._topics.get(topic)
-        if t is None:
-            tid = self._next_tid
-            self._next_tid = (tid + 1) & 0xFFFFFFFF
-            h = self._secret.copy()
-            h.update(_TID(tid))
-            t = self._topics[topic] = (tid, h)
+    def _topic(self, topic: str) -> int:
+        tid = self._topics.get(topic)
+        if tid is None:
+            tid = self._topics[topic] = self._next_tid
+            self._next_tid = (tid + 1) % _DIGEST_KIND
             self._live[tid] = 0
-        return t
-
-    def _find(self, lo: int, hi: int) -> int:
-        """The ring slot of the live entry with this digest, or -1."""
-        seg = self._segs[lo & _SEG_MASK]
-        m = len(seg) - 1
-        i = (lo >> _SEG_BITS) & m
-        base = self._base
-        cap = self._cap
-        los = self._lo
-        while True:
-            v = seg[i]
-            if not v:
-                return -1
-            s = (v - 1 - base) % cap
-            if los[s] == lo and self._hi[s] == hi:
-                return s
-            i = (i + 1) & m
+        return tid
 
     # ------------------------------------------------------------------ changes
     def add(self, topic: str, key: bytes, queue_id: int, offset: int, ts_ms: int) -> None:
@@ -146,55 +168,88 @@ class DedupWindow:
 
         A key already there is replaced (its older copy no longer answers). Above
         ``max_keys`` entries the oldest go first, whatever their age."""
-        self.add_many(topic, ((key, queue_id, offset, ts_ms),))
+        self.add_many(((topic, key, queue_id, offset, ts_ms),))
 
-    def add_many(self, topic: str, items: Iterable[tuple[bytes, int, int, int]]) -> None:
-        """``add`` for many (key, queue_id, offset, ts_ms) of one topic, in store order."""
-        if self.max_keys <= 0:
-            return
-        tid, hasher = self._topic(topic)
+    def add_many(self, items: Iterable[tuple[str, bytes, int, int, int]]) -> None:
+        """``add`` for many (topic, key, queue_id, offset, ts_ms), in store order."""
         max_keys = self.max_keys
+        if max_keys <= 0:
+            return
+        topics = self._topics
+        live = self._live
         segs = self._segs
         used = self._seg_used
-        for key, queue_id, offset, ts_ms in items:
-            h = hasher.copy()
-            h.update(key)
-            lo, hi = _DIGEST(h.digest())
-            while self._tail - self._head >= max_keys:
-                self._evict(ts_ms)
-            if self._tail - self._head >= self._cap:
-                self._grow_ring()
-            seq = self._tail
-            cap = self._cap
-            base = self._base
-            los = self._lo
-            his = self._hi
+        digest = self._digest
+        last_topic = None
+        tid = 0
+        added = 0
+        seq = self._tail
+        cap = base = 0
+        idents = tids = hs = qs = offs = tss = None
+        room = 0  # adds left before the cap or the ring's end needs a look
+        for topic, key, queue_id, offset, ts_ms in items:
+            if topic != last_topic:
+                if added:
+                    live[tid] += added
+                    added = 0
+                tid = topics.get(topic)
+                if tid is None:
+                    tid = self._topic(topic)
+                last_topic = topic
+            if len(key) == _HEX_KEY and key == key.upper():
+                try:
+                    ident = unhexlify(key)
+                    tidk = tid
+                except HexError:
+                    ident = digest(key)
+                    tidk = tid | _DIGEST_KIND
+            else:
+                ident = digest(key)
+                tidk = tid | _DIGEST_KIND
+            h = hash(key) & _H32
+            if room <= 0:
+                self._tail = seq
+                while seq - self._head >= max_keys:
+                    self._evict(ts_ms)
+                if seq - self._head >= self._cap:
+                    self._grow_ring()
+                room = min(max_keys, self._cap) - (seq - self._head)
+                cap = self._cap
+                base = self._base
+                idents, tids, hs = self._ident, self._tid, self._hash
+                qs, offs, tss = self._queue, self._offset, self._ts
+            room -= 1
             s = (seq - base) % cap  # a free slot: written first, the index may grow
-            los[s] = lo
-            his[s] = hi
-            self._queue[s] = queue_id
-            self._offset[s] = offset
-            self._ts[s] = ts_ms
-            self._tid[s] = tid
-            si = lo & _SEG_MASK
+            p = s * _IDENT
+            idents[p:p + _IDENT] = ident
+            tids[s] = tidk
+            hs[s] = h
+            qs[s] = queue_id
+            offs[s] = offset
+            tss[s] = ts_ms
+            seq += 1
+            si = h & _SEG_MASK
             seg = segs[si]
             m = len(seg) - 1
-            i = (lo >> _SEG_BITS) & m
+            i = (h >> _SEG_BITS) & m
             while True:
                 v = seg[i]
                 if not v:
-                    seg[i] = seq + 1
-                    self._live[tid] += 1
+                    seg[i] = seq  # seq + 1 of the new entry
+                    added += 1
                     n = used[si] = used[si] + 1
                     if n * 2 > m:
                         self._grow_seg(si)
                     break
                 o = (v - 1 - base) % cap
-                if los[o] == lo and his[o] == hi:
-                    seg[i] = seq + 1  # a newer copy of the key
+                if hs[o] == h and tids[o] == tidk and \
+                        idents[o * _IDENT:o * _IDENT + _IDENT] == ident:
+                    seg[i] = seq  # a newer copy of the key
                     break
                 i = (i + 1) & m
-            self._tail = seq + 1
+        self._tail = seq
+        if added:
+            live[tid] += added
 
     def expire(self, now_ms: int) -> None:
         """Forget the keys stored before the window (and any above ``max_keys``)."""
@@ -209,9 +264,9 @@ class DedupWindow:
                 break
 
     def drop_topic(self, topic: str) -> None:
-        t = self._topics.pop(topic, None)
-        if t is not None:
-            del self._live[t[0]]
+        tid = self._topics.pop(topic, None)
+        if tid is not None:
+            del self._live[tid]
 
     def effective_window_s(self, now_ms: int) -> float:
         """Seconds back from ``now_ms`` in which every stored key is still remembered: the
@@ -240,38 +295,38 @@ class DedupWindow:
         """Drop the oldest entry of the ring, and its index slot if it is the live copy."""
         seq = self._head
         s = (seq - self._base) % self._cap
-        lo = self._lo[s]
-        si = lo & _SEG_MASK
+        self._head = seq + 1
+        h = self._hash[s]
+        si = h & _SEG_MASK
         seg = self._segs[si]
         m = len(seg) - 1
-        i = (lo >> _SEG_BITS) & m
+        i = (h >> _SEG_BITS) & m
         want = seq + 1
         while True:
             v = seg[i]
             if not v:
-                break  # a replaced copy: the index points at the newer one
+                return  # a replaced copy: the index points at the newer one
             if v == want:
-                self._delete(seg, i, m)
-                self._seg_used[si] -= 1
-                tid = self._tid[s]
-                if tid in self._live:  # not a dropped topic's
-                    self._live[tid] -= 1
                 break
             i = (i + 1) & m
-        self._head = seq + 1
+        self._delete(seg, i, m)
+        self._seg_used[si] -= 1
+        tid = self._tid[s] & ~_DIGEST_KIND
+        if tid in self._live:  # not a dropped topic's
+            self._live[tid] -= 1
 
     def _delete(self, seg: array, i: int, m: int) -> None:
         """Empty slot ``i`` of a linear-probing table, moving later entries back."""
         base = self._base
         cap = self._cap
-        los = self._lo
+        hs = self._hash
         j = i
         while True:
             j = (j + 1) & m
             v = seg[j]
             if not v:
                 break
-            home = (los[(v - 1 - base) % cap] >> _SEG_BITS) & m
+            home = (hs[(v - 1 - base) % cap] >> _SEG_BITS) & m
             # the entry at j may move to i unless its home lies cyclically in (i, j]
             if (home <= i < j) or (i < j < home) or (j < home <= i):
                 seg[i] = v
@@ -284,27 +339,33 @@ class DedupWindow:
         new = array("Q", bytes(8 * (m + 1)))
         base = self._base
         cap = self._cap
-        los = self._lo
+        hs = self._hash
         for v in old:
             if v:
-                i = (los[(v - 1 - base) % cap] >> _SEG_BITS) & m
+                i = (hs[(v - 1 - base) % cap] >> _SEG_BITS) & m
                 while new[i]:
                     i = (i + 1) & m
                 new[i] = v
         self._segs[si] = new
 
     def _grow_ring(self) -> None:
-        """Double the ring (up to max_keys), laying it out from the head again."""
+        """Grow the ring (doubling, up to max_keys), laying it out from the head again."""
         n = self._tail - self._head
         cap = max(min(max(self._cap * 2, _RING_MIN), self.max_keys), n + 1)
         start = (self._head - self._base) % self._cap if self._cap else 0
-        for name, code in (("_lo", "Q"), ("_hi", "Q"), ("_queue", "I"), ("_offset", "q"),
-                           ("_ts", "q"), ("_tid", "I")):
+        for name, width in (("_ident", _IDENT), ("_tid", 0), ("_hash", 0), ("_queue", 0),
+                            ("_offset", 0), ("_ts", 0)):
             old = getattr(self, name)
-            new = array(code, old[start:start + n])
-            if len(new) < n:
-                new.extend(old[:n - len(new)])
-            new.extend(array(code, bytes(new.itemsize * (cap - n))))
+            w = width or old.itemsize
+            if width:
+                new = bytearray(old[start * w:(start + n) * w])
+            else:
+                new = array(old.typecode, old[start:start + n])
+            k = n - len(new) // w if width else n - len(new)
+            if k:
+                new.extend(old[:k * w] if width else old[:k])
+            new.extend(bytes((cap - n) * w) if width else
+                       array(old.typecode, bytes((cap - n) * w)))
             setattr(self, name, new)
         self._base = self._head
         self._cap = cap

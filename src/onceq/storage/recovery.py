@@ -7,11 +7,20 @@ checkpoint is trusted (checked on read); the tail is scanned with resync past da
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterator
 
-from ..log.record import RecordError, RecordHead, check_record, record_matches
-from ..log.segment import DAMAGED_ENTRY_SIZE, INDEX_ENTRY, damaged_entry
-from .commitlog import CommitLog
+from ..log.record import (
+    MAX_RECORD_SIZE,
+    REC_HEAD_AND_PART,
+    RECORD_MAGIC,
+    RecordError,
+    RecordHead,
+    check_record,
+    record_matches,
+)
+from ..log.segment import DAMAGED_ENTRY_SIZE, FILE_HEADER_SIZE, INDEX_ENTRY, damaged_entry
+from .commitlog import READ_CHUNK, CommitLog, Segment
 from .consumequeue import ConsumeQueue
 from .damage import DamageRegistry
 from .dedup import DedupWindow
@@ -131,6 +140,9 @@ class Recovery:
             cq.entry(cq.max_offset - 1)[3] for cq in queues.values()
             if cq.max_offset > cq.min_offset])
 
+        use_dedup = dedup.enabled
+        window_items: list[tuple[str, bytes, int, int, int]] = []  # added in batches
+
         def on_damage(a: int, b: int) -> None:
             nonlocal damaged_bytes
             damaged_bytes += b - a
@@ -149,8 +161,12 @@ class Recovery:
             key = (h.topic, h.queue_id)
             if h.store_ts_ms > max_ts:
                 max_ts = h.store_ts_ms
-            if dedup.enabled and h.store_ts_ms >= window_start and h.unique_key:
-                dedup.add(h.topic, h.dedup_key, h.queue_id, h.queue_offset, h.store_ts_ms)
+            if use_dedup and h.store_ts_ms >= window_start and h.unique_key:
+                window_items.append((h.topic, h.dedup_key, h.queue_id, h.queue_offset,
+                                     h.store_ts_ms))
+                if len(window_items) >= 4096:
+                    dedup.add_many(window_items)
+                    window_items.clear()
             entries = pending.get(key)
             if entries is None:
                 cq = queues[key]
@@ -190,6 +206,7 @@ class Recovery:
             )
 
         end = log_.scan_tail(scan_from, on_record, on_damage)
+        dedup.add_many(window_items)
         for key, hint in hints.items():
             # the last records of a queue lost in damaged bytes: their offsets stay taken
             cq = queues[key]
@@ -266,16 +283,70 @@ class Recovery:
         if not starts:
             return
         from_pos = max(min(starts), self.log.start)
-        topics = self.topics
         for seg in self.log.segments:
             if seg.end <= from_pos or seg.base >= scan_from:
                 continue
-            for h in self.log.scan_segment(seg, max(0, from_pos - seg.base),
-                                           scan_from - seg.base):
-                if (not isinstance(h, RecordHead) or h.position >= scan_from
-                        or h.store_ts_ms < since or not h.unique_key):
-                    continue
-                t = topics.get(h.topic)
-                if t is None or h.queue_id >= t.queues or h.position < t.created_position:
-                    continue
-                dedup.add(h.topic, h.dedup_key, h.queue_id, h.queue_offset, h.store_ts_ms)
+            dedup.add_many(window_keys(self.log, seg, max(0, from_pos - seg.base),
+                                       scan_from - seg.base, since, self.topics))
+
+
+def window_keys(log_: CommitLog, seg: Segment, start_off: int, stop_off: int, since: int,
+                topics: dict) -> Iterator[tuple[str, bytes, int, int, int]]:
+    """(topic, dedup key, queue, offset, store time) of the records of ``seg`` between data
+    offsets ``start_off`` and ``stop_off`` stored at or after ``since`` with a unique key,
+    of live topics, in log order: the dedup window's part of a trusted stretch of log.
+
+    Reads only the fixed headers, the key and the topic of each record (and its checksum):
+    no per-record object. At the first record that does not check, the rest of the
+    segment goes through ``scan_segment``, which resyncs past damaged bytes.
+    """
+    fs = log_.files
+    unpack = REC_HEAD_AND_PART.unpack_from
+    crc32 = zlib.crc32
+    fixed = REC_HEAD_AND_PART.size
+    base = seg.base
+    end = min(stop_off, seg.size)
+    names: dict[bytes, object] = {}  # topic name -> its TopicConfig (None: deleted)
+    off = start_off
+    want = READ_CHUNK
+    while off < end:
+        buf = fs.pread(seg.fd, min(want, end - off), FILE_HEADER_SIZE + off)
+        view = memoryview(buf)
+        n = len(buf)
+        p = 0
+        bad = False
+        while off + p < end and n - p >= fixed:
+            (total, crc, magic, _r, qid, qoff, rpos, sts, tlen, _born, _flags, recons, ulen,
+             _tg, _k, _pr, _b) = unpack(buf, p)
+            if (magic != RECORD_MAGIC or rpos != base + off + p or total > MAX_RECORD_SIZE
+                    or total < fixed + ulen + tlen):
+                bad = True
+                break
+            if n - p < total:
+                break
+            if crc32(view[p + 8:p + total]) != crc:
+                bad = True
+                break
+            if sts >= since and ulen:
+                tb = buf[p + total - tlen:p + total]
+                t = names.get(tb, False)
+                if t is False:
+                    t = names[tb] = topics.get(tb.decode("ascii", "replace"))
+                if t is not None and qid < t.queues and rpos >= t.created_position:
+                    uk = buf[p + fixed:p + fixed + ulen]
+                    yield (t.name, b"%s#%d" % (uk, recons) if recons else uk, qid, qoff, sts)
+            p += total
+        off += p
+        if bad or (p == 0 and n < want and off < end):
+            break  # a record that does not check, or the segment ends inside one
+        want = READ_CHUNK if p else max(want * 2, total)
+    if off >= end:
+        return
+    for h in log_.scan_segment(seg, off, stop_off):
+        if (not isinstance(h, RecordHead) or h.position >= base + stop_off
+                or h.store_ts_ms < since or not h.unique_key):
+            continue
+        t = topics.get(h.topic)
+        if t is None or h.queue_id >= t.queues or h.position < t.created_position:
+            continue
+        yield h.topic, h.dedup_key, h.queue_id, h.queue_offset, h.store_ts_ms

@@ -560,8 +560,7 @@ class MessageStore:
         if use_dedup and batch_keys:
             # only now that the records are written: a failed write must not turn the
             # producer's retry into a "duplicate" of a message that was never stored
-            for uk, off in batch_keys.items():
-                dedup.add(topic, uk, queue_id, off, now_ms)
+            dedup.add_many((topic, uk, queue_id, off, now_ms) for uk, off in batch_keys.items())
             dedup.expire(now_ms)
         return PutResult(queue_id, offsets, dups, dup_queues, log_.end)
 
