@@ -30,9 +30,9 @@ from __future__ import annotations
 import logging
 import os
 from array import array
-from binascii import Error as HexError
 from binascii import unhexlify
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from hashlib import blake2b
 
 log = logging.getLogger("onceq.storage")
@@ -44,6 +44,7 @@ _SEG_MIN = 8  # slots of an empty index table (a power of two)
 _RING_MIN = 1024  # entries of the ring when first needed
 _IDENT = 20  # bytes of a key's identity in the ring
 _HEX_KEY = 2 * _IDENT  # a producer's unique key: 40 upper-case hex digits
+_HEX_DIGITS = b"0123456789ABCDEF"
 _DIGEST_KIND = 1 << 31  # in the topic-id column: the identity is a digest, not the key
 _H32 = 0xFFFFFFFF
 _WARN_EVERY_MS = 60_000
@@ -65,11 +66,8 @@ class _Digests:
 
 def _identity(key: bytes, tid: int, digest: _Digests) -> tuple[bytes, int]:
     """(20-byte identity, topic-id column value) of a key."""
-    if len(key) == _HEX_KEY and key == key.upper():
-        try:
-            return unhexlify(key), tid
-        except HexError:
-            pass
+    if len(key) == _HEX_KEY and not key.translate(None, _HEX_DIGITS):
+        return unhexlify(key), tid
     return digest(key), tid | _DIGEST_KIND
 
 
@@ -168,88 +166,124 @@ class DedupWindow:
 
         A key already there is replaced (its older copy no longer answers). Above
         ``max_keys`` entries the oldest go first, whatever their age."""
-        self.add_many(((topic, key, queue_id, offset, ts_ms),))
+        self.add_columns([topic], [key], [queue_id], [offset], [ts_ms])
 
     def add_many(self, items: Iterable[tuple[str, bytes, int, int, int]]) -> None:
         """``add`` for many (topic, key, queue_id, offset, ts_ms), in store order."""
+        cols = list(zip(*items, strict=True))
+        if cols:
+            self.add_columns(*cols)
+
+    def add_columns(self, topics: Sequence[str], keys: Sequence[bytes],
+                    queues: Sequence[int], offsets: Sequence[int],
+                    ts_ms: Sequence[int]) -> None:
+        """``add_many`` with the items as columns (the same length), in store order."""
         max_keys = self.max_keys
         if max_keys <= 0:
             return
-        topics = self._topics
-        live = self._live
+        n = len(keys)
+        step = min(n, max_keys)
+        for a in range(0, n, step):  # a chunk never evicts its own keys
+            b = a + step
+            self._add_chunk(topics[a:b], keys[a:b], queues[a:b], offsets[a:b], ts_ms[a:b])
+
+    def _add_chunk(self, topics: Sequence[str], keys: Sequence[bytes],
+                   queues: Sequence[int], offsets: Sequence[int],
+                   ts_ms: Sequence[int]) -> None:
+        k = len(keys)
+        known = self._topics
+        for t in set(topics):
+            if t not in known:
+                self._topic(t)
+        tids = list(map(known.__getitem__, topics))
+        hex_key = _HEX_KEY
+        hexdigits = _HEX_DIGITS
+        exact = [len(key) == hex_key and not key.translate(None, hexdigits) for key in keys]
+        digest = self._digest
+        idents = [unhexlify(key) if e else digest(key) for key, e in zip(keys, exact,
+                                                                          strict=True)]
+        tidks = [t if e else t | _DIGEST_KIND for t, e in zip(tids, exact, strict=True)]
+        h32 = _H32
+        hashes = [hash(key) & h32 for key in keys]
+        # room: the oldest entries go first (the i-th add evicts when the window is full)
+        free = self.max_keys - (self._tail - self._head)
+        for j in range(max(free, 0), k):
+            self._evict(ts_ms[j])
+        if self._tail - self._head + k > self._cap:
+            self._grow_ring(min(max(self._cap * 2, _RING_MIN, self._tail - self._head + k),
+                                max(self.max_keys, k)))
+        cap = self._cap
+        first = self._tail
+        s0 = (first - self._base) % cap
+        k1 = min(k, cap - s0)  # up to the ring's end, then from its start
+        for s, lo, hi in ((s0, 0, k1), (0, k1, k)):
+            if lo == hi:
+                continue
+            e = s + hi - lo
+            self._ident[s * _IDENT:e * _IDENT] = b"".join(idents[lo:hi])
+            self._tid[s:e] = array("I", tidks[lo:hi])
+            self._hash[s:e] = array("I", hashes[lo:hi])
+            self._queue[s:e] = array("H", queues[lo:hi])
+            self._offset[s:e] = array("q", offsets[lo:hi])
+            self._ts[s:e] = array("q", ts_ms[lo:hi])
+        self._tail = first + k
+        # the index, entry by entry (a later copy of a key replaces the earlier one)
         segs = self._segs
         used = self._seg_used
-        digest = self._digest
-        last_topic = None
-        tid = 0
-        added = 0
-        seq = self._tail
-        cap = base = 0
-        idents = tids = hs = qs = offs = tss = None
-        room = 0  # adds left before the cap or the ring's end needs a look
-        for topic, key, queue_id, offset, ts_ms in items:
-            if topic != last_topic:
-                if added:
-                    live[tid] += added
-                    added = 0
-                tid = topics.get(topic)
-                if tid is None:
-                    tid = self._topic(topic)
-                last_topic = topic
-            if len(key) == _HEX_KEY and key == key.upper():
-                try:
-                    ident = unhexlify(key)
-                    tidk = tid
-                except HexError:
-                    ident = digest(key)
-                    tidk = tid | _DIGEST_KIND
-            else:
-                ident = digest(key)
-                tidk = tid | _DIGEST_KIND
-            h = hash(key) & _H32
-            if room <= 0:
-                self._tail = seq
-                while seq - self._head >= max_keys:
-                    self._evict(ts_ms)
-                if seq - self._head >= self._cap:
-                    self._grow_ring()
-                room = min(max_keys, self._cap) - (seq - self._head)
-                cap = self._cap
-                base = self._base
-                idents, tids, hs = self._ident, self._tid, self._hash
-                qs, offs, tss = self._queue, self._offset, self._ts
-            room -= 1
-            s = (seq - base) % cap  # a free slot: written first, the index may grow
-            p = s * _IDENT
-            idents[p:p + _IDENT] = ident
-            tids[s] = tidk
-            hs[s] = h
-            qs[s] = queue_id
-            offs[s] = offset
-            tss[s] = ts_ms
-            seq += 1
-            si = h & _SEG_MASK
-            seg = segs[si]
+        seg_mask, seg_bits = _SEG_MASK, _SEG_BITS
+        base = self._base
+        hs = self._hash
+        ring_tids = self._tid
+        ring_idents = self._ident
+        width = _IDENT
+        live = self._live
+        seq = first
+        # each table first grows to hold its new keys at a load of at most one half
+        per_seg = Counter([h & seg_mask for h in hashes])
+        for si, c in per_seg.items():
+            c += used[si]
+            used[si] = c
+            if c * 2 >= len(segs[si]):
+                size = len(segs[si]) * 2
+                while c * 2 >= size:
+                    size *= 2
+                self._grow_seg(si, size)
+        for t, c in Counter(tids).items():
+            live[t] += c
+        for j, h in enumerate(hashes):
+            seq += 1  # seq + 1 of entry j
+            seg = segs[h & seg_mask]
             m = len(seg) - 1
-            i = (h >> _SEG_BITS) & m
-            while True:
-                v = seg[i]
-                if not v:
-                    seg[i] = seq  # seq + 1 of the new entry
-                    added += 1
-                    n = used[si] = used[si] + 1
-                    if n * 2 > m:
-                        self._grow_seg(si)
-                    break
+            i = (h >> seg_bits) & m
+            v = seg[i]
+            while v:
                 o = (v - 1 - base) % cap
-                if hs[o] == h and tids[o] == tidk and \
-                        idents[o * _IDENT:o * _IDENT + _IDENT] == ident:
-                    seg[i] = seq  # a newer copy of the key
+                if hs[o] == h and ring_tids[o] == tidks[j] and \
+                        ring_idents[o * width:o * width + width] == idents[j]:
+                    seg[i] = seq  # a newer copy of the key: one key, one slot
+                    live[tids[j]] -= 1
+                    used[h & seg_mask] -= 1
                     break
                 i = (i + 1) & m
-        self._tail = seq
-        if added:
-            live[tid] += added
+                v = seg[i]
+            else:
+                seg[i] = seq
+
+    def reserve(self, n: int) -> None:
+        """Make room for ``n`` more keys (at most ``max_keys`` in all) at once, rather than
+        growing step by step while they are added (a rebuild knows how many will come)."""
+        want = min(self._tail - self._head + n, self.max_keys)
+        if want <= 0:
+            return
+        if want > self._cap:
+            self._grow_ring(want)
+        per_seg = want * 5 // 4 // _NSEG + 1  # some slack: the keys do not spread evenly
+        size = _SEG_MIN
+        while size <= 2 * per_seg:
+            size *= 2
+        for si in range(_NSEG):
+            if len(self._segs[si]) < size:
+                self._grow_seg(si, size)
 
     def expire(self, now_ms: int) -> None:
         """Forget the keys stored before the window (and any above ``max_keys``)."""
@@ -333,9 +367,9 @@ class DedupWindow:
                 i = j
         seg[i] = 0
 
-    def _grow_seg(self, si: int) -> None:
+    def _grow_seg(self, si: int, size: int = 0) -> None:
         old = self._segs[si]
-        m = len(old) * 2 - 1
+        m = (size or len(old) * 2) - 1
         new = array("Q", bytes(8 * (m + 1)))
         base = self._base
         cap = self._cap
@@ -348,10 +382,10 @@ class DedupWindow:
                 new[i] = v
         self._segs[si] = new
 
-    def _grow_ring(self) -> None:
+    def _grow_ring(self, cap: int = 0) -> None:
         """Grow the ring (doubling, up to max_keys), laying it out from the head again."""
         n = self._tail - self._head
-        cap = max(min(max(self._cap * 2, _RING_MIN), self.max_keys), n + 1)
+        cap = max(cap or min(max(self._cap * 2, _RING_MIN), self.max_keys), n + 1)
         start = (self._head - self._base) % self._cap if self._cap else 0
         for name, width in (("_ident", _IDENT), ("_tid", 0), ("_hash", 0), ("_queue", 0),
                             ("_offset", 0), ("_ts", 0)):

@@ -7,6 +7,7 @@ checkpoint is trusted (checked on read); the tail is scanned with resync past da
 from __future__ import annotations
 
 import logging
+import struct
 import zlib
 from collections.abc import Callable, Iterator
 
@@ -26,6 +27,12 @@ from .damage import DamageRegistry
 from .dedup import DedupWindow
 
 log = logging.getLogger("onceq.storage")
+
+
+# what the window needs of a record's two fixed headers (REC_HEAD_AND_PART): total size,
+# crc, magic, queue, offset, position, store time, topic length, reconsume count, key length
+_WINDOW_FIELDS = struct.Struct("<IIBxHqqqB10xHB12x")
+assert _WINDOW_FIELDS.size == REC_HEAD_AND_PART.size
 
 
 class NeedFullRebuild(Exception):
@@ -283,30 +290,35 @@ class Recovery:
         if not starts:
             return
         from_pos = max(min(starts), self.log.start)
+        dedup.reserve(count(since))
         for seg in self.log.segments:
             if seg.end <= from_pos or seg.base >= scan_from:
                 continue
-            dedup.add_many(window_keys(self.log, seg, max(0, from_pos - seg.base),
-                                       scan_from - seg.base, since, self.topics))
+            for columns in window_keys(self.log, seg, max(0, from_pos - seg.base),
+                                       scan_from - seg.base, since, self.topics):
+                dedup.add_columns(*columns)
 
 
 def window_keys(log_: CommitLog, seg: Segment, start_off: int, stop_off: int, since: int,
-                topics: dict) -> Iterator[tuple[str, bytes, int, int, int]]:
-    """(topic, dedup key, queue, offset, store time) of the records of ``seg`` between data
-    offsets ``start_off`` and ``stop_off`` stored at or after ``since`` with a unique key,
-    of live topics, in log order: the dedup window's part of a trusted stretch of log.
+                topics: dict) -> Iterator[tuple[list, list, list, list, list]]:
+    """Columns (topics, dedup keys, queues, offsets, store times) of the records of ``seg``
+    between data offsets ``start_off`` and ``stop_off`` stored at or after ``since`` with a
+    unique key, of live topics, in log order: the dedup window's part of a trusted stretch
+    of log.
 
     Reads only the fixed headers, the key and the topic of each record (and its checksum):
     no per-record object. At the first record that does not check, the rest of the
     segment goes through ``scan_segment``, which resyncs past damaged bytes.
     """
     fs = log_.files
-    unpack = REC_HEAD_AND_PART.unpack_from
+    unpack = _WINDOW_FIELDS.unpack_from
     crc32 = zlib.crc32
-    fixed = REC_HEAD_AND_PART.size
+    fixed = _WINDOW_FIELDS.size
     base = seg.base
     end = min(stop_off, seg.size)
     names: dict[bytes, object] = {}  # topic name -> its TopicConfig (None: deleted)
+    last_tb = b""
+    last_t = None
     off = start_off
     want = READ_CHUNK
     while off < end:
@@ -315,9 +327,10 @@ def window_keys(log_: CommitLog, seg: Segment, start_off: int, stop_off: int, si
         n = len(buf)
         p = 0
         bad = False
+        columns: tuple[list, list, list, list, list] = ([], [], [], [], [])
+        add_t, add_k, add_q, add_o, add_ts = (c.append for c in columns)
         while off + p < end and n - p >= fixed:
-            (total, crc, magic, _r, qid, qoff, rpos, sts, tlen, _born, _flags, recons, ulen,
-             _tg, _k, _pr, _b) = unpack(buf, p)
+            total, crc, magic, qid, qoff, rpos, sts, tlen, recons, ulen = unpack(buf, p)
             if (magic != RECORD_MAGIC or rpos != base + off + p or total > MAX_RECORD_SIZE
                     or total < fixed + ulen + tlen):
                 bad = True
@@ -328,15 +341,24 @@ def window_keys(log_: CommitLog, seg: Segment, start_off: int, stop_off: int, si
                 bad = True
                 break
             if sts >= since and ulen:
-                tb = buf[p + total - tlen:p + total]
-                t = names.get(tb, False)
-                if t is False:
-                    t = names[tb] = topics.get(tb.decode("ascii", "replace"))
+                if tlen == len(last_tb) and buf.startswith(last_tb, p + total - tlen):
+                    t = last_t
+                else:
+                    last_tb = buf[p + total - tlen:p + total]
+                    t = names.get(last_tb, False)
+                    if t is False:
+                        t = names[last_tb] = topics.get(last_tb.decode("ascii", "replace"))
+                    last_t = t
                 if t is not None and qid < t.queues and rpos >= t.created_position:
                     uk = buf[p + fixed:p + fixed + ulen]
-                    yield (t.name, b"%s#%d" % (uk, recons) if recons else uk, qid, qoff, sts)
+                    add_t(t.name)
+                    add_k(b"%s#%d" % (uk, recons) if recons else uk)
+                    add_q(qid)
+                    add_o(qoff)
+                    add_ts(sts)
             p += total
         off += p
+        yield columns
         if bad or (p == 0 and n < want and off < end):
             break  # a record that does not check, or the segment ends inside one
         want = READ_CHUNK if p else max(want * 2, total)
@@ -349,4 +371,4 @@ def window_keys(log_: CommitLog, seg: Segment, start_off: int, stop_off: int, si
         t = topics.get(h.topic)
         if t is None or h.queue_id >= t.queues or h.position < t.created_position:
             continue
-        yield h.topic, h.dedup_key, h.queue_id, h.queue_offset, h.store_ts_ms
+        yield [h.topic], [h.dedup_key], [h.queue_id], [h.queue_offset], [h.store_ts_ms]
