@@ -195,3 +195,11 @@ def test_disabled_window_holds_nothing():
     assert not w.enabled
     w.add("T", b"k", 0, 0, 1)
     assert len(w) == 0 and w.table("T").get(b"k") is None
+
+
+def test_empty_batches_change_nothing():
+    w = DedupWindow(120, 10)
+    w.add_many([])
+    w.add_columns([], [], [], [], [])
+    w.reserve(0)
+    assert len(w) == 0 and w.entries() == 0

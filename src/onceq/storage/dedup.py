@@ -179,9 +179,9 @@ class DedupWindow:
                     ts_ms: Sequence[int]) -> None:
         """``add_many`` with the items as columns (the same length), in store order."""
         max_keys = self.max_keys
-        if max_keys <= 0:
-            return
         n = len(keys)
+        if max_keys <= 0 or not n:
+            return
         step = min(n, max_keys)
         for a in range(0, n, step):  # a chunk never evicts its own keys
             b = a + step
