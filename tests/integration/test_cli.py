@@ -236,6 +236,27 @@ def test_broker_stops_cleanly_on_sigterm(tmp_path):
         proc.wait(10)
 
 
+def test_dedup_max_keys_flag_and_status(tmp_path):
+    """--dedup-max-keys bounds the window; the status shows the window it leaves, and the
+    broker warns (once a minute) that the cap cut it short."""
+    data = str(tmp_path / "data")
+    proc, addr = spawn_broker(data, "--dedup-max-keys", "5", "--dedup-window", "600")
+    try:
+        ok(run("topic", "create", "dd", "-q", "1", "-b", addr))
+        out = ok(run("broker", "status", "-b", addr))
+        assert "dedup window 600 s (effective 600 s), 0 keys of at most 5" in out
+        ok(run("send", "dd", "m", "-n", "12", "-b", addr))
+        st = json.loads(ok(run("broker", "status", "-b", addr, "--json")))
+        dd = st["dedup"]
+        assert dd["keys"] == 5 and dd["max_keys"] == 5 and dd["window_s"] == 600
+        assert 0 <= dd["effective_window_s"] < 60
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        err = proc.stderr.read().decode()
+    assert err.count("dedup window holds its maximum of 5 keys") == 1, err
+
+
 def test_demo():
     r = run("demo", "-n", "500", "--queues", "4", timeout=60)
     assert r.returncode == 0, r.stderr

@@ -57,6 +57,9 @@ def broker() -> None:
 @click.option("--max-open-files", default=0, show_default=True, type=click.IntRange(0),
               help="Index files and older commit-log segments kept open at once (0: a "
                    "quarter of the process's file-descriptor limit).")
+@click.option("--dedup-max-keys", default=2_000_000, show_default=True, type=click.IntRange(0),
+              help="Most unique keys the dedup window holds (about 70 bytes each); above it "
+                   "the oldest are forgotten early and a warning is logged (0: off).")
 @click.option("--auto-create-topics/--no-auto-create-topics", default=False, show_default=True)
 @click.option("--access-lock/--no-access-lock", default=True, show_default=True,
               help="Transition-state queue lock for CLUSTERING groups.")
@@ -89,8 +92,8 @@ def broker() -> None:
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
 def broker_start(data_dir: str, host: str, port: int, flush: str, flush_interval_ms: int,
                  segment_size: int, max_body: int, retention_hours: float,
-                 retention_bytes: int, dedup_window: float, disk_max_used_ratio: float,
-                 max_open_files: int, auto_create_topics: bool,
+                 retention_bytes: int, dedup_window: float, dedup_max_keys: int,
+                 disk_max_used_ratio: float, max_open_files: int, auto_create_topics: bool,
                  access_lock: bool, access_lock_restore_hold: float, delay_levels: str | None,
                  max_output_bytes: int, read_timeout: float, idle_timeout: float,
                  max_connections: int, fd_reserve: int, max_input_buffer_bytes: int,
@@ -102,7 +105,7 @@ def broker_start(data_dir: str, host: str, port: int, flush: str, flush_interval
     store = StoreConfig(data_dir, segment_size=segment_size, flush=flush,
                         flush_interval_ms=flush_interval_ms, max_body=max_body,
                         retention_hours=retention_hours, retention_bytes=retention_bytes,
-                        dedup_window_s=dedup_window,
+                        dedup_window_s=dedup_window, dedup_max_keys=dedup_max_keys,
                         disk_max_used_ratio=disk_max_used_ratio, max_open_files=max_open_files)
     cfg = BrokerConfig(store, host=host, port=port, auto_create_topics=auto_create_topics,
                        access_lock=access_lock,

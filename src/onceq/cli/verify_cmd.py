@@ -60,7 +60,7 @@ def verify(data_dir: str, as_json: bool) -> None:
 @broker_option
 @async_command
 async def status(as_json: bool, broker: str) -> None:
-    """Store health of a running broker: log range and damaged ranges."""
+    """Store health of a running broker: log range, damaged ranges, dedup window."""
     async with Admin(broker) as admin:
         st = await admin.broker_status()
     if as_json:
@@ -72,6 +72,10 @@ async def status(as_json: bool, broker: str) -> None:
         usage = f"disk {w['disk_used']:.0%} used, limit {w['disk_max_used']:.0%}"
         click.echo(f"writes accepted ({usage})" if w["accepted"]
                    else f"writes refused: {w['reason']} ({usage})")
+    dd = st.get("dedup")
+    if dd:
+        click.echo(f"dedup window {dd['window_s']:g} s (effective {dd['effective_window_s']:g} s), "
+                   f"{dd['keys']} keys of at most {dd['max_keys']}")
     damaged = st["damaged"]
     for a, b in damaged.get("log", []):
         click.echo(f"damaged log positions [{a}, {b})")

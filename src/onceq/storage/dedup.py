@@ -310,6 +310,12 @@ class DedupWindow:
             w = max(now_ms - self._cut_ts, 0)
         return w / 1000
 
+    def status(self, now_ms: int) -> dict[str, float | int]:
+        """The window as the broker status shows it."""
+        return {"window_s": self.window_ms / 1000,
+                "effective_window_s": self.effective_window_s(now_ms) if self.enabled else 0,
+                "keys": len(self), "max_keys": self.max_keys}
+
     # ------------------------------------------------------------------ internals
     def _evict(self, now_ms: int) -> None:
         """Pop the oldest entry for the key cap; note it when it was inside the window."""
