@@ -2,8 +2,8 @@
 
 Any sequence of add / lookup / expire / drop_topic with a fake clock must give the same
 answers, the same key count and the same effective window as the model below. The index is
-also run with a single table and a tiny ring, so that probe chains, deletions inside them,
-ring wrap-around and growth all occur with few keys.
+also run with two buckets and a tiny ring, so that long chains, dead and expired links, ring
+wrap-around and growth all occur with few keys.
 """
 
 from __future__ import annotations
@@ -99,6 +99,9 @@ KEYS = [b"", b"k0", b"k1", b"k2", b"k3", b"k1#1",
 ops = st.lists(st.one_of(
     st.tuples(st.just("add"), st.sampled_from(TOPICS), st.sampled_from(KEYS),
               st.integers(0, 7), st.integers(0, 2**40)),
+    st.tuples(st.just("batch"), st.lists(st.tuples(
+        st.sampled_from(TOPICS), st.sampled_from(KEYS), st.integers(0, 7),
+        st.integers(0, 2**40)), max_size=20)),
     st.tuples(st.just("lookup"), st.sampled_from(TOPICS), st.sampled_from(KEYS)),
     st.tuples(st.just("expire")),
     st.tuples(st.just("drop"), st.sampled_from(TOPICS)),
@@ -106,13 +109,10 @@ ops = st.lists(st.one_of(
 ), max_size=120)
 
 
-@pytest.fixture(params=["default", "one-table-tiny-ring"])
+@pytest.fixture(params=["default", "two-buckets-tiny-ring"])
 def layout(request, monkeypatch):
     if request.param != "default":
-        monkeypatch.setattr(dedup_mod, "_SEG_BITS", 0)
-        monkeypatch.setattr(dedup_mod, "_NSEG", 1)
-        monkeypatch.setattr(dedup_mod, "_SEG_MASK", 0)
-        monkeypatch.setattr(dedup_mod, "_SEG_MIN", 2)
+        monkeypatch.setattr(dedup_mod, "_MAX_BUCKETS", 2)
         monkeypatch.setattr(dedup_mod, "_RING_MIN", 2)
     return request.param
 
@@ -127,6 +127,10 @@ def run_and_compare(sequence, window_s: float, max_keys: int) -> None:
             _k, topic, key, q, off = op
             w.add(topic, key, q, off, now)
             m.add(topic, key, q, off, now)
+        elif kind == "batch":  # one store time, added at once (small ones key by key)
+            w.add_many([(t, k, q, off, now) for t, k, q, off in op[1]])
+            for t, k, q, off in op[1]:
+                m.add(t, k, q, off, now)
         elif kind == "lookup":
             assert w.table(op[1]).get(op[2]) == m.lookup(op[1], op[2])
         elif kind == "expire":
@@ -154,17 +158,22 @@ def test_window_matches_model(layout, sequence, window_s, max_keys):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_many_keys_match_model(layout, seed):
-    """Thousands of keys: index tables grow, probe chains get long, the ring wraps."""
+def test_many_keys_match_model(layout, seed, monkeypatch):
+    """Thousands of keys: chains get long (256 buckets), the ring wraps and grows."""
+    if layout != "default":
+        monkeypatch.setattr(dedup_mod, "_MAX_BUCKETS", 256)
     rnd = random.Random(seed)
     keys = [b"%040X" % rnd.getrandbits(160) for _ in range(2000)]
     keys += [b"k%d" % rnd.getrandbits(64) for _ in range(1000)]
     seq = []
     for _ in range(20_000):
         r = rnd.random()
-        if r < 0.5:
+        if r < 0.4:
             seq.append(("add", rnd.choice(TOPICS), rnd.choice(keys), rnd.randrange(8),
                         rnd.randrange(10**9)))
+        elif r < 0.5:
+            seq.append(("batch", [(rnd.choice(TOPICS), rnd.choice(keys), rnd.randrange(8),
+                                   rnd.randrange(10**9)) for _ in range(rnd.randrange(60))]))
         elif r < 0.8:
             seq.append(("lookup", rnd.choice(TOPICS), rnd.choice(keys)))
         elif r < 0.9:

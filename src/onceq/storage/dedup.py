@@ -6,7 +6,7 @@ at start (records carry their unique key and store time), so it survives restart
 bounded by ``max_keys``: above it the oldest keys are forgotten first, and the window is
 then shorter than configured (``effective_window_s``; a warning is logged).
 
-Compact layout (about 70 bytes per key, no Python object per key):
+Compact layout (about 65 bytes per key, no Python object per key):
 
 * each key is kept as a 20-byte identity: the key itself when it has the producer's shape
   (40 upper-case hex digits, stored as their 20 bytes, exact), else a 128-bit BLAKE2b
@@ -14,15 +14,17 @@ Compact layout (about 70 bytes per key, no Python object per key):
   keys answer "duplicate" for each other only if their digests collide: with 128 bits and
   2 million keys in the window the odds are about 1 in 10^26, and no client can aim at
   another's key without the secret;
-* the entries live in an insertion-ordered ring of parallel columns (identity, topic id,
-  hash, queue, offset, store time), numbered by a sequence number that only grows; expiry
-  pops the oldest entries from the head;
-* the index is 256 open-addressing (linear probing) tables of sequence numbers, placed by
-  Python's per-process randomised hash of the key; each table grows on its own, so a
-  resize never stalls for long.
+* the entries live in an insertion-ordered ring of parallel ``array`` columns (identity,
+  topic id, hash, chain link, queue, offset, store time), numbered by a sequence number
+  that only grows; expiry moves the ring's head past the oldest entries;
+* the index is a table of buckets (one per possible key, up to 4 M) placed by Python's
+  per-process randomised hash of the key; each bucket holds the sequence number of its
+  newest entry, each entry that of the next older one in its bucket. A link to a sequence
+  number below the ring's head ends the chain, so expiry never touches the index.
 
-A topic gets a new id when it is dropped: its entries stay in the ring (they still count
-against ``max_keys``) but can no longer be found, and go with their time.
+A key added again marks its older entry dead. A topic gets a new id when it is dropped: its
+entries stay in the ring (they still count against ``max_keys``) but can no longer be
+found, and go with their time.
 """
 
 from __future__ import annotations
@@ -37,17 +39,17 @@ from hashlib import blake2b
 
 log = logging.getLogger("onceq.storage")
 
-_SEG_BITS = 8
-_NSEG = 1 << _SEG_BITS
-_SEG_MASK = _NSEG - 1
-_SEG_MIN = 8  # slots of an empty index table (a power of two)
+_MAX_BUCKETS = 1 << 22  # index buckets: one per key up to this (32 MiB), then shared
 _RING_MIN = 1024  # entries of the ring when first needed
 _IDENT = 20  # bytes of a key's identity in the ring
 _HEX_KEY = 2 * _IDENT  # a producer's unique key: 40 upper-case hex digits
 _HEX_DIGITS = b"0123456789ABCDEF"
 _DIGEST_KIND = 1 << 31  # in the topic-id column: the identity is a digest, not the key
+_DEAD = 0xFFFFFFFF  # in the topic-id column: a key added again since (or never matches)
+_MAX_TID = _DIGEST_KIND - 1  # topic ids run below this, so no live entry reads as _DEAD
 _H32 = 0xFFFFFFFF
 _WARN_EVERY_MS = 60_000
+_SMALL = 8  # batches up to this size are added key by key
 
 
 class _Digests:
@@ -82,27 +84,25 @@ class TopicTable:
 
     def get(self, key: bytes) -> tuple[int, int, int] | None:
         tid = self._tid
-        if tid is None:
-            return None
         w = self._window
+        if tid is None or not w._heads:
+            return None
         h = hash(key) & _H32
-        seg = w._segs[h & _SEG_MASK]
-        m = len(seg) - 1
-        i = (h >> _SEG_BITS) & m
-        v = seg[i]
-        if not v:
-            return None  # the common case: a new key
+        v = w._heads[h & w._bmask]
+        first = w._head
+        if v <= first:  # v - 1 < first: an empty bucket, or only expired entries
+            return None
         ident, tidk = _identity(key, tid, w._digest)
         base = w._base
         cap = w._cap
         hs = w._hash
-        while v:
+        nxt = w._next
+        while v > first:
             s = (v - 1 - base) % cap
             if hs[s] == h and w._tid[s] == tidk and \
                     w._ident[s * _IDENT:s * _IDENT + _IDENT] == ident:
                 return w._queue[s], w._offset[s], w._ts[s]
-            i = (i + 1) & m
-            v = seg[i]
+            v = nxt[s]
         return None
 
     def __contains__(self, key: bytes) -> bool:
@@ -110,8 +110,8 @@ class TopicTable:
 
 
 class DedupWindow:
-    __slots__ = ("_base", "_cap", "_cut_ts", "_digest", "_hash", "_head", "_ident", "_live",
-                 "_next_tid", "_offset", "_queue", "_seg_used", "_segs", "_tail", "_tid",
+    __slots__ = ("_base", "_bmask", "_cap", "_cut_ts", "_digest", "_hash", "_head", "_heads",
+                 "_ident", "_live", "_next", "_next_tid", "_offset", "_queue", "_tail", "_tid",
                  "_topics", "_ts", "_warned_ms", "max_keys", "window_ms")
 
     def __init__(self, window_s: float, max_keys: int) -> None:
@@ -127,12 +127,13 @@ class DedupWindow:
         self._ident = bytearray()
         self._tid = array("I")
         self._hash = array("I")
+        self._next = array("Q")  # seq + 1 of the next older entry of the bucket (0: none)
         self._queue = array("H")
         self._offset = array("q")
         self._ts = array("q")
-        # the index: seq + 1 per used slot, 0 when empty
-        self._segs = [array("Q", bytes(8 * _SEG_MIN)) for _ in range(_NSEG)]
-        self._seg_used = [0] * _NSEG
+        # the index: seq + 1 of each bucket's newest entry (allocated at the first add)
+        self._heads = array("Q")
+        self._bmask = 0
         self._cut_ts: int | None = None  # store time of the newest key the cap cut early
         self._warned_ms = -_WARN_EVERY_MS
 
@@ -156,7 +157,7 @@ class DedupWindow:
         tid = self._topics.get(topic)
         if tid is None:
             tid = self._topics[topic] = self._next_tid
-            self._next_tid = (tid + 1) % _DIGEST_KIND
+            self._next_tid = (tid + 1) % _MAX_TID
             self._live[tid] = 0
         return tid
 
@@ -182,10 +183,59 @@ class DedupWindow:
         n = len(keys)
         if max_keys <= 0 or not n:
             return
+        if not self._heads:
+            b = 1
+            while b < min(max_keys, _MAX_BUCKETS):
+                b *= 2
+            self._heads = array("Q", bytes(8 * b))
+            self._bmask = b - 1
+        if n <= _SMALL:
+            for i in range(n):
+                self._add_one(topics[i], keys[i], queues[i], offsets[i], ts_ms[i])
+            return
         step = min(n, max_keys)
         for a in range(0, n, step):  # a chunk never evicts its own keys
             b = a + step
             self._add_chunk(topics[a:b], keys[a:b], queues[a:b], offsets[a:b], ts_ms[a:b])
+
+    def _add_one(self, topic: str, key: bytes, queue_id: int, offset: int,
+                 ts_ms: int) -> None:
+        """``_add_chunk`` for one key, without its per-batch costs."""
+        tid = self._topics.get(topic)
+        if tid is None:
+            tid = self._topic(topic)
+        ident, tidk = _identity(key, tid, self._digest)
+        h = hash(key) & _H32
+        if self._tail - self._head >= self.max_keys:
+            self._evict((ts_ms,))
+        if self._tail - self._head >= self._cap:
+            self._grow_ring()
+        s = (self._tail - self._base) % self._cap
+        self._ident[s * _IDENT:s * _IDENT + _IDENT] = ident
+        self._tid[s] = tidk
+        self._hash[s] = h
+        self._queue[s] = queue_id
+        self._offset[s] = offset
+        self._ts[s] = ts_ms
+        seq = self._tail = self._tail + 1  # seq + 1 of the new entry
+        heads = self._heads
+        b = h & self._bmask
+        v = heads[b]
+        nxt = self._next
+        nxt[s] = v
+        heads[b] = seq
+        self._live[tid] += 1
+        oldest = self._head
+        base = self._base
+        cap = self._cap
+        while v > oldest:
+            o = (v - 1 - base) % cap
+            if self._hash[o] == h and self._tid[o] == tidk and \
+                    self._ident[o * _IDENT:o * _IDENT + _IDENT] == ident:
+                self._tid[o] = _DEAD
+                self._live[tid] -= 1
+                return
+            v = nxt[o]
 
     def _add_chunk(self, topics: Sequence[str], keys: Sequence[bytes],
                    queues: Sequence[int], offsets: Sequence[int],
@@ -200,15 +250,15 @@ class DedupWindow:
         hexdigits = _HEX_DIGITS
         exact = [len(key) == hex_key and not key.translate(None, hexdigits) for key in keys]
         digest = self._digest
-        idents = [unhexlify(key) if e else digest(key) for key, e in zip(keys, exact,
-                                                                          strict=True)]
+        idents = [unhexlify(key) if e else digest(key)
+                  for key, e in zip(keys, exact, strict=True)]
         tidks = [t if e else t | _DIGEST_KIND for t, e in zip(tids, exact, strict=True)]
         h32 = _H32
         hashes = [hash(key) & h32 for key in keys]
         # room: the oldest entries go first (the i-th add evicts when the window is full)
         free = self.max_keys - (self._tail - self._head)
-        for j in range(max(free, 0), k):
-            self._evict(ts_ms[j])
+        if free < k:
+            self._evict(ts_ms[max(free, 0):])
         if self._tail - self._head + k > self._cap:
             self._grow_ring(min(max(self._cap * 2, _RING_MIN, self._tail - self._head + k),
                                 max(self.max_keys, k)))
@@ -227,75 +277,67 @@ class DedupWindow:
             self._offset[s:e] = array("q", offsets[lo:hi])
             self._ts[s:e] = array("q", ts_ms[lo:hi])
         self._tail = first + k
-        # the index, entry by entry (a later copy of a key replaces the earlier one)
-        segs = self._segs
-        used = self._seg_used
-        seg_mask, seg_bits = _SEG_MASK, _SEG_BITS
-        base = self._base
+        live = self._live
+        for t, c in Counter(tids).items():
+            live[t] += c
+        # link each entry in at the head of its bucket; an older copy of its key dies
+        heads = self._heads
+        bmask = self._bmask
+        nxt = self._next
         hs = self._hash
         ring_tids = self._tid
         ring_idents = self._ident
         width = _IDENT
-        live = self._live
+        base = self._base
+        oldest = self._head
         seq = first
-        # each table first grows to hold its new keys at a load of at most one half
-        per_seg = Counter([h & seg_mask for h in hashes])
-        for si, c in per_seg.items():
-            c += used[si]
-            used[si] = c
-            if c * 2 >= len(segs[si]):
-                size = len(segs[si]) * 2
-                while c * 2 >= size:
-                    size *= 2
-                self._grow_seg(si, size)
-        for t, c in Counter(tids).items():
-            live[t] += c
+        s = s0
         for j, h in enumerate(hashes):
             seq += 1  # seq + 1 of entry j
-            seg = segs[h & seg_mask]
-            m = len(seg) - 1
-            i = (h >> seg_bits) & m
-            v = seg[i]
-            while v:
+            b = h & bmask
+            v = heads[b]
+            nxt[s] = v
+            heads[b] = seq
+            while v > oldest:
                 o = (v - 1 - base) % cap
                 if hs[o] == h and ring_tids[o] == tidks[j] and \
                         ring_idents[o * width:o * width + width] == idents[j]:
-                    seg[i] = seq  # a newer copy of the key: one key, one slot
+                    ring_tids[o] = _DEAD
                     live[tids[j]] -= 1
-                    used[h & seg_mask] -= 1
                     break
-                i = (i + 1) & m
-                v = seg[i]
-            else:
-                seg[i] = seq
+                v = nxt[o]
+            s += 1
+            if s == cap:
+                s = 0
 
     def reserve(self, n: int) -> None:
         """Make room for ``n`` more keys (at most ``max_keys`` in all) at once, rather than
         growing step by step while they are added (a rebuild knows how many will come)."""
         want = min(self._tail - self._head + n, self.max_keys)
-        if want <= 0:
-            return
         if want > self._cap:
             self._grow_ring(want)
-        per_seg = want * 5 // 4 // _NSEG + 1  # some slack: the keys do not spread evenly
-        size = _SEG_MIN
-        while size <= 2 * per_seg:
-            size *= 2
-        for si in range(_NSEG):
-            if len(self._segs[si]) < size:
-                self._grow_seg(si, size)
 
     def expire(self, now_ms: int) -> None:
         """Forget the keys stored before the window (and any above ``max_keys``)."""
+        first = self._head
+        tail = self._tail
+        if first == tail:
+            return
+        if tail - first > self.max_keys:
+            self._evict([now_ms] * (tail - first - self.max_keys))
+            first = self._head
         limit = now_ms - self.window_ms
         ts = self._ts
-        while self._head < self._tail:
-            if self._tail - self._head > self.max_keys:
-                self._evict(now_ms)
-            elif ts[(self._head - self._base) % self._cap] < limit:
-                self._pop()
-            else:
-                break
+        cap = self._cap
+        s = (first - self._base) % cap
+        h = first
+        while h < tail and ts[s] < limit:
+            h += 1
+            s += 1
+            if s == cap:
+                s = 0
+        if h > first:
+            self._drop(first, h)
 
     def drop_topic(self, topic: str) -> None:
         tid = self._topics.pop(topic, None)
@@ -317,84 +359,67 @@ class DedupWindow:
                 "keys": len(self), "max_keys": self.max_keys}
 
     # ------------------------------------------------------------------ internals
-    def _evict(self, now_ms: int) -> None:
-        """Pop the oldest entry for the key cap; note it when it was inside the window."""
-        ts = self._ts[(self._head - self._base) % self._cap]
-        if ts >= now_ms - self.window_ms:
-            if self._cut_ts is None or ts > self._cut_ts:
-                self._cut_ts = ts
+    def _evict(self, nows: Sequence[int]) -> None:
+        """Drop the ``len(nows)`` oldest entries for the key cap, the i-th at ``nows[i]``;
+        note those still inside the window then (the window is cut short)."""
+        first = self._head
+        ts = self._ts
+        cap = self._cap
+        window = self.window_ms
+        s = (first - self._base) % cap
+        cut = None
+        for now_ms in nows:
+            t = ts[s]
+            if t >= now_ms - window:
+                cut = (t, now_ms) if cut is None or t > cut[0] else cut
+            s += 1
+            if s == cap:
+                s = 0
+        self._drop(first, first + len(nows))
+        if cut is not None:
+            t, now_ms = cut
+            if self._cut_ts is None or t > self._cut_ts:
+                self._cut_ts = t
             if now_ms - self._warned_ms >= _WARN_EVERY_MS:
                 self._warned_ms = now_ms
                 log.warning("store: the dedup window holds its maximum of %d keys: keys "
                             "stored %.1f s ago are forgotten (window %g s); raise "
                             "--dedup-max-keys to keep the whole window",
-                            self.max_keys, (now_ms - ts) / 1000, self.window_ms / 1000)
-        self._pop()
+                            self.max_keys, (now_ms - t) / 1000, window / 1000)
 
-    def _pop(self) -> None:
-        """Drop the oldest entry of the ring, and its index slot if it is the live copy."""
-        seq = self._head
-        s = (seq - self._base) % self._cap
-        self._head = seq + 1
-        h = self._hash[s]
-        si = h & _SEG_MASK
-        seg = self._segs[si]
-        m = len(seg) - 1
-        i = (h >> _SEG_BITS) & m
-        want = seq + 1
-        while True:
-            v = seg[i]
-            if not v:
-                return  # a replaced copy: the index points at the newer one
-            if v == want:
-                break
-            i = (i + 1) & m
-        self._delete(seg, i, m)
-        self._seg_used[si] -= 1
-        tid = self._tid[s] & ~_DIGEST_KIND
-        if tid in self._live:  # not a dropped topic's
-            self._live[tid] -= 1
-
-    def _delete(self, seg: array, i: int, m: int) -> None:
-        """Empty slot ``i`` of a linear-probing table, moving later entries back."""
-        base = self._base
+    def _drop(self, first: int, end: int) -> None:
+        """Move the head from ``first`` to ``end``: those entries' keys no longer answer."""
         cap = self._cap
-        hs = self._hash
-        j = i
-        while True:
-            j = (j + 1) & m
-            v = seg[j]
-            if not v:
-                break
-            home = (hs[(v - 1 - base) % cap] >> _SEG_BITS) & m
-            # the entry at j may move to i unless its home lies cyclically in (i, j]
-            if (home <= i < j) or (i < j < home) or (j < home <= i):
-                seg[i] = v
-                i = j
-        seg[i] = 0
-
-    def _grow_seg(self, si: int, size: int = 0) -> None:
-        old = self._segs[si]
-        m = (size or len(old) * 2) - 1
-        new = array("Q", bytes(8 * (m + 1)))
-        base = self._base
-        cap = self._cap
-        hs = self._hash
-        for v in old:
-            if v:
-                i = (hs[(v - 1 - base) % cap] >> _SEG_BITS) & m
-                while new[i]:
-                    i = (i + 1) & m
-                new[i] = v
-        self._segs[si] = new
+        s = (first - self._base) % cap
+        e = s + (end - first)
+        tids = self._tid
+        live = self._live
+        if end - first <= _SMALL:
+            for i in range(s, e):
+                t = tids[i if i < cap else i - cap]
+                if t != _DEAD:
+                    t &= ~_DIGEST_KIND
+                    if t in live:  # not a dropped topic's
+                        live[t] -= 1
+            self._head = end
+            return
+        counts = Counter(tids[s:min(e, cap)])
+        if e > cap:
+            counts.update(tids[:e - cap])
+        for t, c in counts.items():
+            if t != _DEAD:
+                t &= ~_DIGEST_KIND
+                if t in live:
+                    live[t] -= c
+        self._head = end
 
     def _grow_ring(self, cap: int = 0) -> None:
         """Grow the ring (doubling, up to max_keys), laying it out from the head again."""
         n = self._tail - self._head
         cap = max(cap or min(max(self._cap * 2, _RING_MIN), self.max_keys), n + 1)
         start = (self._head - self._base) % self._cap if self._cap else 0
-        for name, width in (("_ident", _IDENT), ("_tid", 0), ("_hash", 0), ("_queue", 0),
-                            ("_offset", 0), ("_ts", 0)):
+        for name, width in (("_ident", _IDENT), ("_tid", 0), ("_hash", 0), ("_next", 0),
+                            ("_queue", 0), ("_offset", 0), ("_ts", 0)):
             old = getattr(self, name)
             w = width or old.itemsize
             if width:
