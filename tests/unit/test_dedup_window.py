@@ -105,7 +105,8 @@ ops = st.lists(st.one_of(
     st.tuples(st.just("lookup"), st.sampled_from(TOPICS), st.sampled_from(KEYS)),
     st.tuples(st.just("expire")),
     st.tuples(st.just("drop"), st.sampled_from(TOPICS)),
-    st.tuples(st.just("tick"), st.integers(0, 5000)),
+    # steps that land exactly on the window's edge (0.5 s, 2 s, 10 s) as well as near it
+    st.tuples(st.just("tick"), st.sampled_from([0, 1, 250, 499, 500, 1000, 2000, 10_000])),
 ), max_size=120)
 
 
