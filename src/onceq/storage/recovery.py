@@ -148,7 +148,9 @@ class Recovery:
             if cq.max_offset > cq.min_offset])
 
         use_dedup = dedup.enabled
-        window_items: list[tuple[str, bytes, int, int, int]] = []  # added in batches
+        # the window's keys, added in batches of columns (topic, key, queue, offset, time)
+        window_cols: tuple[list, list, list, list, list] = ([], [], [], [], [])
+        add_t, add_k, add_q, add_o, add_ts = (c.append for c in window_cols)
 
         def on_damage(a: int, b: int) -> None:
             nonlocal damaged_bytes
@@ -169,11 +171,15 @@ class Recovery:
             if h.store_ts_ms > max_ts:
                 max_ts = h.store_ts_ms
             if use_dedup and h.store_ts_ms >= window_start and h.unique_key:
-                window_items.append((h.topic, h.dedup_key, h.queue_id, h.queue_offset,
-                                     h.store_ts_ms))
-                if len(window_items) >= 4096:
-                    dedup.add_many(window_items)
-                    window_items.clear()
+                add_t(h.topic)
+                add_k(h.dedup_key)
+                add_q(h.queue_id)
+                add_o(h.queue_offset)
+                add_ts(h.store_ts_ms)
+                if len(window_cols[0]) >= 4096:
+                    dedup.add_columns(*window_cols)
+                    for c in window_cols:
+                        c.clear()
             entries = pending.get(key)
             if entries is None:
                 cq = queues[key]
@@ -213,7 +219,7 @@ class Recovery:
             )
 
         end = log_.scan_tail(scan_from, on_record, on_damage)
-        dedup.add_many(window_items)
+        dedup.add_columns(*window_cols)
         for key, hint in hints.items():
             # the last records of a queue lost in damaged bytes: their offsets stay taken
             cq = queues[key]
