@@ -560,7 +560,9 @@ class MessageStore:
         if use_dedup and batch_keys:
             # only now that the records are written: a failed write must not turn the
             # producer's retry into a "duplicate" of a message that was never stored
-            dedup.add_many((topic, uk, queue_id, off, now_ms) for uk, off in batch_keys.items())
+            n = len(batch_keys)
+            dedup.add_columns([topic] * n, list(batch_keys), [queue_id] * n,
+                              list(batch_keys.values()), [now_ms] * n)
             dedup.expire(now_ms)
         return PutResult(queue_id, offsets, dups, dup_queues, log_.end)
 
