@@ -111,14 +111,15 @@ class TopicTable:
 
 class DedupWindow:
     __slots__ = ("_base", "_bmask", "_cap", "_cut_ts", "_digest", "_hash", "_head", "_heads",
-                 "_ident", "_live", "_next", "_next_tid", "_offset", "_queue", "_tail", "_tid",
-                 "_topics", "_ts", "_warned_ms", "max_keys", "window_ms")
+                 "_ident", "_live", "_next", "_next_tid", "_offset", "_queue", "_tables", "_tail",
+                 "_tid", "_topics", "_ts", "_warned_ms", "max_keys", "window_ms")
 
     def __init__(self, window_s: float, max_keys: int) -> None:
         self.window_ms = int(window_s * 1000)
         self.max_keys = max_keys
         self._digest = _Digests()
         self._topics: dict[str, int] = {}  # topic -> topic id (a new one after a drop)
+        self._tables: dict[str, TopicTable] = {}  # of the topics in _topics
         self._live: dict[int, int] = {}  # topic id -> keys that answer
         self._next_tid = 0
         # the ring: sequence number n is at slot (n - _base) % _cap; held seqs [_head, _tail)
@@ -151,7 +152,13 @@ class DedupWindow:
     # ------------------------------------------------------------------ lookups
     def table(self, topic: str) -> TopicTable:
         """One topic's key table: ``get(key)`` -> (queue_id, offset, ts_ms) or None."""
-        return TopicTable(self, self._topics.get(topic))
+        t = self._tables.get(topic)
+        if t is None:
+            tid = self._topics.get(topic)
+            t = TopicTable(self, tid)
+            if tid is not None:
+                self._tables[topic] = t
+        return t
 
     def _topic(self, topic: str) -> int:
         tid = self._topics.get(topic)
@@ -167,7 +174,10 @@ class DedupWindow:
 
         A key already there is replaced (its older copy no longer answers). Above
         ``max_keys`` entries the oldest go first, whatever their age."""
-        self.add_columns([topic], [key], [queue_id], [offset], [ts_ms])
+        if self.max_keys > 0:
+            if not self._heads:
+                self._alloc_heads()
+            self._add_one(topic, key, queue_id, offset, ts_ms)
 
     def add_many(self, items: Iterable[tuple[str, bytes, int, int, int]]) -> None:
         """``add`` for many (topic, key, queue_id, offset, ts_ms), in store order."""
@@ -184,11 +194,7 @@ class DedupWindow:
         if max_keys <= 0 or not n:
             return
         if not self._heads:
-            b = 1
-            while b < min(max_keys, _MAX_BUCKETS):
-                b *= 2
-            self._heads = array("Q", bytes(8 * b))
-            self._bmask = b - 1
+            self._alloc_heads()
         if n <= _SMALL:
             for i in range(n):
                 self._add_one(topics[i], keys[i], queues[i], offsets[i], ts_ms[i])
@@ -197,6 +203,13 @@ class DedupWindow:
         for a in range(0, n, step):  # a chunk never evicts its own keys
             b = a + step
             self._add_chunk(topics[a:b], keys[a:b], queues[a:b], offsets[a:b], ts_ms[a:b])
+
+    def _alloc_heads(self) -> None:
+        b = 1
+        while b < min(self.max_keys, _MAX_BUCKETS):
+            b *= 2
+        self._heads = array("Q", bytes(8 * b))
+        self._bmask = b - 1
 
     def _add_one(self, topic: str, key: bytes, queue_id: int, offset: int,
                  ts_ms: int) -> None:
@@ -321,8 +334,9 @@ class DedupWindow:
         """Forget the keys stored before the window (and any above ``max_keys``)."""
         first = self._head
         tail = self._tail
-        if first == tail:
-            return
+        if first == tail or (self._ts[(first - self._base) % self._cap] >= now_ms -
+                             self.window_ms and tail - first <= self.max_keys):
+            return  # the usual case on a send: nothing to forget
         if tail - first > self.max_keys:
             self._evict([now_ms] * (tail - first - self.max_keys))
             first = self._head
@@ -340,6 +354,7 @@ class DedupWindow:
             self._drop(first, h)
 
     def drop_topic(self, topic: str) -> None:
+        self._tables.pop(topic, None)
         tid = self._topics.pop(topic, None)
         if tid is not None:
             del self._live[tid]
