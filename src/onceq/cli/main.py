@@ -58,7 +58,7 @@ def broker() -> None:
               help="Index files and older commit-log segments kept open at once (0: a "
                    "quarter of the process's file-descriptor limit).")
 @click.option("--dedup-max-keys", default=2_000_000, show_default=True, type=click.IntRange(0),
-              help="Most unique keys the dedup window holds (about 70 bytes each); above it "
+              help="Most unique keys the dedup window holds (about 90 MB per million); above it "
                    "the oldest are forgotten early and a warning is logged (0: off).")
 @click.option("--auto-create-topics/--no-auto-create-topics", default=False, show_default=True)
 @click.option("--access-lock/--no-access-lock", default=True, show_default=True,
