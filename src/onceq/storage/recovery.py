@@ -323,8 +323,9 @@ def window_keys(log_: CommitLog, seg: Segment, start_off: int, stop_off: int, si
     base = seg.base
     end = min(stop_off, seg.size)
     names: dict[bytes, object] = {}  # topic name -> its TopicConfig (None: deleted)
-    last_tb = b""
-    last_t = None
+    last_tb = b""  # the topic of the last record, and what the filter needs of it
+    last_tlen = -1
+    t_name, t_queues, t_created = "", 0, 0
     off = start_off
     want = READ_CHUNK
     while off < end:
@@ -335,34 +336,37 @@ def window_keys(log_: CommitLog, seg: Segment, start_off: int, stop_off: int, si
         bad = False
         columns: tuple[list, list, list, list, list] = ([], [], [], [], [])
         add_t, add_k, add_q, add_o, add_ts = (c.append for c in columns)
-        while off + p < end and n - p >= fixed:
+        lim = min(end - off, n - fixed + 1)  # a record starts before the end, headers read
+        pos0 = base + off
+        while p < lim:
             total, crc, magic, qid, qoff, rpos, sts, tlen, recons, ulen = unpack(buf, p)
-            if (magic != RECORD_MAGIC or rpos != base + off + p or total > MAX_RECORD_SIZE
+            if (magic != RECORD_MAGIC or rpos - p != pos0 or total > MAX_RECORD_SIZE
                     or total < fixed + ulen + tlen):
                 bad = True
                 break
-            if n - p < total:
+            q = p + total
+            if q > n:
                 break
-            if crc32(view[p + 8:p + total]) != crc:
+            if crc32(view[p + 8:q]) != crc:
                 bad = True
                 break
             if sts >= since and ulen:
-                if tlen == len(last_tb) and buf.startswith(last_tb, p + total - tlen):
-                    t = last_t
-                else:
-                    last_tb = buf[p + total - tlen:p + total]
+                if tlen != last_tlen or not buf.startswith(last_tb, q - tlen):
+                    last_tb = buf[q - tlen:q]
+                    last_tlen = tlen
                     t = names.get(last_tb, False)
                     if t is False:
                         t = names[last_tb] = topics.get(last_tb.decode("ascii", "replace"))
-                    last_t = t
-                if t is not None and qid < t.queues and rpos >= t.created_position:
+                    t_name, t_queues, t_created = ((t.name, t.queues, t.created_position)
+                                                   if t is not None else ("", 0, 0))
+                if qid < t_queues and rpos >= t_created:
                     uk = buf[p + fixed:p + fixed + ulen]
-                    add_t(t.name)
+                    add_t(t_name)
                     add_k(b"%s#%d" % (uk, recons) if recons else uk)
                     add_q(qid)
                     add_o(qoff)
                     add_ts(sts)
-            p += total
+            p = q
         off += p
         yield columns
         if bad or (p == 0 and n < want and off < end):
