@@ -8,9 +8,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from onceq.log.record import REC_HEADER_SIZE, build_record, decode_records, encode_part
 from onceq.log.segment import FILE_HEADER_SIZE, INDEX_ENTRY_SIZE
 from onceq.protocol.codes import PullStatus
+from onceq.storage import recovery
 from onceq.storage.config import StoreConfig
 from onceq.storage.damage import add_range
 from onceq.storage.files import OS_FILES, FileOps
@@ -400,6 +403,29 @@ def test_dedup_window_rebuild_past_damaged_bytes_before_the_checkpoint(tmp_path)
     lost = [i for i in (0, 1, 2) if store.put(
         "T", acked[f"UK{i:06d}"][0], [encode_part(body(i), f"UK{i:06d}", 1)]).duplicates == []]
     assert len(lost) == 1  # the damaged record is not in the window
+    store.close()
+
+
+@pytest.mark.parametrize("chunk", [100, 1000, 4096])
+def test_dedup_window_rebuild_in_small_read_chunks(tmp_path, monkeypatch, chunk):
+    """The window's pass over the log finds every record whatever the read size: records
+    that straddle two reads, and records larger than a read."""
+    monkeypatch.setattr(recovery, "READ_CHUNK", chunk)
+    root = str(tmp_path)
+    clock = FakeClock(T0)
+    store = MessageStore(cfg(root), clock=clock)
+    store.open()
+    store.create_topic("T", 2)
+    acked = send(store, "T", 0, 400, queues=2)  # over several segments
+    store.close()
+    clock.advance(10)
+    store = MessageStore(cfg(root), clock=clock)
+    store.open()
+    assert len(store.dedup) == 400
+    for i in (0, 1, 150, 399):
+        q, off = acked[f"UK{i:06d}"]
+        r = store.put("T", q, [encode_part(body(i), f"UK{i:06d}", 1)])
+        assert r.duplicates == [0] and r.offsets == [off], i
     store.close()
 
 
