@@ -429,6 +429,35 @@ def test_dedup_window_rebuild_in_small_read_chunks(tmp_path, monkeypatch, chunk)
     store.close()
 
 
+def _window_answers(store: MessageStore, acked: dict, ids) -> list[bool]:
+    """Whether each message's resend is recognised (its offset checked when it is)."""
+    out = []
+    for i in ids:
+        q, off = acked[f"UK{i:06d}"]
+        r = store.put("T", q, [encode_part(body(i), f"UK{i:06d}", 1)])
+        out.append(r.duplicates == [0])
+        if r.duplicates:
+            assert r.offsets == [off], i
+    return out
+
+
+def test_retry_of_a_damaged_first_copy_is_stored_again(tmp_path):
+    """The window never answers "duplicate" for a copy that can no longer be read."""
+    root = str(tmp_path)
+    store = open_store(root)
+    store.create_topic("T", 1)
+    acked = send(store, "T", 0, 3)
+    pos = store.queues["T", 0].entry(1)[0]
+    seg = store.log._find(pos)
+    store.log.sync()
+    flip(seg.path, FILE_HEADER_SIZE + pos - seg.base + 60)
+    assert _window_answers(store, acked, (0, 1, 2)) == [True, False, True]
+    # the new copy is the one the window knows now
+    r = store.put("T", 0, [encode_part(body(1), "UK000001", 1)])
+    assert r.duplicates == [0] and r.offsets == [3]
+    store.close()
+
+
 def test_verify_command_exit_codes_and_json(tmp_path):
     root = str(tmp_path)
     store = open_store(root)

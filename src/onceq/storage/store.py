@@ -524,7 +524,7 @@ class MessageStore:
                 key, tags = metas[i]
                 if window is not None and key:
                     prev = window.get(key)
-                    if prev is not None:
+                    if prev is not None and self._still_stored(topic, prev[0], prev[1]):
                         dups.append(i)
                         dup_queues.append(prev[0])
                         offsets.append(prev[1])
@@ -824,6 +824,19 @@ class MessageStore:
             for cq in self.queues.values():
                 cq.drop_below_position(start)
         return before - len(self.log.segments)
+
+    def _still_stored(self, topic: str, queue_id: int, offset: int) -> bool:
+        """Whether the record a "duplicate" answer would point at is intact in the log: a
+        retry must be stored again rather than stand for a copy lost to disk damage."""
+        cq = self.queues.get((topic, queue_id))
+        if cq is None or not cq.min_offset <= offset < cq.max_offset:
+            return False
+        try:
+            pos, size, _th, _ts = cq.entry(offset)
+            return size != DAMAGED_ENTRY_SIZE and read_record(
+                self.log, topic, queue_id, offset, pos, size) is not None
+        except OSError:
+            return False
 
     def close(self) -> None:
         # on a full or failing disk each step may fail: the files written atomically keep
