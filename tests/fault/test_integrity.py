@@ -441,6 +441,72 @@ def _window_answers(store: MessageStore, acked: dict, ids) -> list[bool]:
     return out
 
 
+def test_dedup_window_snapshot_at_clean_close(tmp_path):
+    """A clean close saves the window; the next start restores it instead of reading the
+    log, once: the snapshot is removed, and a later start reads the log again."""
+    root = str(tmp_path)
+    clock = FakeClock(T0)
+    store = MessageStore(cfg(root, dedup_max_keys=300), clock=clock)
+    store.open()
+    store.create_topic("T", 2)
+    store.create_topic("U", 1)
+    acked = send(store, "T", 0, 400, queues=2)
+    send(store, "U", 1000, 5)
+    store.close()
+    snap = os.path.join(root, "dedup-window")
+    assert os.path.exists(snap)
+    clock.advance(10)
+    store = MessageStore(cfg(root, dedup_max_keys=300), clock=clock)
+    store.open()
+    assert store.dedup.restored and not os.path.exists(snap)
+    assert len(store.dedup) == 300  # the newest 300 keys of both topics
+    assert _window_answers(store, acked, (399, 200, 99)) == [True, True, False]
+    crash(store)  # no snapshot: the log is read
+    store = MessageStore(cfg(root, dedup_max_keys=300), clock=clock)
+    store.open()
+    assert not store.dedup.restored and len(store.dedup) == 300
+    assert _window_answers(store, acked, (399, 200, 98)) == [True, True, False]
+    store.close()
+
+
+@pytest.mark.parametrize("change", ["damaged", "window", "max_keys", "moved"])
+def test_dedup_window_snapshot_not_used(tmp_path, change):
+    """A damaged snapshot, other window settings, or a checkpoint moved since: the window is
+    rebuilt from the log."""
+    root = str(tmp_path)
+    clock = FakeClock(T0)
+    store = MessageStore(cfg(root), clock=clock)
+    store.open()
+    store.create_topic("T", 1)
+    acked = send(store, "T", 0, 50)
+    store.close()
+    snap = os.path.join(root, "dedup-window")
+    kw = {}
+    if change == "damaged":
+        flip(snap, os.path.getsize(snap) - 5)
+    elif change == "window":
+        kw = {"dedup_window_s": 600}
+    elif change == "max_keys":
+        kw = {"dedup_max_keys": 40}
+    else:  # a start that did not restore it, and wrote (the snapshot stays unread)
+        with open(snap, "rb") as f:
+            data = f.read()
+        store = MessageStore(cfg(root, dedup_window_s=0), clock=clock)
+        store.open()
+        send(store, "T", 50, 1)
+        store.close()
+        with open(snap, "wb") as f:
+            f.write(data)
+    clock.advance(10)
+    store = MessageStore(cfg(root, **kw), clock=clock)
+    store.open()
+    assert not store.dedup.restored and not os.path.exists(snap)
+    n = 40 if change == "max_keys" else 50
+    assert len(store.dedup) == n + (change == "moved")
+    assert all(_window_answers(store, acked, range(50 - n, 50)))
+    store.close()
+
+
 def test_retry_of_a_damaged_first_copy_is_stored_again(tmp_path):
     """The window never answers "duplicate" for a copy that can no longer be read."""
     root = str(tmp_path)

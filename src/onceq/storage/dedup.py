@@ -29,8 +29,11 @@ found, and go with their time.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import struct
+import zlib
 from array import array
 from binascii import unhexlify
 from collections import Counter
@@ -50,15 +53,18 @@ _MAX_TID = _DIGEST_KIND - 1  # topic ids run below this, so no live entry reads 
 _H32 = 0xFFFFFFFF
 _WARN_EVERY_MS = 60_000
 _SMALL = 8  # batches up to this size are added key by key
+_SNAP_MAGIC = b"ONCEQDW1"
+_SNAP_HEAD = struct.Struct("<8sII")  # magic, length of the JSON meta, crc32 of the rest
 
 
 class _Digests:
     """128-bit keyed BLAKE2b digests of the keys that are not producer-shaped."""
 
-    __slots__ = ("_copy",)
+    __slots__ = ("_copy", "secret")
 
-    def __init__(self) -> None:
-        self._copy = blake2b(digest_size=16, key=os.urandom(16)).copy
+    def __init__(self, secret: bytes | None = None) -> None:
+        self.secret = secret or os.urandom(16)
+        self._copy = blake2b(digest_size=16, key=self.secret).copy
 
     def __call__(self, key: bytes) -> bytes:
         h = self._copy()
@@ -87,12 +93,12 @@ class TopicTable:
         w = self._window
         if tid is None or not w._heads:
             return None
-        h = hash(key) & _H32
+        ident, tidk = _identity(key, tid, w._digest)
+        h = hash(ident) & _H32
         v = w._heads[h & w._bmask]
         first = w._head
         if v <= first:  # v - 1 < first: an empty bucket, or only expired entries
             return None
-        ident, tidk = _identity(key, tid, w._digest)
         base = w._base
         cap = w._cap
         hs = w._hash
@@ -112,7 +118,7 @@ class TopicTable:
 class DedupWindow:
     __slots__ = ("_base", "_bmask", "_cap", "_cut_ts", "_digest", "_hash", "_head", "_heads",
                  "_ident", "_live", "_next", "_next_tid", "_offset", "_queue", "_tables", "_tail",
-                 "_tid", "_topics", "_ts", "_warned_ms", "max_keys", "window_ms")
+                 "_tid", "_topics", "_ts", "_warned_ms", "max_keys", "restored", "window_ms")
 
     def __init__(self, window_s: float, max_keys: int) -> None:
         self.window_ms = int(window_s * 1000)
@@ -137,6 +143,7 @@ class DedupWindow:
         self._bmask = 0
         self._cut_ts: int | None = None  # store time of the newest key the cap cut early
         self._warned_ms = -_WARN_EVERY_MS
+        self.restored = False  # filled from a snapshot (restore) rather than from the log
 
     @property
     def enabled(self) -> bool:
@@ -218,7 +225,7 @@ class DedupWindow:
         if tid is None:
             tid = self._topic(topic)
         ident, tidk = _identity(key, tid, self._digest)
-        h = hash(key) & _H32
+        h = hash(ident) & _H32
         if self._tail - self._head >= self.max_keys:
             self._evict((ts_ms,))
         if self._tail - self._head >= self._cap:
@@ -267,7 +274,7 @@ class DedupWindow:
                   for key, e in zip(keys, exact, strict=True)]
         tidks = [t if e else t | _DIGEST_KIND for t, e in zip(tids, exact, strict=True)]
         h32 = _H32
-        hashes = [hash(key) & h32 for key in keys]
+        hashes = [hash(ident) & h32 for ident in idents]
         # room: the oldest entries go first (the i-th add evicts when the window is full)
         free = self.max_keys - (self._tail - self._head)
         if free < k:
@@ -372,6 +379,107 @@ class DedupWindow:
         return {"window_s": self.window_ms / 1000,
                 "effective_window_s": self.effective_window_s(now_ms) if self.enabled else 0,
                 "keys": len(self), "max_keys": self.max_keys}
+
+    # ------------------------------------------------------------------ snapshot
+    def snapshot(self, checkpoint: int, topics: dict[str, int]) -> bytes:
+        """The window as bytes, for ``restore`` at the next start from ``checkpoint``.
+
+        ``topics``: name -> creation position of the live topics (a topic deleted and
+        created again in between must not find its old keys)."""
+        n = self._tail - self._head
+        cap = self._cap
+        s = (self._head - self._base) % cap if cap else 0
+        k1 = min(n, cap - s)
+        parts = []
+        for col, w in ((self._ident, _IDENT), (self._tid, 0), (self._queue, 0),
+                       (self._offset, 0), (self._ts, 0)):
+            if w:
+                parts.append(bytes(col[s * w:(s + k1) * w]) + bytes(col[:(n - k1) * w]))
+            else:
+                parts.append(col[s:s + k1].tobytes() + col[:n - k1].tobytes())
+        meta = json.dumps({
+            "checkpoint": checkpoint, "window_ms": self.window_ms, "max_keys": self.max_keys,
+            "secret": self._digest.secret.hex(), "cut_ts": self._cut_ts, "entries": n,
+            "topics": {name: [tid, topics[name]] for name, tid in self._topics.items()
+                       if name in topics},
+        }).encode()
+        body = meta + b"".join(parts)
+        return _SNAP_HEAD.pack(_SNAP_MAGIC, len(meta), zlib.crc32(body)) + body
+
+    def restore(self, data: bytes, checkpoint: int, topics: dict[str, int]) -> bool:
+        """Fill an empty window from ``snapshot`` bytes; False (and no change) when they
+        do not match: damaged, another checkpoint or other window settings."""
+        if len(data) < _SNAP_HEAD.size or self._tail:
+            return False
+        magic, meta_len, crc = _SNAP_HEAD.unpack_from(data)
+        body = memoryview(data)[_SNAP_HEAD.size:]
+        if magic != _SNAP_MAGIC or zlib.crc32(body) != crc or meta_len > len(body):
+            return False
+        try:
+            meta = json.loads(bytes(body[:meta_len]))
+        except ValueError:
+            return False
+        n = meta["entries"]
+        if (meta["checkpoint"] != checkpoint or meta["window_ms"] != self.window_ms
+                or meta["max_keys"] != self.max_keys or not 0 < n <= self.max_keys
+                or len(body) != meta_len + n * (_IDENT + 4 + 2 + 8 + 8)):
+            return False
+        self._digest = _Digests(bytes.fromhex(meta["secret"]))
+        self._cut_ts = meta["cut_ts"]
+        for name, (tid, created) in meta["topics"].items():
+            if topics.get(name) == created:  # else dropped meanwhile: its keys stay unseen
+                self._topics[name] = tid
+                self._live[tid] = 0
+        self._next_tid = (max(tid for tid, _c in meta["topics"].values()) + 1) % _MAX_TID \
+            if meta["topics"] else 0
+        p = meta_len
+        cols = []
+        for w in (_IDENT, 4, 2, 8, 8):
+            cols.append(body[p:p + n * w])
+            p += n * w
+        cap = max(n, min(self.max_keys, _RING_MIN))
+        self._ident = bytearray(cols[0])
+        self._ident.extend(bytes((cap - n) * _IDENT))
+        for name, code, col in (("_tid", "I", cols[1]), ("_queue", "H", cols[2]),
+                                ("_offset", "q", cols[3]), ("_ts", "q", cols[4]),
+                                ("_hash", "I", None), ("_next", "Q", None)):
+            a = array(code)
+            if col is not None:
+                a.frombytes(col)
+                a.extend(array(code, bytes((cap - n) * a.itemsize)))
+            else:
+                a.frombytes(bytes(cap * a.itemsize))
+            setattr(self, name, a)
+        self._cap = cap
+        self._base = self._head = 0
+        self._tail = n
+        live = self._live
+        for t, c in Counter(self._tid[:n]).items():
+            if t != _DEAD:
+                t &= ~_DIGEST_KIND
+                if t in live:
+                    live[t] += c
+        self._alloc_heads()
+        heads = self._heads
+        bmask = self._bmask
+        hs = self._hash
+        nxt = self._next
+        h32 = _H32
+        step = 1 << 16
+        at = _SNAP_HEAD.size + meta_len  # the identities in ``data``
+        for a in range(0, n, step):  # hashes and chains, in slices (the idents are objects)
+            b = min(a + step, n)
+            hashes = [hash(data[i:i + _IDENT]) & h32
+                      for i in range(at + a * _IDENT, at + b * _IDENT, _IDENT)]
+            hs[a:b] = array("I", hashes)
+            seq = a
+            for h in hashes:
+                bk = h & bmask
+                nxt[seq] = heads[bk]
+                seq += 1
+                heads[bk] = seq
+        self.restored = True
+        return True
 
     # ------------------------------------------------------------------ internals
     def _evict(self, nows: Sequence[int]) -> None:

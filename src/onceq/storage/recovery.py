@@ -134,7 +134,8 @@ class Recovery:
         if checkpoint is not None:
             self.check_last_entries()
         window_start = self.now_ms - self.dedup.window_ms
-        if checkpoint is not None:  # before the tail: the window is filled oldest first
+        if checkpoint is not None and not self.dedup.restored:
+            # before the tail: the window is filled oldest first
             self.dedup_below(scan_from, window_start)
         base: dict[tuple[str, int], int] = {}  # first offset of each queue's pending entries
         pending: dict[tuple[str, int], list[bytes]] = {}

@@ -116,6 +116,7 @@ class MessageStore:
         self._topics_path = os.path.join(root, "topics.json")
         self._offsets_path = os.path.join(root, "offsets.json")
         self._checkpoint_path = os.path.join(root, "checkpoint")
+        self._dedup_path = os.path.join(root, "dedup-window")
         self._queues_dir = os.path.join(root, "queues")
         files.makedirs(self._queues_dir)
         # index files and sealed commit-log segments share one bounded cache of open files
@@ -177,6 +178,7 @@ class MessageStore:
         for a, b in self.log.open(empty_base=checkpoint or 0):
             self.damage.add_log(a, b)
         full = checkpoint is None or lost_index
+        self._restore_dedup(None if full else checkpoint)
         if lost_index:
             log.error("store: consume-queue index files are damaged or missing; rebuilding "
                       "the indexes from the whole commit log")
@@ -838,6 +840,40 @@ class MessageStore:
         except OSError:
             return False
 
+    def _save_dedup(self) -> None:
+        """At a clean close: the dedup window, for a fast start from this checkpoint."""
+        if self.write_failure is not None or not self.dedup.entries():
+            return
+        topics = {n: t.created_position for n, t in self.topics.items()}
+        try:
+            write_atomic(self._dedup_path, self.dedup.snapshot(self.log.end, topics),
+                         self.files)
+        except OSError as exc:
+            log.error("store: cannot save the dedup window at close: %s", exc)
+
+    def _restore_dedup(self, checkpoint: int | None) -> None:
+        """Fill the dedup window from the snapshot of the last clean close, if it was taken
+        at ``checkpoint`` and no damage is known; the snapshot is used once, then removed
+        (a later crash rebuilds the window from the log)."""
+        try:
+            data = self.files.read_file(self._dedup_path)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            log.error("store: cannot read the dedup window snapshot: %s", exc)
+            return
+        try:
+            self.files.unlink(self._dedup_path)
+        except OSError as exc:
+            log.error("store: cannot remove the dedup window snapshot: %s", exc)
+            return  # never trust it at a later start
+        if (checkpoint is None or not self.dedup.enabled or self.damage.log_ranges
+                or self.log.end < checkpoint):
+            return
+        topics = {n: t.created_position for n, t in self.topics.items()}
+        if self.dedup.restore(data, checkpoint, topics):
+            log.info("store: dedup window of %d keys restored", len(self.dedup))
+
     def close(self) -> None:
         # on a full or failing disk each step may fail: the files written atomically keep
         # their previous (consistent) content, and the next start recovers from it
@@ -850,6 +886,7 @@ class MessageStore:
             self.save_offsets()
         except OSError as exc:
             log.error("store: cannot save the consumer offsets at close: %s", exc)
+        self._save_dedup()
         self.log.close()
         for cq in self.queues.values():
             cq.close()
