@@ -855,20 +855,17 @@ class MessageStore:
         """Fill the dedup window from the snapshot of the last clean close, if it was taken
         at ``checkpoint`` and no damage is known; the snapshot is used once, then removed
         (a later crash rebuilds the window from the log)."""
+        usable = (checkpoint is not None and self.dedup.enabled and not self.damage.log_ranges
+                  and self.log.end >= checkpoint)
         try:
-            data = self.files.read_file(self._dedup_path)
+            data = self.files.read_file(self._dedup_path) if usable else b""
+            self.files.unlink(self._dedup_path)
         except FileNotFoundError:
             return
-        except OSError as exc:
-            log.error("store: cannot read the dedup window snapshot: %s", exc)
+        except OSError as exc:  # never trust it at a later start: the window is rebuilt
+            log.error("store: cannot read or remove the dedup window snapshot: %s", exc)
             return
-        try:
-            self.files.unlink(self._dedup_path)
-        except OSError as exc:
-            log.error("store: cannot remove the dedup window snapshot: %s", exc)
-            return  # never trust it at a later start
-        if (checkpoint is None or not self.dedup.enabled or self.damage.log_ranges
-                or self.log.end < checkpoint):
+        if not usable:
             return
         topics = {n: t.created_position for n, t in self.topics.items()}
         if self.dedup.restore(data, checkpoint, topics):
