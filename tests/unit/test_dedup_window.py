@@ -213,3 +213,48 @@ def test_empty_batches_change_nothing():
     w.add_columns([], [], [], [], [])
     w.reserve(0)
     assert len(w) == 0 and w.entries() == 0
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(sequence=ops, max_keys=st.sampled_from([1, 3, 8, 1000]), dropped=st.sampled_from(
+    [None, "A", "B"]))
+def test_snapshot_restores_the_same_window(layout, sequence, max_keys, dropped):
+    """snapshot then restore (into a fresh window) answers every lookup as the original;
+    a topic missing (or created again) at restore finds none of its old keys."""
+    w = DedupWindow(2.0, max_keys)
+    now = 1_700_000_000_000
+    for op in sequence:
+        if op[0] == "add":
+            w.add(op[1], op[2], op[3], op[4], now)
+        elif op[0] == "batch":
+            w.add_many([(t, k, q, off, now) for t, k, q, off in op[1]])
+        elif op[0] == "expire":
+            w.expire(now)
+        elif op[0] == "drop":
+            w.drop_topic(op[1])
+        elif op[0] == "tick":
+            now += op[1]
+    topics = {t: 7 for t in TOPICS}  # name -> creation position
+    later = {**topics, **({dropped: 8} if dropped else {})}  # ``dropped`` created again
+    r = DedupWindow(2.0, max_keys)
+    if not w.entries():
+        assert not r.restore(w.snapshot(42, topics), 42, later)
+        return
+    data = w.snapshot(42, topics)
+    assert not DedupWindow(2.0, max_keys).restore(data, 41, later)  # another checkpoint
+    assert not DedupWindow(3.0, max_keys).restore(data, 42, later)  # another window
+    damaged = data[:-1] + bytes([data[-1] ^ 1])
+    assert not DedupWindow(2.0, max_keys).restore(damaged, 42, later)
+    assert r.restore(data, 42, later)
+    assert r.entries() == w.entries() and r.effective_window_s(now) == w.effective_window_s(now)
+    for topic in TOPICS:
+        for key in KEYS:
+            want = None if topic == dropped else w.table(topic).get(key)
+            assert r.table(topic).get(key) == want
+    assert len(r) == len(w) - (len([k for k in KEYS if w.table(dropped).get(k)])
+                               if dropped else 0)
+    # the restored window goes on like the original
+    r.add("A", KEYS[1], 1, 99, now)
+    r.expire(now + 1_999)
+    assert r.table("A").get(KEYS[1]) == (1, 99, now)

@@ -2,7 +2,8 @@
 
 A retried send whose unique key was stored within the window gets the first send's result
 back, flagged as a duplicate, and stores nothing. The window is rebuilt from the commit log
-at start (records carry their unique key and store time), so it survives restarts. Memory is
+at start (records carry their unique key and store time), or restored from the snapshot of
+a clean close (``snapshot``, ``restore``), so it survives restarts. Memory is
 bounded by ``max_keys``: above it the oldest keys are forgotten first, and the window is
 then shorter than configured (``effective_window_s``; a warning is logged).
 
@@ -10,15 +11,15 @@ Compact layout (about 65 bytes per key, no Python object per key):
 
 * each key is kept as a 20-byte identity: the key itself when it has the producer's shape
   (40 upper-case hex digits, stored as their 20 bytes, exact), else a 128-bit BLAKE2b
-  digest of the key, keyed with a secret drawn at random per broker process. Two different
-  keys answer "duplicate" for each other only if their digests collide: with 128 bits and
-  2 million keys in the window the odds are about 1 in 10^26, and no client can aim at
-  another's key without the secret;
+  digest of the key, keyed with a secret drawn at random per window (and kept in its
+  snapshot). Two different keys answer "duplicate" for each other only if their digests
+  collide: with 128 bits and 2 million keys in the window the odds are about 1 in 10^26,
+  and no client can aim at another's key without the secret;
 * the entries live in an insertion-ordered ring of parallel ``array`` columns (identity,
   topic id, hash, chain link, queue, offset, store time), numbered by a sequence number
   that only grows; expiry moves the ring's head past the oldest entries;
 * the index is a table of buckets (one per possible key, up to 4 M) placed by Python's
-  per-process randomised hash of the key; each bucket holds the sequence number of its
+  per-process randomised hash of the identity; each bucket holds the sequence number of its
   newest entry, each entry that of the next older one in its bucket. A link to a sequence
   number below the ring's head ends the chain, so expiry never touches the index.
 
