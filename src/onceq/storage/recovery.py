@@ -330,7 +330,7 @@ def window_keys(log_: CommitLog, seg: Segment, start_off: int, stop_off: int, si
     off = start_off
     want = READ_CHUNK
     while off < end:
-        buf = fs.pread(seg.fd, min(want, end - off), FILE_HEADER_SIZE + off)
+        buf = fs.pread(log_._fd(seg), min(want, end - off), FILE_HEADER_SIZE + off)
         view = memoryview(buf)
         n = len(buf)
         p = 0
