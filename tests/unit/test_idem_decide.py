@@ -269,6 +269,9 @@ def test_a_caller_that_does_not_own_the_record_never_changes_it(ops):
             r = t.claim(claim(owner))
             if not r.runnable:
                 assert t.rec == before
+            elif (before is not None and before.alive(clock()) and before.owner == owner
+                  and before.status is Status.CONSUMING):
+                assert r.outcome is Outcome.CLAIMED and t.rec == before  # its own claim
             elif before is not None and before.alive(clock()):
                 assert r.outcome is Outcome.TAKEN_OVER
                 assert not before.leased(clock()) and t.rec.attempt == before.attempt + 1
@@ -279,3 +282,10 @@ def test_a_caller_that_does_not_own_the_record_never_changes_it(ops):
             assert not ok and t.rec == before
         if ok:
             assert owned
+
+
+def test_a_claim_retried_by_its_owner_gets_its_own_claim_back():
+    t = Table(FakeClock())
+    first = t.claim(claim("a"))
+    again = t.claim(claim("a"))  # the reply of the first claim was lost
+    assert again.outcome is Outcome.CLAIMED and again.record == first.record

@@ -20,7 +20,9 @@ and another owner took the record over, the first owner's late calls change noth
 return False (it learns that it lost). Stores implement exactly these rules, atomically;
 the functions below are their definition and the model their tests compare against.
 
-A record past ``expires_at`` is as good as absent (the purge may not have run yet).
+Owner tokens are unique per claim: a claim retried by its owner (after a lost reply) gets
+its own claim back. A record past ``expires_at`` is as good as absent (the purge may not
+have run yet).
 ``expires_at`` is the completion time plus the retention for ``CONSUMED`` records, and the
 lease end plus the retention for ``CONSUMING`` ones (a crashed claim stays visible long
 enough to be recognised as an ambiguous outcome, not mistaken for a first delivery).
@@ -140,6 +142,8 @@ def decide_claim(existing: Record | None, claim: Claim, now: float
         rec = Record(claim.group, claim.topic, claim.key, Status.CONSUMING, claim.owner, 1,
                      lease_until, claim.payload_hash, now, now, lease_until + claim.retention_s)
         return ClaimResult(Outcome.CLAIMED, rec), rec
+    if existing.owner == claim.owner and existing.status is Status.CONSUMING:
+        return ClaimResult(Outcome.CLAIMED, existing), None  # a claim retried by its owner
     if (claim.check_payload and claim.payload_hash and existing.payload_hash
             and claim.payload_hash != existing.payload_hash):
         return ClaimResult(Outcome.CONFLICT, existing), None

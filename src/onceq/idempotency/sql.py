@@ -1,0 +1,438 @@
+"""SQL dedup stores: SQLite (embedded), MariaDB/MySQL (PyMySQL), PostgreSQL (psycopg 3).
+
+One algorithm over DB-API connections, a small ``Dialect`` per database. Each batch is one
+transaction on a connection owned by a worker thread (the event loop never blocks):
+
+* claim: insert a fresh ``CONSUMING`` row for every key that has none (``ON CONFLICT DO
+  NOTHING`` / ``ON DUPLICATE KEY UPDATE`` no-op), read the batch's rows under a row lock
+  (``FOR UPDATE``; SQLite serialises writers with ``BEGIN IMMEDIATE``), apply
+  ``record.decide_claim`` to each, write back the rows it changed with ``WHERE owner = <the
+  owner read>``. A row whose owner is the claim's own token was inserted by this claim.
+* complete / release / extend: read the rows of the given owner tokens under the lock,
+  then update or delete those that are still owned: a token that was fenced off (its row
+  taken over by another owner, or gone) matches nothing.
+
+Keys are sorted inside a transaction so that two batches lock rows in the same order;
+deadlocks and serialisation failures the database reports are retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import SplitResult, unquote
+
+from .record import Claim, ClaimResult, Record, Status, Ticket, decide_claim
+from .store import MAX_KEY_LEN, Clock, StoreError, StoreStats, check_name
+
+__all__ = ["Dialect", "SqlStore", "mysql_dialect", "postgres_dialect", "sqlite_dialect"]
+
+COLS = ("grp, topic, dkey, status, owner, attempt, lease_until, payload_hash, created_at, "
+        "updated_at, expires_at")
+_TRANSIENT_TRIES = 8
+
+
+@dataclass
+class Dialect:
+    name: str
+    connect: Callable[[], Any]  # a new DB-API connection
+    schema: Callable[[str], list[str]]  # CREATE statements for a table name
+    insert_absent: str  # INSERT of one row that does nothing if the key exists ({t})
+    purge: str  # delete up to ? expired rows ({t}; params: now, limit)
+    lock: str = " FOR UPDATE"
+    begin: str | None = None  # statement opening a write transaction (None: implicit)
+    param: str = "%s"
+    pool_size: int = 4
+    is_transient: Callable[[BaseException], bool] = lambda exc: False
+    errors: tuple[type[BaseException], ...] = ()
+
+
+def _row_record(row: Sequence[Any]) -> Record:
+    return Record(row[0], row[1], row[2], Status(row[3]), row[4], int(row[5]), float(row[6]),
+                  row[7], float(row[8]), float(row[9]), float(row[10]))
+
+
+def _row_values(r: Record) -> tuple[Any, ...]:
+    return (r.group, r.topic, r.key, r.status.value, r.owner, r.attempt, r.lease_until,
+            r.payload_hash, r.created_at, r.updated_at, r.expires_at)
+
+
+class SqlStore:
+    """A dedup store in a SQL table (``table``, created on first use)."""
+
+    def __init__(self, dialect: Dialect, *, clock: Clock = time.time,
+                 table: str = "onceq_dedup", pool_size: int | str | None = None) -> None:
+        self.dialect = dialect
+        self.clock = clock
+        self.table = check_name(table)
+        self._p = dialect.param
+        size = int(pool_size) if pool_size is not None else dialect.pool_size
+        self._executor = ThreadPoolExecutor(max(1, size),
+                                            thread_name_prefix=f"onceq-dedup-{dialect.name}")
+        self._local = threading.local()
+        self._conns: list[Any] = []
+        self._conns_lock = threading.Lock()
+        self._schema_ready = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ plumbing
+    def _sql(self, text: str) -> str:
+        return text.replace("{t}", self.table).replace("?", self._p)
+
+    def _marks(self, n: int) -> str:
+        return ", ".join([self._p] * n)
+
+    def _connection(self) -> Any:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self.dialect.connect()
+            self._local.conn = conn
+            with self._conns_lock:
+                self._conns.append(conn)
+            if not self._schema_ready:
+                self._create_schema(conn)
+        return conn
+
+    def _drop_connection(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None:
+            with self._conns_lock:
+                if conn in self._conns:
+                    self._conns.remove(conn)
+            with contextlib.suppress(Exception):  # already broken: nothing to do
+                conn.close()
+
+    def _create_schema(self, conn: Any) -> None:
+        for attempt in range(3):
+            try:
+                cur = conn.cursor()
+                for stmt in self.dialect.schema(self.table):
+                    cur.execute(stmt)
+                conn.commit()
+                break
+            except self.dialect.errors:
+                # another process created the table at the same instant: look again
+                conn.rollback()
+                if attempt == 2:
+                    raise
+                time.sleep(0.05)
+        self._schema_ready = True
+
+    def _tx(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(cursor, now, *args)`` in one transaction on this thread's connection."""
+        d = self.dialect
+        for attempt in range(_TRANSIENT_TRIES):
+            conn = None
+            try:
+                conn = self._connection()
+                cur = conn.cursor()
+                if d.begin:
+                    cur.execute(d.begin)
+                result = fn(cur, self.clock(), *args)
+                conn.commit()
+                return result
+            except d.errors as exc:
+                try:
+                    if conn is not None:
+                        conn.rollback()
+                except Exception:
+                    self._drop_connection()
+                if d.is_transient(exc) and attempt < _TRANSIENT_TRIES - 1:
+                    time.sleep(random.uniform(0.001, 0.01) * (attempt + 1))
+                    continue
+                self._drop_connection()  # reconnect on the next call
+                raise StoreError(f"{d.name} dedup store: {type(exc).__name__}: {exc}") from exc
+            except OSError as exc:
+                self._drop_connection()
+                raise StoreError(f"{d.name} dedup store: {exc}") from exc
+            except BaseException:
+                # never leave a transaction open (its row locks would block every other
+                # consumer): roll back, or drop the connection if even that fails
+                try:
+                    if conn is not None:
+                        conn.rollback()
+                except Exception:
+                    self._drop_connection()
+                raise
+        raise AssertionError("unreachable")
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self._closed:
+            raise StoreError("the dedup store is closed")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._tx, fn, *args)
+
+    # ------------------------------------------------------------------ claims
+    async def claim_many(self, claims: Sequence[Claim]) -> list[ClaimResult]:
+        if not claims:
+            return []
+        for c in claims:
+            if len(c.key) > MAX_KEY_LEN:
+                raise ValueError(f"dedup key longer than {MAX_KEY_LEN} characters")
+        return await self._run(self._claim_tx, list(claims))
+
+    def _claim_tx(self, cur: Any, now: float, claims: list[Claim]) -> list[ClaimResult]:
+        first: dict[tuple[str, str, str], Claim] = {}
+        for c in claims:
+            first.setdefault((c.group, c.topic, c.key), c)
+        fresh = []
+        for k in sorted(first):
+            c = first[k]
+            lease_until = now + c.lease_s
+            fresh.append((*k, Status.CONSUMING.value, c.owner, 1, lease_until, c.payload_hash,
+                          now, now, lease_until + c.retention_s))
+        cur.executemany(self._sql(self.dialect.insert_absent), fresh)
+        by_gt: dict[tuple[str, str], list[str]] = defaultdict(list)
+        for g, t, k in sorted(first):
+            by_gt[(g, t)].append(k)
+        current: dict[tuple[str, str, str], Record] = {}
+        for (g, t), keys in by_gt.items():
+            cur.execute(self._sql(f"SELECT {COLS} FROM {{t}} WHERE grp = ? AND topic = ? AND "
+                                  f"dkey IN ({self._marks(len(keys))}){self.dialect.lock}"),
+                        (g, t, *keys))
+            for row in cur.fetchall():
+                rec = _row_record(row)
+                current[(rec.group, rec.topic, rec.key)] = rec
+        out = []
+        for c in claims:
+            k = (c.group, c.topic, c.key)
+            existing = current.get(k)
+            res, new = decide_claim(existing, c, now)
+            if new is not None:
+                if existing is None:  # cannot happen after the insert; stay correct anyway
+                    cur.execute(self._sql(self.dialect.insert_absent), _row_values(new))
+                else:
+                    cur.execute(self._sql(
+                        "UPDATE {t} SET status = ?, owner = ?, attempt = ?, lease_until = ?, "
+                        "payload_hash = ?, created_at = ?, updated_at = ?, expires_at = ? "
+                        "WHERE grp = ? AND topic = ? AND dkey = ? AND owner = ?"),
+                        (*_row_values(new)[3:], *k, existing.owner))
+                    if cur.rowcount != 1:
+                        raise StoreError(f"claim of {k} lost its row lock")
+                current[k] = new
+            out.append(res)
+        return out
+
+    # ------------------------------------------------------------------ compare-and-set
+    def _owned(self, cur: Any, now: float, tickets: Sequence[Ticket]
+               ) -> tuple[list[bool], list[str]]:
+        """Which tickets still own their record, and the owners whose record is
+        ``CONSUMING`` (locked until the end of the transaction)."""
+        owners = sorted({t.owner for t in tickets})
+        cur.execute(self._sql(f"SELECT grp, topic, dkey, owner, status FROM {{t}} WHERE owner "
+                              f"IN ({self._marks(len(owners))}) AND expires_at > ?"
+                              f"{self.dialect.lock}"), (*owners, now))
+        rows = {r[3]: (r[0], r[1], r[2], r[4]) for r in cur.fetchall()}
+        owned = [rows.get(t.owner, ("",) * 4)[:3] == (t.group, t.topic, t.key)
+                 for t in tickets]
+        consuming = sorted({t.owner for t, ok in zip(tickets, owned, strict=True)
+                            if ok and rows[t.owner][3] == Status.CONSUMING.value})
+        return owned, consuming
+
+    async def complete_many(self, tickets: Sequence[Ticket], retention_s: float) -> list[bool]:
+        if not tickets:
+            return []
+        return await self._run(self._complete_tx, list(tickets), retention_s)
+
+    def _complete_tx(self, cur: Any, now: float, tickets: list[Ticket], retention_s: float
+                     ) -> list[bool]:
+        owned, consuming = self._owned(cur, now, tickets)
+        if consuming:
+            cur.execute(self._sql(f"UPDATE {{t}} SET status = ?, updated_at = ?, expires_at = ? "
+                                  f"WHERE owner IN ({self._marks(len(consuming))})"),
+                        (Status.CONSUMED.value, now, now + retention_s, *consuming))
+        return owned
+
+    async def release_many(self, tickets: Sequence[Ticket]) -> list[bool]:
+        if not tickets:
+            return []
+        return await self._run(self._release_tx, list(tickets))
+
+    def _release_tx(self, cur: Any, now: float, tickets: list[Ticket]) -> list[bool]:
+        _, consuming = self._owned(cur, now, tickets)
+        if consuming:
+            cur.execute(self._sql(f"DELETE FROM {{t}} WHERE owner IN "
+                                  f"({self._marks(len(consuming))})"), consuming)
+        released = set(consuming)
+        return [t.owner in released for t in tickets]
+
+    async def extend_many(self, tickets: Sequence[Ticket], lease_s: float,
+                          retention_s: float) -> list[bool]:
+        if not tickets:
+            return []
+        return await self._run(self._extend_tx, list(tickets), lease_s, retention_s)
+
+    def _extend_tx(self, cur: Any, now: float, tickets: list[Ticket], lease_s: float,
+                   retention_s: float) -> list[bool]:
+        _, consuming = self._owned(cur, now, tickets)
+        if consuming:
+            cur.execute(self._sql(f"UPDATE {{t}} SET lease_until = ?, updated_at = ?, "
+                                  f"expires_at = ? WHERE owner IN "
+                                  f"({self._marks(len(consuming))})"),
+                        (now + lease_s, now, now + lease_s + retention_s, *consuming))
+        extended = set(consuming)
+        return [t.owner in extended for t in tickets]
+
+    # ------------------------------------------------------------------ operator view
+    async def get(self, group: str, topic: str, key: str) -> Record | None:
+        def tx(cur: Any, now: float) -> Record | None:
+            cur.execute(self._sql(f"SELECT {COLS} FROM {{t}} WHERE grp = ? AND topic = ? AND "
+                                  "dkey = ? AND expires_at > ?"), (group, topic, key, now))
+            row = cur.fetchone()
+            return _row_record(row) if row else None
+
+        return await self._run(tx)
+
+    async def purge_expired(self, limit: int = 1000) -> int:
+        def tx(cur: Any, now: float) -> int:
+            cur.execute(self._sql(self.dialect.purge), (now, int(limit)))
+            return max(cur.rowcount, 0)
+
+        return await self._run(tx)
+
+    async def stats(self) -> StoreStats:
+        def tx(cur: Any, now: float) -> StoreStats:
+            cur.execute(self._sql("SELECT status, COUNT(*) FROM {t} WHERE expires_at > ? "
+                                  "GROUP BY status"), (now,))
+            counts = {s: int(n) for s, n in cur.fetchall()}
+            return StoreStats(counts.get("CONSUMING", 0), counts.get("CONSUMED", 0))
+
+        return await self._run(tx)
+
+    async def drop_table(self) -> None:
+        """Remove the table (tests and the operator's reset)."""
+        def tx(cur: Any, now: float) -> None:
+            cur.execute(self._sql("DROP TABLE IF EXISTS {t}"))
+
+        await self._run(tx)
+        self._schema_ready = False
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.get_running_loop().run_in_executor(None, self._close_all)
+
+    def _close_all(self) -> None:
+        self._executor.shutdown(wait=True)
+        with self._conns_lock:
+            conns, self._conns = self._conns, []
+        for conn in conns:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+
+# ====================================================================== dialects
+def _schema(double: str, key: str, text: str, extra: str = "", inline_index: bool = False
+            ) -> Callable[[str], list[str]]:
+    def make(t: str) -> list[str]:
+        idx = (f", INDEX {t}_owner (owner), INDEX {t}_expires (expires_at)"
+               if inline_index else "")
+        stmts = [f"CREATE TABLE IF NOT EXISTS {t} (grp {key} NOT NULL, topic {key} NOT NULL, "
+                 f"dkey {text} NOT NULL, status VARCHAR(10) NOT NULL, owner VARCHAR(100) NOT "
+                 f"NULL, attempt INTEGER NOT NULL, lease_until {double} NOT NULL, payload_hash "
+                 f"VARCHAR(64) NOT NULL, created_at {double} NOT NULL, updated_at {double} NOT "
+                 f"NULL, expires_at {double} NOT NULL, PRIMARY KEY (grp, topic, dkey){idx})"
+                 f"{extra}"]
+        if not inline_index:
+            stmts += [f"CREATE INDEX IF NOT EXISTS {t}_owner ON {t} (owner)",
+                      f"CREATE INDEX IF NOT EXISTS {t}_expires ON {t} (expires_at)"]
+        return stmts
+    return make
+
+
+_INSERT = f"INSERT INTO {{t}} ({COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+
+
+def sqlite_dialect(path: str, synchronous: str = "FULL") -> Dialect:
+    """SQLite in WAL mode (a file shared by the processes of one host, or ``:memory:``)."""
+    import sqlite3
+
+    memory = path == ":memory:"
+
+    def connect() -> Any:
+        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+        if not memory:
+            conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(f"PRAGMA synchronous={synchronous}")
+        return conn
+
+    return Dialect("sqlite", connect, _schema("REAL", "TEXT", "TEXT"),
+                   _INSERT + " ON CONFLICT DO NOTHING",
+                   "DELETE FROM {t} WHERE rowid IN (SELECT rowid FROM {t} WHERE expires_at <= ? "
+                   "LIMIT ?)", lock="", begin="BEGIN IMMEDIATE", param="?",
+                   pool_size=1,  # writers are serialised by the database anyway
+                   is_transient=lambda exc: "locked" in str(exc) or "busy" in str(exc),
+                   errors=(sqlite3.Error,))
+
+
+def mysql_dialect(url: SplitResult) -> Dialect:
+    """MariaDB or MySQL through PyMySQL, READ COMMITTED, keys compared byte for byte."""
+    try:
+        import pymysql
+    except ImportError as exc:  # pragma: no cover - depends on the installation
+        raise ImportError("the MySQL dedup store needs PyMySQL: pip install "
+                          "'onceq[idempotency]'") from exc
+
+    def connect() -> Any:
+        try:
+            conn = pymysql.connect(host=url.hostname or "127.0.0.1", port=url.port or 3306,
+                                   user=unquote(url.username or "root"),
+                                   password=unquote(url.password or ""),
+                                   database=url.path.lstrip("/") or None, charset="utf8mb4",
+                                   autocommit=False, connect_timeout=5, read_timeout=30,
+                                   write_timeout=30,  # rowcount = rows matched:
+                                   client_flag=pymysql.constants.CLIENT.FOUND_ROWS)
+        except pymysql.Error as exc:
+            raise StoreError(f"mysql dedup store: cannot connect: {exc}") from exc
+        with conn.cursor() as cur:
+            cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+            cur.execute("SET SESSION innodb_lock_wait_timeout = 10")
+        return conn
+
+    def transient(exc: BaseException) -> bool:
+        return bool(exc.args) and exc.args[0] in (1205, 1213)  # lock wait timeout, deadlock
+
+    return Dialect("mysql", connect,
+                   _schema("DOUBLE", "VARCHAR(128)", "VARCHAR(255)",
+                           " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin",
+                           inline_index=True),
+                   _INSERT + " ON DUPLICATE KEY UPDATE grp = grp",
+                   "DELETE FROM {t} WHERE expires_at <= ? LIMIT ?",
+                   is_transient=transient, errors=(pymysql.Error,))
+
+
+def postgres_dialect(url: SplitResult) -> Dialect:
+    """PostgreSQL through psycopg 3, READ COMMITTED."""
+    try:
+        import psycopg
+    except ImportError as exc:  # pragma: no cover - depends on the installation
+        raise ImportError("the PostgreSQL dedup store needs psycopg: pip install "
+                          "'onceq[idempotency]'") from exc
+    conninfo = url._replace(scheme="postgresql", query="", fragment="").geturl()
+
+    def connect() -> Any:
+        try:
+            return psycopg.connect(conninfo, autocommit=False, connect_timeout=5,
+                                   options="-c lock_timeout=10s")
+        except psycopg.Error as exc:
+            raise StoreError(f"postgresql dedup store: cannot connect: {exc}") from exc
+
+    def transient(exc: BaseException) -> bool:  # a lock timeout is an error, not retried
+        return isinstance(exc, psycopg.errors.DeadlockDetected
+                          | psycopg.errors.SerializationFailure)
+
+    return Dialect("postgresql", connect,
+                   _schema("DOUBLE PRECISION", "VARCHAR(128)", "VARCHAR(255)"),
+                   _INSERT + " ON CONFLICT DO NOTHING",
+                   "DELETE FROM {t} WHERE ctid IN (SELECT ctid FROM {t} WHERE expires_at <= ? "
+                   "LIMIT ?)", is_transient=transient, errors=(psycopg.Error,))
