@@ -27,7 +27,7 @@ SERVERS = {
     "postgresql": (os.environ.get("ONCEQ_TEST_POSTGRES_URL",
                                   "postgresql://postgres@127.0.0.1:5432/test"), 5432),
 }
-KINDS = ["memory", "sqlite", "mysql", "postgresql"]
+KINDS = ["memory", "sqlite", "redis", "mysql", "postgresql"]
 LEASE = 10.0
 RETENTION = 3600.0
 
@@ -276,7 +276,7 @@ async def test_store_behaves_like_the_reference_model(kind, tmp_path, ops):
 
 
 @pytest.mark.parametrize("url", ["redis://127.0.0.1:1/0", "mysql://root@127.0.0.1:1/test",
-                                 "postgresql://postgres@127.0.0.1:1/test"][1:])
+                                 "postgresql://postgres@127.0.0.1:1/test"])
 async def test_an_unreachable_store_raises_a_clear_store_error(url):
     s = open_store(url)
     try:
