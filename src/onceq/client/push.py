@@ -56,12 +56,14 @@ class ConsumeContext:
 
     ``ack_index``: with SUCCESS, messages after this index are retried (partial success);
     the default covers the whole batch. ``delay_level``: 0 lets the broker choose
-    (3 + reconsume count); a listener may set another level for its retries.
+    (3 + reconsume count), -1 sends the retried messages straight to the group's DLQ; a
+    listener may set another level for its retries. ``group``: the consumer group.
     """
 
     queue: MessageQueue
     ack_index: int
     delay_level: int = 0
+    group: str = ""
 
 
 Listener = Callable[[list[MessageExt], ConsumeContext],
@@ -564,7 +566,7 @@ class PushConsumer:
                 origin = m.properties.get(PROP_ORIGIN_TOPIC)
                 if origin is not None and m.topic.startswith(RETRY_PREFIX):
                     m.topic = origin
-            ctx = ConsumeContext(pq.mq, len(batch) - 1)
+            ctx = ConsumeContext(pq.mq, len(batch) - 1, group=self.group)
             status = await self._call_listener(batch, ctx)
         if status == ConsumeStatus.SUCCESS:
             # clamp: a negative index would slice from the end and drop failed messages

@@ -1,9 +1,12 @@
 """Consumer idempotency: each message's business effect happens once.
 
-Records per (group, topic, dedup key) with owner-fenced claims (``record``), the policy for
-ambiguous outcomes (``policy``).
+``idempotent(listener, store=URL)`` wraps a push-consumer listener (``listener``). Records
+per (group, topic, dedup key) with owner-fenced claims (``record``, pure), the policy for
+ambiguous outcomes (``policy``, pure), stores behind one small protocol (``store``:
+in-memory; ``sql``: SQLite, MariaDB/MySQL, PostgreSQL; ``redis_store``).
 """
 
+from .listener import IdempotentListener, idempotent
 from .policy import Action, Ambiguous, Decision, Verdict, batch_reply, decide_action
 from .record import (
     Claim,
@@ -18,6 +21,7 @@ from .record import (
     decide_release,
     payload_hash,
 )
+from .store import DedupStore, MemoryStore, StoreError, StoreStats, open_store
 
 __all__ = [
     "Action",
@@ -25,9 +29,14 @@ __all__ = [
     "Claim",
     "ClaimResult",
     "Decision",
+    "DedupStore",
+    "IdempotentListener",
+    "MemoryStore",
     "Outcome",
     "Record",
     "Status",
+    "StoreError",
+    "StoreStats",
     "Ticket",
     "Verdict",
     "batch_reply",
@@ -36,5 +45,7 @@ __all__ = [
     "decide_complete",
     "decide_extend",
     "decide_release",
+    "idempotent",
+    "open_store",
     "payload_hash",
 ]
