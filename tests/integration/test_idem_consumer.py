@@ -210,3 +210,34 @@ async def test_consumer_killed_between_effect_and_consumed_policy_decides(tmp_pa
         else:
             assert sorted(after) == sorted(sent) and set(after.values()) == {1}
             assert wrapped.stats["reconciled_done"] == len(before)
+
+
+async def test_consumer_start_checks_the_retention_against_the_brokers_levels(addr, caplog):
+    from onceq.idempotency import MemoryStore
+    from onceq.idempotency.retention import RetentionTooShort
+
+    async def handle(msgs, ctx):
+        pass
+
+    async with Admin(addr) as admin:
+        await admin.create_topic("T", 1)
+        status = await admin.broker_status()
+    assert len(status["delay_levels"]) == 18 and status["delay_levels"][-1] == 7200
+    short = idempotent(handle, store=MemoryStore(), retention_s=3600)
+    c = PushConsumer(addr, "billing", short)
+    c.subscribe("T")
+    with pytest.raises(RetentionTooShort, match="17140s"):
+        await c.start()
+    warned = idempotent(handle, store=MemoryStore(), retention_s=3600, strict_retention=False)
+    c = PushConsumer(addr, "billing", warned)
+    c.subscribe("T")
+    with caplog.at_level("WARNING", logger="onceq.idempotency"):
+        await c.start()
+    await c.shutdown()
+    assert warned.horizon_s == 17140
+    assert any("redelivery horizon" in r.getMessage() for r in caplog.records)
+    ok = idempotent(handle, store=MemoryStore())  # the default retention: one day
+    c = PushConsumer(addr, "billing", ok)
+    c.subscribe("T")
+    await c.start()
+    await c.shutdown()

@@ -289,3 +289,23 @@ def test_a_claim_retried_by_its_owner_gets_its_own_claim_back():
     first = t.claim(claim("a"))
     again = t.claim(claim("a"))  # the reply of the first claim was lost
     assert again.outcome is Outcome.CLAIMED and again.record == first.record
+
+
+def test_redelivery_horizon_of_the_default_levels_is_4h45m40s():
+    from onceq.idempotency.retention import (
+        DEFAULT_DELAY_LEVELS_S,
+        RetentionTooShort,
+        check_retention,
+        redelivery_horizon,
+    )
+
+    assert redelivery_horizon(DEFAULT_DELAY_LEVELS_S, 16) == 4 * 3600 + 45 * 60 + 40
+    assert redelivery_horizon(DEFAULT_DELAY_LEVELS_S, 0) == 0
+    # past the last level every retry waits the last delay
+    assert redelivery_horizon([1.0, 2.0, 3.0], 4) == 12.0
+    assert check_retention(86400, DEFAULT_DELAY_LEVELS_S) == 17140
+    import pytest
+
+    with pytest.raises(RetentionTooShort, match="shorter than the broker's redelivery"):
+        check_retention(3600, DEFAULT_DELAY_LEVELS_S)
+    assert check_retention(3600, DEFAULT_DELAY_LEVELS_S, strict=False) == 17140

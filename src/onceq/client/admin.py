@@ -187,7 +187,8 @@ class Admin(BrokerClient):
     # ---------------------------------------------------------------- dead letters
     async def broker_status(self) -> dict[str, Any]:
         """Store health: ``log_start``, ``log_end``, ``flush`` and ``damaged`` (the commit-log
-        positions and, per topic and queue, the offsets lost to disk damage)."""
+        positions and, per topic and queue, the offsets lost to disk damage), and
+        ``delay_levels`` (the retry delays in seconds, level 1 first)."""
         return await self._req(RequestCode.BROKER_STATUS)
 
     async def dead_letter_offsets(self, group: str) -> tuple[int, int] | None:

@@ -167,6 +167,11 @@ class PushConsumer:
         self._closed = False
         try:
             await self._heartbeat()
+            # a listener may check its settings against the broker before consuming (the
+            # idempotent wrapper checks its retention against the redelivery horizon)
+            hook = getattr(listener, "on_consumer_start", None)
+            if hook is not None:
+                await hook(self)
         except BaseException:  # e.g. no broker: leave nothing half started behind
             self._running = False
             if self._conn is not None:

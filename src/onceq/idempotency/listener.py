@@ -26,10 +26,13 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from ..client.push import ConsumeContext, ConsumeStatus, Listener
+from ..client.admin import Admin
+from ..client.push import ConsumeContext, ConsumeStatus, Listener, PushConsumer
 from ..log.record import Message as MessageExt
+from ..protocol.errors import OnceqError
 from .policy import Action, Ambiguous, Verdict, batch_reply, decide_action
 from .record import Claim, ClaimResult, Outcome, Ticket, payload_hash
+from .retention import DEFAULT_DELAY_LEVELS_S, check_retention
 from .store import MAX_KEY_LEN, DedupStore, StoreError, open_store
 
 __all__ = ["IdempotentListener", "KeySpec", "idempotent"]
@@ -84,7 +87,8 @@ class IdempotentListener:
                  lease_s: float = DEFAULT_LEASE_S, retention_s: float = DEFAULT_RETENTION_S,
                  ambiguous: Ambiguous | str = Ambiguous.REEXECUTE,
                  reconcile: Reconcile | None = None, check_payload: bool = True,
-                 fail_open: bool = False, extend_leases: bool = True) -> None:
+                 fail_open: bool = False, extend_leases: bool = True,
+                 strict_retention: bool = True) -> None:
         if lease_s <= 0 or retention_s <= 0:
             raise ValueError("lease_s and retention_s must be > 0")
         self.listener = listener
@@ -102,12 +106,29 @@ class IdempotentListener:
         self.check_payload = check_payload
         self.fail_open = fail_open
         self.extend_leases = extend_leases
+        self.strict_retention = strict_retention
+        self.horizon_s: float | None = None  # the broker's redelivery horizon, once known
         self.stats: Counter[str] = Counter()
         host = socket.gethostname()[:40]
         self._owner_prefix = f"{host}:{os.getpid()}:{os.urandom(3).hex()}:"
         self._serial = itertools.count(1)
         self._sync = not (inspect.iscoroutinefunction(listener)
                           or inspect.iscoroutinefunction(type(listener).__call__))
+
+    async def on_consumer_start(self, consumer: PushConsumer) -> None:
+        """Called by ``PushConsumer.start()``: refuse to start (``strict_retention``) or warn
+        loudly when the retention is shorter than the broker's redelivery horizon."""
+        levels: list[float] | tuple[float, ...] = DEFAULT_DELAY_LEVELS_S
+        try:
+            async with Admin(consumer.address) as admin:
+                status = await admin.broker_status()
+            levels = status.get("delay_levels") or levels
+        except (OnceqError, OSError) as exc:
+            log.warning("could not ask the broker for its delay levels (%s); checking the "
+                        "retention against the default levels", exc)
+        self.horizon_s = check_retention(self.retention_s, levels,
+                                         consumer.config.max_reconsume,
+                                         strict=self.strict_retention)
 
     # ------------------------------------------------------------------ the call
     async def __call__(self, msgs: list[MessageExt], ctx: ConsumeContext) -> ConsumeStatus:
@@ -290,6 +311,8 @@ def idempotent(listener: Listener, *, store: DedupStore | str, key: KeySpec = No
     ``postgresql://``). ``key``: see ``key_function`` (default: the unique key). Options:
     ``group`` (default: the consumer's), ``lease_s`` (60), ``retention_s`` (1 day),
     ``ambiguous`` (``"reexecute"``, ``"park"``, ``"reconcile"``), ``reconcile(key, message)
-    -> done?``, ``check_payload`` (True), ``fail_open`` (False), ``extend_leases`` (True).
+    -> done?``, ``check_payload`` (True), ``fail_open`` (False), ``extend_leases`` (True),
+    ``strict_retention`` (True: a consumer refuses to start when ``retention_s`` is shorter
+    than the broker's redelivery horizon; False: it warns).
     """
     return IdempotentListener(listener, store=store, key=key, **options)
