@@ -70,7 +70,8 @@ async def main(argv: list[str] | None = None) -> int:
         "table": args.table}
     from onceq.idempotency import open_store
 
-    listener = idempotent(handle, store=open_store(args.store, **opt), lease_s=args.lease)
+    store = open_store(args.store, **opt)
+    listener = idempotent(handle, store=store, lease_s=args.lease)
     consumer = PushConsumer(args.addr, args.group, listener, consume_from="FIRST",
                             commit_interval_s=args.commit_interval,
                             pull_suspend_s=args.pull_suspend, consume_timeout_s=7200)
@@ -83,7 +84,7 @@ async def main(argv: list[str] | None = None) -> int:
     print(f"READY {consumer.client_id}", flush=True)
     await stop.wait()
     await consumer.shutdown()
-    await listener.close()
+    await store.close()
     return 0
 
 

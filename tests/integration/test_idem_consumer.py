@@ -100,7 +100,8 @@ async def test_consumer_killed_after_effects_before_offset_commit(tmp_path, addr
             for m in msgs:
                 effects.apply(m.unique_key)
 
-        wrapped = idempotent(handle, store=open_store(url, **store_options(kind, table)))
+        store = open_store(url, **store_options(kind, table))
+        wrapped = idempotent(handle, store=store)
         second = PushConsumer(addr, group, wrapped, consume_from="FIRST",
                               rebalance_interval_s=1.0)
         second.subscribe("T", "*")
@@ -109,7 +110,7 @@ async def test_consumer_killed_after_effects_before_offset_commit(tmp_path, addr
                                                                       for c in committed),
                          30, "the redelivery")
         await second.shutdown()
-        await wrapped.close()
+        await store.close()
         counts = effect_counts(effects_db)
         assert sorted(counts) == sorted(sent)
         assert set(counts.values()) == {1}, {k: v for k, v in counts.items() if v != 1}
@@ -241,3 +242,111 @@ async def test_consumer_start_checks_the_retention_against_the_brokers_levels(ad
     c.subscribe("T")
     await c.start()
     await c.shutdown()
+
+
+class Outage:
+    """A TCP relay to a store server that can cut every connection and refuse new ones."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.up = True
+        self.server: asyncio.AbstractServer | None = None
+        self.writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def _accept(self, reader, writer) -> None:
+        if not self.up:
+            writer.close()
+            return
+        try:
+            up_r, up_w = await asyncio.open_connection("127.0.0.1", self.port)
+        except OSError:
+            writer.close()
+            return
+        self.writers |= {writer, up_w}
+        await asyncio.gather(self._pipe(reader, up_w), self._pipe(up_r, writer))
+
+    async def _pipe(self, reader, writer) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except OSError:
+            pass
+        finally:
+            writer.close()
+            self.writers.discard(writer)
+
+    def cut(self) -> None:
+        self.up = False
+        for w in list(self.writers):
+            w.transport.abort()
+        self.writers.clear()
+
+    def close(self) -> None:
+        self.cut()
+        if self.server is not None:
+            self.server.close()
+
+
+@pytest.mark.parametrize("kind", ["redis", "mysql", "postgresql"])
+async def test_store_outage_fails_closed_and_consumption_resumes(tmp_path, kind):
+    """The store becomes unreachable while consuming: nothing is consumed unguarded (the
+    batches are retried), and when it returns every message is consumed exactly once."""
+    from urllib.parse import urlsplit
+
+    from tests.helpers import running_broker
+    from tests.integration.test_push_consumer import FAST_LEVELS
+
+    real = urlsplit(require_server(kind))
+    outage = Outage(real.port)
+    port = await outage.start()
+    url = real._replace(netloc=real.netloc.replace(f":{real.port}", f":{port}")).geturl()
+    table = f"onceq_o_{uuid.uuid4().hex[:10]}"
+    effects: dict[str, int] = {}
+
+    async def handle(msgs, ctx):
+        for m in msgs:
+            effects[m.unique_key] = effects.get(m.unique_key, 0) + 1
+
+    store = open_store(url, **store_options(kind, table))
+    checker = open_store(require_server(kind), **store_options(kind, table))  # not cut
+    wrapped = idempotent(handle, store=store)
+    async with running_broker(str(tmp_path / "data"), delay_levels=FAST_LEVELS) as broker:
+        addr = f"127.0.0.1:{broker.port}"
+        async with Admin(addr) as admin:
+            await admin.create_topic("T", 2)
+        consumer = PushConsumer(addr, "billing", wrapped, consume_from="FIRST",
+                                max_reconsume=1000, rebalance_interval_s=1.0)
+        consumer.subscribe("T")
+        await consumer.start()
+        try:
+            async with Producer(addr) as p:
+                first = [r.unique_key for r in await p.send_batch(
+                    "T", [f"a{i}".encode() for i in range(20)])]
+                await wait_until(lambda: len(effects) == 20, 30, "the first messages")
+                await wait_until_async(lambda: consumed(checker), 20, 30)
+                outage.cut()
+                second = [r.unique_key for r in await p.send_batch(
+                    "T", [f"b{i}".encode() for i in range(20)])]
+                await wait_until(lambda: wrapped.stats["store_errors"] >= 3, 30,
+                                 "store errors")
+                await asyncio.sleep(0.5)
+                during = dict(effects)
+                outage.up = True
+                await wait_until(lambda: len(effects) == 40, 60, "consumption to resume")
+        finally:
+            await consumer.shutdown()
+            outage.close()
+    try:
+        assert set(during) == set(first)  # nothing ran while the store was away
+        assert wrapped.stats["unguarded"] == 0
+        assert sorted(effects) == sorted(first + second)
+        assert set(effects.values()) == {1}
+        assert (await checker.stats()).consumed == 40
+    finally:
+        await store.close()
+        await drop(checker)

@@ -291,3 +291,38 @@ def test_unknown_scheme_and_bad_table_names_are_refused():
         open_store("mongodb://x")
     with pytest.raises(ValueError, match="invalid table name"):
         open_store("sqlite://", table="x; DROP TABLE y")
+
+
+async def test_two_idempotent_listeners_receive_the_same_message_at_once_500_times(
+        kind, clock, tmp_path, name):
+    """The listener layer over each store: the effect happens exactly once every time; the
+    loser is told to consume later (never acknowledged) or sees the finished duplicate."""
+    from onceq.client.allocation import MessageQueue
+    from onceq.client.push import ConsumeContext
+    from onceq.idempotency import idempotent
+    from onceq.log.record import Message as MessageExt
+
+    a = make_store(kind, clock, tmp_path, name)
+    b = a if kind == "memory" else make_store(kind, clock, tmp_path, name)
+    effects: dict[str, int] = {}
+
+    async def handle(msgs, ctx):
+        for m in msgs:
+            effects[m.unique_key] = effects.get(m.unique_key, 0) + 1
+
+    la, lb = idempotent(handle, store=a), idempotent(handle, store=b)
+    mq = MessageQueue("t", 0)
+    try:
+        for i in range(500):
+            copies = [MessageExt("t", 0, i, b"order %d" % i, f"U{i}") for _ in range(2)]
+            ctxs = [ConsumeContext(mq, 0, group="g") for _ in range(2)]
+            await asyncio.gather(la([copies[0]], ctxs[0]), lb([copies[1]], ctxs[1]))
+            assert effects[f"U{i}"] == 1, i
+            assert sorted(c.ack_index for c in ctxs) in ([-1, 0], [0, 0]), i
+        assert la.stats["busy"] + lb.stats["busy"] + la.stats["duplicate"] \
+            + lb.stats["duplicate"] == 500
+        assert la.stats["claimed"] + lb.stats["claimed"] == 500
+    finally:
+        if b is not a:
+            await b.close()
+        await drop(a)

@@ -93,6 +93,7 @@ class IdempotentListener:
             raise ValueError("lease_s and retention_s must be > 0")
         self.listener = listener
         self.store: DedupStore = open_store(store) if isinstance(store, str) else store
+        self._own_store = isinstance(store, str)  # opened here: closed by ``close()``
         self.key_of = key_function(key)
         self.group = group
         self.lease_s = lease_s
@@ -297,7 +298,9 @@ class IdempotentListener:
         return await self._call(msgs, ctx)
 
     async def close(self) -> None:
-        await self.store.close()
+        """Close the store if it was given as a URL (a store object stays its owner's)."""
+        if self._own_store:
+            await self.store.close()
 
 
 def idempotent(listener: Listener, *, store: DedupStore | str, key: KeySpec = None,
