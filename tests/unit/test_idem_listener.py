@@ -291,3 +291,17 @@ async def test_group_comes_from_the_consumer_or_is_given():
     assert await store.get("billing", "orders", "UNIQ0001") is not None
     with pytest.raises(ValueError, match="no consumer group"):
         await idempotent(Recorder(), store=store)([msg(2)], ConsumeContext(MQ, 0))
+
+
+async def test_expired_records_are_purged_in_bounded_batches_from_the_listener():
+    clock = FakeClock()
+    store = MemoryStore(clock)
+    wrapped = idempotent(Recorder(), store=store, retention_s=10, purge_interval_s=0.05,
+                         purge_limit=3)
+    await call(wrapped, [msg(i) for i in range(5)])
+    clock.advance(11)  # all five records are past retention
+    await asyncio.sleep(0.06)
+    await call(wrapped, [msg(10)])
+    await wrapped.close()
+    assert wrapped.stats["purged"] == 3  # one bounded batch
+    assert len(store._recs) == 3  # two expired left for the next round, plus msg 10

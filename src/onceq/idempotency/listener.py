@@ -22,6 +22,7 @@ import itertools
 import logging
 import os
 import socket
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -88,7 +89,8 @@ class IdempotentListener:
                  ambiguous: Ambiguous | str = Ambiguous.REEXECUTE,
                  reconcile: Reconcile | None = None, check_payload: bool = True,
                  fail_open: bool = False, extend_leases: bool = True,
-                 strict_retention: bool = True) -> None:
+                 strict_retention: bool = True, purge_interval_s: float = 60.0,
+                 purge_limit: int = 1000) -> None:
         if lease_s <= 0 or retention_s <= 0:
             raise ValueError("lease_s and retention_s must be > 0")
         self.listener = listener
@@ -109,6 +111,10 @@ class IdempotentListener:
         self.extend_leases = extend_leases
         self.strict_retention = strict_retention
         self.horizon_s: float | None = None  # the broker's redelivery horizon, once known
+        self.purge_interval_s = purge_interval_s  # 0: never purge from here
+        self.purge_limit = purge_limit
+        self._last_purge = time.monotonic()
+        self._purge_task: asyncio.Task[None] | None = None
         self.stats: Counter[str] = Counter()
         host = socket.gethostname()[:40]
         self._owner_prefix = f"{host}:{os.getpid()}:{os.urandom(3).hex()}:"
@@ -136,6 +142,7 @@ class IdempotentListener:
         group = self.group or ctx.group
         if not group:
             raise ValueError("idempotent(): no consumer group (pass group=...)")
+        self._maybe_purge()
         verdicts: list[Verdict | None] = [None] * len(msgs)
         claims: list[tuple[int, Claim]] = []
         for i, m in enumerate(msgs):
@@ -174,6 +181,25 @@ class IdempotentListener:
         if delay < 0 or ctx.delay_level == 0:
             ctx.delay_level = delay
         return ConsumeStatus.SUCCESS
+
+    def _maybe_purge(self) -> None:
+        """Every ``purge_interval_s``, remove up to ``purge_limit`` records past retention
+        in the background (bounded batches; the stores treat them as absent meanwhile)."""
+        if not self.purge_interval_s or (self._purge_task and not self._purge_task.done()):
+            return
+        now = time.monotonic()
+        if now - self._last_purge < self.purge_interval_s:
+            return
+        self._last_purge = now
+
+        async def purge() -> None:
+            try:
+                n = await self.store.purge_expired(self.purge_limit)
+                self.stats["purged"] += n
+            except StoreError as exc:
+                log.warning("purge of expired dedup records failed: %s", exc)
+
+        self._purge_task = asyncio.get_running_loop().create_task(purge())
 
     def _new_owner(self) -> str:
         return f"{self._owner_prefix}{next(self._serial)}"
@@ -299,6 +325,8 @@ class IdempotentListener:
 
     async def close(self) -> None:
         """Close the store if it was given as a URL (a store object stays its owner's)."""
+        if self._purge_task is not None:
+            await asyncio.gather(self._purge_task, return_exceptions=True)
         if self._own_store:
             await self.store.close()
 
@@ -316,6 +344,7 @@ def idempotent(listener: Listener, *, store: DedupStore | str, key: KeySpec = No
     ``ambiguous`` (``"reexecute"``, ``"park"``, ``"reconcile"``), ``reconcile(key, message)
     -> done?``, ``check_payload`` (True), ``fail_open`` (False), ``extend_leases`` (True),
     ``strict_retention`` (True: a consumer refuses to start when ``retention_s`` is shorter
-    than the broker's redelivery horizon; False: it warns).
+    than the broker's redelivery horizon; False: it warns), ``purge_interval_s`` (60; 0:
+    off) and ``purge_limit`` (1000): expired records removed in bounded batches.
     """
     return IdempotentListener(listener, store=store, key=key, **options)

@@ -360,7 +360,7 @@ def sqlite_dialect(path: str, synchronous: str = "FULL") -> Dialect:
     memory = path == ":memory:"
 
     def connect() -> Any:
-        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10)
         if not memory:
             conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={synchronous}")
@@ -399,8 +399,8 @@ def mysql_dialect(url: SplitResult) -> Dialect:
             cur.execute("SET SESSION innodb_lock_wait_timeout = 10")
         return conn
 
-    def transient(exc: BaseException) -> bool:
-        return bool(exc.args) and exc.args[0] in (1205, 1213)  # lock wait timeout, deadlock
+    def transient(exc: BaseException) -> bool:  # a lock wait timeout is an error
+        return bool(exc.args) and exc.args[0] == 1213  # deadlock: retried
 
     return Dialect("mysql", connect,
                    _schema("DOUBLE", "VARCHAR(128)", "VARCHAR(255)",
