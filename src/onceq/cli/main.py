@@ -244,9 +244,11 @@ def demo(messages: int, queues: int) -> None:
 
 
 from .consumer_cmds import register  # noqa: E402 - consume, group, dlq
+from .dedup_cmd import register as register_dedup  # noqa: E402 - dedup show/stats/purge
 from .verify_cmd import register as register_verify  # noqa: E402 - broker verify/status
 
 register(main)
+register_dedup(main)
 register_verify(broker)
 
 if __name__ == "__main__":

@@ -111,13 +111,17 @@ class RedisStore:
             raise ImportError("the Redis dedup store needs redis: pip install "
                               "'onceq[idempotency]'") from exc
         import redis.exceptions
+        from redis.asyncio.retry import Retry
+        from redis.backoff import ExponentialBackoff
 
         self.clock = clock
         self.prefix = prefix
         self._errors = (redis.exceptions.RedisError, OSError)
         self._redis = aioredis.from_url(url, socket_timeout=float(timeout_s),
                                         socket_connect_timeout=float(timeout_s),
-                                        decode_responses=True)
+                                        decode_responses=True,
+                                        # a short retry: the consumer retries the batch
+                                        retry=Retry(ExponentialBackoff(0.5, 0.05), 2))
         self._claim = self._redis.register_script(_CLAIM)
         self._cas_script = self._redis.register_script(_CAS)
 
