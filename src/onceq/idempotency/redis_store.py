@@ -43,7 +43,7 @@ for i, k in ipairs(KEYS) do
                'ca', ARGV[1], 'ua', ARGV[1], 'ex', ex)
     redis.call('PEXPIRE', k, ttl)
     outcome = 'CLAIMED'
-    r = {false, false, false, false, false, false, false, false}
+    r = {false}
   elseif r[2] == owner and r[1] == 'CONSUMING' then
     outcome = 'CLAIMED'
   elseif check == '1' and ph ~= '' and r[5] ~= '' and ph ~= r[5] then
@@ -60,7 +60,11 @@ for i, k in ipairs(KEYS) do
     redis.call('PEXPIRE', k, ttl)
     outcome = 'TAKEN_OVER'
   end
-  out[i] = {outcome, r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8]}
+  if r[1] then
+    out[i] = {outcome, r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8]}
+  else
+    out[i] = outcome  -- no record before: the outcome alone (a smaller reply)
+  end
 end
 return out
 """
@@ -149,8 +153,12 @@ class RedisStore:
         replies = await self._call(self._claim, [self._key(c.group, c.topic, c.key)
                                                  for c in claims], args)
         out = []
-        for c, (outcome, *fields) in zip(claims, replies, strict=True):
-            found = self._record(c.group, c.topic, c.key, fields)
+        for c, reply in zip(claims, replies, strict=True):
+            if isinstance(reply, str):
+                outcome, found = reply, None
+            else:
+                outcome, *fields = reply
+                found = self._record(c.group, c.topic, c.key, fields)
             res, _ = decide_claim(found, c, now)
             if res.outcome is not Outcome(outcome):
                 raise StoreError(f"redis dedup store: the script said {outcome} where the "

@@ -53,6 +53,7 @@ class Dialect:
     pool_size: int = 4
     is_transient: Callable[[BaseException], bool] = lambda exc: False
     errors: tuple[type[BaseException], ...] = ()
+    sync_connect: Callable[[str], Callable[[], Any]] = lambda level: lambda: None
 
 
 def _row_record(row: Sequence[Any]) -> Record:
@@ -69,7 +70,12 @@ class SqlStore:
     """A dedup store in a SQL table (``table``, created on first use)."""
 
     def __init__(self, dialect: Dialect, *, clock: Clock = time.time,
-                 table: str = "onceq_dedup", pool_size: int | str | None = None) -> None:
+                 table: str = "onceq_dedup", pool_size: int | str | None = None,
+                 synchronous: str | None = None) -> None:
+        if synchronous is not None:  # SQLite: FULL (default) or NORMAL
+            if dialect.name != "sqlite" or synchronous.upper() not in ("FULL", "NORMAL"):
+                raise ValueError("synchronous is an SQLite option: FULL or NORMAL")
+            dialect.connect = dialect.sync_connect(synchronous.upper())
         self.dialect = dialect
         self.clock = clock
         self.table = check_name(table)
@@ -190,7 +196,10 @@ class SqlStore:
             lease_until = now + c.lease_s
             fresh.append((*k, Status.CONSUMING.value, c.owner, 1, lease_until, c.payload_hash,
                           now, now, lease_until + c.retention_s))
-        cur.executemany(self._sql(self.dialect.insert_absent), fresh)
+        for i in range(0, len(fresh), 500):  # one statement per 500 rows: one round trip
+            chunk = fresh[i:i + 500]
+            cur.execute(self._sql(self.dialect.insert_absent.replace(
+                _ROW, ", ".join([_ROW] * len(chunk)))), [v for row in chunk for v in row])
         by_gt: dict[tuple[str, str], list[str]] = defaultdict(list)
         for g, t, k in sorted(first):
             by_gt[(g, t)].append(k)
@@ -350,29 +359,35 @@ def _schema(double: str, key: str, text: str, extra: str = "", inline_index: boo
     return make
 
 
-_INSERT = f"INSERT INTO {{t}} ({COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+_ROW = "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+_INSERT = f"INSERT INTO {{t}} ({COLS}) VALUES {_ROW}"
 
 
 def sqlite_dialect(path: str, synchronous: str = "FULL") -> Dialect:
-    """SQLite in WAL mode (a file shared by the processes of one host, or ``:memory:``)."""
+    """SQLite in WAL mode (a file shared by the processes of one host, or ``:memory:``).
+    ``synchronous=FULL`` survives a power cut; ``NORMAL`` (faster: no fsync per commit)
+    survives a crash of the process but may lose the last records in a power cut."""
     import sqlite3
 
     memory = path == ":memory:"
 
-    def connect() -> Any:
-        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10)
-        if not memory:
-            conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute(f"PRAGMA synchronous={synchronous}")
-        return conn
+    def connector(level: str) -> Callable[[], Any]:
+        def connect() -> Any:
+            conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False,
+                                   timeout=10)
+            if not memory:
+                conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute(f"PRAGMA synchronous={level}")
+            return conn
+        return connect
 
-    return Dialect("sqlite", connect, _schema("REAL", "TEXT", "TEXT"),
+    return Dialect("sqlite", connector(synchronous), _schema("REAL", "TEXT", "TEXT"),
                    _INSERT + " ON CONFLICT DO NOTHING",
                    "DELETE FROM {t} WHERE rowid IN (SELECT rowid FROM {t} WHERE expires_at <= ? "
                    "LIMIT ?)", lock="", begin="BEGIN IMMEDIATE", param="?",
                    pool_size=1,  # writers are serialised by the database anyway
                    is_transient=lambda exc: "locked" in str(exc) or "busy" in str(exc),
-                   errors=(sqlite3.Error,))
+                   errors=(sqlite3.Error,), sync_connect=connector)
 
 
 def mysql_dialect(url: SplitResult) -> Dialect:
