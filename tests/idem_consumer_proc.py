@@ -6,7 +6,9 @@ effects after a kill. Offsets are committed only on shutdown or after long inter
 (``--commit-interval``, long polling of ``--pull-suspend``): a SIGKILL lands after the
 effects and their ``CONSUMED`` records but before the offset commit. With
 ``--hang-after-effect`` the handler never returns after its effect (a crash between the
-effect and ``CONSUMED``). Prints ``READY <client id>``.
+effect and ``CONSUMED``). With ``--transactional TABLE`` the effects are rows of TABLE in
+the ``--store`` database, written in the dedup rows' transaction (``--hang-after-effect``
+then hangs before the commit). Prints ``READY <client id>``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import sqlite3
 import sys
 import threading
 import time
+from typing import Any
 
 from onceq.client.push import PushConsumer
 from onceq.idempotency import idempotent
@@ -52,26 +55,41 @@ async def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--topic", required=True)
     ap.add_argument("--store", required=True)
     ap.add_argument("--table", default="onceq_dedup")
-    ap.add_argument("--effects", required=True)
+    ap.add_argument("--effects", default=None)
+    ap.add_argument("--transactional", default=None, metavar="EFFECTS_TABLE",
+                    help="transactional mode: effects are rows of this table in the --store "
+                         "database, written in the dedup row's transaction")
     ap.add_argument("--lease", type=float, default=60.0)
     ap.add_argument("--commit-interval", type=float, default=3600.0)
     ap.add_argument("--pull-suspend", type=float, default=60.0)
     ap.add_argument("--hang-after-effect", action="store_true")
     args = ap.parse_args(argv)
-    effects = Effects(args.effects)
+    from onceq.idempotency import open_store, transactional
 
-    def handle(msgs, ctx):  # a plain function: runs in a worker thread
-        for m in msgs:
-            effects.apply(m.unique_key)
-        if args.hang_after_effect:
-            time.sleep(3600)
+    store: Any = None
+    if args.transactional:
+        mark = "?" if args.store.startswith("sqlite") else "%s"
 
-    opt = {"prefix": args.table + ":"} if args.store.startswith("redis") else {
-        "table": args.table}
-    from onceq.idempotency import open_store
+        def handle_tx(m, conn):  # inside the transaction of the dedup rows
+            conn.cursor().execute(f"INSERT INTO {args.transactional} (k, pid) VALUES "
+                                  f"({mark}, {mark})", (m.unique_key, os.getpid()))
+            if args.hang_after_effect:  # killed before the commit
+                time.sleep(3600)
 
-    store = open_store(args.store, **opt)
-    listener = idempotent(handle, store=store, lease_s=args.lease)
+        listener: Any = transactional(handle_tx, db=args.store, table=args.table)
+    else:
+        effects = Effects(args.effects)
+
+        def handle(msgs, ctx):  # a plain function: runs in a worker thread
+            for m in msgs:
+                effects.apply(m.unique_key)
+            if args.hang_after_effect:
+                time.sleep(3600)
+
+        opt = {"prefix": args.table + ":"} if args.store.startswith("redis") else {
+            "table": args.table}
+        store = open_store(args.store, **opt)
+        listener = idempotent(handle, store=store, lease_s=args.lease)
     consumer = PushConsumer(args.addr, args.group, listener, consume_from="FIRST",
                             commit_interval_s=args.commit_interval,
                             pull_suspend_s=args.pull_suspend, consume_timeout_s=7200)
@@ -84,7 +102,7 @@ async def main(argv: list[str] | None = None) -> int:
     print(f"READY {consumer.client_id}", flush=True)
     await stop.wait()
     await consumer.shutdown()
-    await store.close()
+    await (store or listener).close()
     return 0
 
 

@@ -4,6 +4,7 @@
 per (group, topic, dedup key) with owner-fenced claims (``record``, pure), the policy for
 ambiguous outcomes (``policy``, pure), stores behind one small protocol (``store``:
 in-memory; ``sql``: SQLite, MariaDB/MySQL, PostgreSQL; ``redis_store``).
+``transactional(handler, db=URL)`` commits the dedup row with the business writes.
 """
 
 from .listener import IdempotentListener, idempotent
@@ -22,6 +23,7 @@ from .record import (
     payload_hash,
 )
 from .store import DedupStore, MemoryStore, StoreError, StoreStats, open_store
+from .transactional import TransactionalListener, transactional
 
 __all__ = [
     "Action",
@@ -38,6 +40,7 @@ __all__ = [
     "StoreError",
     "StoreStats",
     "Ticket",
+    "TransactionalListener",
     "Verdict",
     "batch_reply",
     "decide_action",
@@ -48,4 +51,5 @@ __all__ = [
     "idempotent",
     "open_store",
     "payload_hash",
+    "transactional",
 ]

@@ -27,13 +27,11 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from ..client.admin import Admin
 from ..client.push import ConsumeContext, ConsumeStatus, Listener, PushConsumer
 from ..log.record import Message as MessageExt
-from ..protocol.errors import OnceqError
 from .policy import Action, Ambiguous, Verdict, batch_reply, decide_action
 from .record import Claim, ClaimResult, Outcome, Ticket, payload_hash
-from .retention import DEFAULT_DELAY_LEVELS_S, check_retention
+from .retention import check_against_broker
 from .store import MAX_KEY_LEN, DedupStore, StoreError, open_store
 
 __all__ = ["IdempotentListener", "KeySpec", "idempotent"]
@@ -125,17 +123,9 @@ class IdempotentListener:
     async def on_consumer_start(self, consumer: PushConsumer) -> None:
         """Called by ``PushConsumer.start()``: refuse to start (``strict_retention``) or warn
         loudly when the retention is shorter than the broker's redelivery horizon."""
-        levels: list[float] | tuple[float, ...] = DEFAULT_DELAY_LEVELS_S
-        try:
-            async with Admin(consumer.address) as admin:
-                status = await admin.broker_status()
-            levels = status.get("delay_levels") or levels
-        except (OnceqError, OSError) as exc:
-            log.warning("could not ask the broker for its delay levels (%s); checking the "
-                        "retention against the default levels", exc)
-        self.horizon_s = check_retention(self.retention_s, levels,
-                                         consumer.config.max_reconsume,
-                                         strict=self.strict_retention)
+        self.horizon_s = await check_against_broker(
+            consumer.address, self.retention_s, consumer.config.max_reconsume,
+            strict=self.strict_retention)
 
     # ------------------------------------------------------------------ the call
     async def __call__(self, msgs: list[MessageExt], ctx: ConsumeContext) -> ConsumeStatus:

@@ -12,8 +12,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-__all__ = ["DEFAULT_DELAY_LEVELS_S", "RetentionTooShort", "check_retention",
-           "redelivery_horizon"]
+from ..client.admin import Admin
+from ..protocol.errors import OnceqError
+
+__all__ = ["DEFAULT_DELAY_LEVELS_S", "RetentionTooShort", "check_against_broker",
+           "check_retention", "redelivery_horizon"]
 
 log = logging.getLogger("onceq.idempotency")
 
@@ -48,3 +51,18 @@ def check_retention(retention_s: float, levels: Sequence[float], max_reconsume: 
             raise RetentionTooShort(msg)
         log.warning("%s", msg)
     return horizon
+
+
+async def check_against_broker(address: str, retention_s: float, max_reconsume: int, *,
+                               strict: bool = True) -> float:
+    """``check_retention`` with the delay levels the broker at ``address`` reports (its
+    defaults when it cannot be asked); return the horizon."""
+    levels: Sequence[float] = DEFAULT_DELAY_LEVELS_S
+    try:
+        async with Admin(address) as admin:
+            status = await admin.broker_status()
+        levels = status.get("delay_levels") or levels
+    except (OnceqError, OSError) as exc:
+        log.warning("could not ask the broker for its delay levels (%s); checking the "
+                    "retention against the default levels", exc)
+    return check_retention(retention_s, levels, max_reconsume, strict=strict)
