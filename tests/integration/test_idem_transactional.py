@@ -186,3 +186,24 @@ async def test_sigkill_before_or_after_the_commit_leaves_one_effect_each(db, tmp
         assert second.stats["handled"] == 0 and second.stats["duplicate"] >= n
     else:
         assert second.stats["handled"] == n
+
+
+async def test_rows_past_retention_are_purged_in_bounded_batches(db):
+    from tests.clock import FakeClock
+
+    clock = FakeClock(1_000_000.0)
+    lst = transactional(db.handler(), db=db.url, table=db.table, clock=clock,
+                        retention_s=100, purge_interval_s=0)
+    try:
+        await call(lst, msgs(0, 1, 2))
+        clock.advance(50)
+        assert await lst.purge_expired(10) == 0
+        await call(lst, msgs(3))
+        clock.advance(51)  # rows 0-2 are 101 s old, row 3 is 51 s old
+        assert await lst.purge_expired(2) == 2
+        assert await lst.purge_expired(2) == 1
+        assert await lst.purge_expired(2) == 0
+        await call(lst, msgs(3))  # still known: not run again
+        assert db.counts()["U3"] == 1
+    finally:
+        await lst.close()

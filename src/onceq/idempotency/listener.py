@@ -22,7 +22,6 @@ import itertools
 import logging
 import os
 import socket
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -32,7 +31,7 @@ from ..log.record import Message as MessageExt
 from .policy import Action, Ambiguous, Verdict, batch_reply, decide_action
 from .record import Claim, ClaimResult, Outcome, Ticket, payload_hash
 from .retention import check_against_broker
-from .store import MAX_KEY_LEN, DedupStore, StoreError, open_store
+from .store import MAX_KEY_LEN, DedupStore, Purger, StoreError, open_store
 
 __all__ = ["IdempotentListener", "KeySpec", "idempotent"]
 
@@ -109,11 +108,10 @@ class IdempotentListener:
         self.extend_leases = extend_leases
         self.strict_retention = strict_retention
         self.horizon_s: float | None = None  # the broker's redelivery horizon, once known
-        self.purge_interval_s = purge_interval_s  # 0: never purge from here
-        self.purge_limit = purge_limit
-        self._last_purge = time.monotonic()
-        self._purge_task: asyncio.Task[None] | None = None
         self.stats: Counter[str] = Counter()
+        # records past retention are removed in bounded batches from here (0: never)
+        self._purger = Purger(self.store.purge_expired, purge_interval_s, purge_limit,
+                              self.stats)
         host = socket.gethostname()[:40]
         self._owner_prefix = f"{host}:{os.getpid()}:{os.urandom(3).hex()}:"
         self._serial = itertools.count(1)
@@ -132,7 +130,7 @@ class IdempotentListener:
         group = self.group or ctx.group
         if not group:
             raise ValueError("idempotent(): no consumer group (pass group=...)")
-        self._maybe_purge()
+        self._purger.poke()
         verdicts: list[Verdict | None] = [None] * len(msgs)
         claims: list[tuple[int, Claim]] = []
         for i, m in enumerate(msgs):
@@ -171,25 +169,6 @@ class IdempotentListener:
         if delay < 0 or ctx.delay_level == 0:
             ctx.delay_level = delay
         return ConsumeStatus.SUCCESS
-
-    def _maybe_purge(self) -> None:
-        """Every ``purge_interval_s``, remove up to ``purge_limit`` records past retention
-        in the background (bounded batches; the stores treat them as absent meanwhile)."""
-        if not self.purge_interval_s or (self._purge_task and not self._purge_task.done()):
-            return
-        now = time.monotonic()
-        if now - self._last_purge < self.purge_interval_s:
-            return
-        self._last_purge = now
-
-        async def purge() -> None:
-            try:
-                n = await self.store.purge_expired(self.purge_limit)
-                self.stats["purged"] += n
-            except StoreError as exc:
-                log.warning("purge of expired dedup records failed: %s", exc)
-
-        self._purge_task = asyncio.get_running_loop().create_task(purge())
 
     def _new_owner(self) -> str:
         return f"{self._owner_prefix}{next(self._serial)}"
@@ -315,8 +294,7 @@ class IdempotentListener:
 
     async def close(self) -> None:
         """Close the store if it was given as a URL (a store object stays its owner's)."""
-        if self._purge_task is not None:
-            await asyncio.gather(self._purge_task, return_exceptions=True)
+        await self._purger.wait()
         if self._own_store:
             await self.store.close()
 

@@ -8,9 +8,12 @@ leases of a minute tolerate the usual skew of well under a second.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 from urllib.parse import parse_qs, urlsplit
@@ -27,7 +30,9 @@ from .record import (
     decide_release,
 )
 
-__all__ = ["DedupStore", "MemoryStore", "StoreError", "StoreStats", "open_store"]
+__all__ = ["DedupStore", "MemoryStore", "Purger", "StoreError", "StoreStats", "open_store"]
+
+log = logging.getLogger("onceq.idempotency")
 
 Clock = Callable[[], float]
 MAX_KEY_LEN = 255  # stores keep keys up to this many characters
@@ -72,6 +77,39 @@ def check_name(name: str, what: str = "table") -> str:
     if not _NAME.fullmatch(name):
         raise ValueError(f"invalid {what} name {name!r}: letters, digits and _ (max 51)")
     return name
+
+
+class Purger:
+    """Runs ``purge(limit)`` in the background at most every ``interval_s`` (0: never), one
+    run at a time, when ``poke()`` is called (from a listener call: no timer to manage)."""
+
+    def __init__(self, purge: Callable[[int], Awaitable[int]], interval_s: float, limit: int,
+                 stats: Counter[str]) -> None:
+        self.purge = purge
+        self.interval_s = interval_s
+        self.limit = limit
+        self.stats = stats
+        self._last = time.monotonic()
+        self._task: asyncio.Task[None] | None = None
+
+    def poke(self) -> None:
+        if not self.interval_s or (self._task is not None and not self._task.done()):
+            return
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            return
+        self._last = now
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        try:
+            self.stats["purged"] += await self.purge(self.limit)
+        except StoreError as exc:
+            log.warning("purge of expired dedup records failed: %s", exc)
+
+    async def wait(self) -> None:
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
 
 
 class MemoryStore:

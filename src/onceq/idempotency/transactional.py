@@ -36,7 +36,7 @@ from .policy import Verdict, batch_reply
 from .record import payload_hash
 from .retention import check_against_broker
 from .sql import Dialect, SqlStore, mysql_dialect, postgres_dialect, sqlite_dialect
-from .store import StoreError, check_name
+from .store import Purger, StoreError, check_name
 
 __all__ = ["TransactionalListener", "transactional"]
 
@@ -101,6 +101,7 @@ class TransactionalListener:
                  group: str | None = None, table: str = "onceq_done",
                  retention_s: float = DEFAULT_RETENTION_S, check_payload: bool = True,
                  pool_size: int | None = None, strict_retention: bool = True,
+                 purge_interval_s: float = 60.0, purge_limit: int = 1000,
                  clock: Callable[[], float] = time.time) -> None:
         query = {k: v[-1] for k, v in parse_qs(urlsplit(db).query).items()}
         self.handler = handler
@@ -114,6 +115,7 @@ class TransactionalListener:
         self.strict_retention = strict_retention
         self.horizon_s: float | None = None
         self.stats: Counter[str] = Counter()
+        self._purger = Purger(self.purge_expired, purge_interval_s, purge_limit, self.stats)
 
     async def on_consumer_start(self, consumer: PushConsumer) -> None:
         """Called by ``PushConsumer.start()``: the rows must outlive every redelivery."""
@@ -125,6 +127,7 @@ class TransactionalListener:
         group = self.group or ctx.group
         if not group:
             raise ValueError("transactional(): no consumer group (pass group=...)")
+        self._purger.poke()
         items: list[tuple[MessageExt, str | None]] = []
         for m in msgs:
             try:
@@ -199,6 +202,7 @@ class TransactionalListener:
         await self.engine.drop_table()
 
     async def close(self) -> None:
+        await self._purger.wait()
         await self.engine.close()
 
 
@@ -217,6 +221,8 @@ def transactional(handler: Handler, *, db: str, key: KeySpec = None,
     ``db``: ``sqlite:///path``, ``mysql://...``, ``postgresql://...`` (``?table=NAME``,
     default ``onceq_done``). ``handler`` runs in a worker thread; it must not commit or
     roll back. Options: ``key``, ``group``, ``retention_s`` (1 day), ``check_payload``,
-    ``pool_size`` (connections, 4; 1 for SQLite), ``strict_retention``.
+    ``pool_size`` (connections, 4; 1 for SQLite), ``strict_retention``,
+    ``purge_interval_s`` (60; 0: off) and ``purge_limit`` (1000): rows past retention are
+    removed in bounded batches.
     """
     return TransactionalListener(handler, db=db, key=key, **options)
