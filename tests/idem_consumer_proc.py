@@ -62,7 +62,11 @@ async def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lease", type=float, default=60.0)
     ap.add_argument("--commit-interval", type=float, default=3600.0)
     ap.add_argument("--pull-suspend", type=float, default=60.0)
+    ap.add_argument("--rebalance-interval", type=float, default=20.0)
+    ap.add_argument("--max-reconsume", type=int, default=16)
     ap.add_argument("--hang-after-effect", action="store_true")
+    ap.add_argument("--reconcile", action="store_true",
+                    help="ambiguous outcomes: ask the effects table whether it was done")
     args = ap.parse_args(argv)
     from onceq.idempotency import open_store, transactional
 
@@ -89,10 +93,15 @@ async def main(argv: list[str] | None = None) -> int:
         opt = {"prefix": args.table + ":"} if args.store.startswith("redis") else {
             "table": args.table}
         store = open_store(args.store, **opt)
-        listener = idempotent(handle, store=store, lease_s=args.lease)
+        opts: dict[str, Any] = {}
+        if args.reconcile:
+            opts["reconcile"] = lambda key, m: effects.done(key)
+        listener = idempotent(handle, store=store, lease_s=args.lease, **opts)
     consumer = PushConsumer(args.addr, args.group, listener, consume_from="FIRST",
                             commit_interval_s=args.commit_interval,
-                            pull_suspend_s=args.pull_suspend, consume_timeout_s=7200)
+                            pull_suspend_s=args.pull_suspend, consume_timeout_s=7200,
+                            rebalance_interval_s=args.rebalance_interval,
+                            max_reconsume=args.max_reconsume)
     consumer.subscribe(args.topic, "*")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
