@@ -350,3 +350,44 @@ async def test_store_outage_fails_closed_and_consumption_resumes(tmp_path, kind)
     finally:
         await store.close()
         await drop(checker)
+
+
+async def test_sync_push_consumer_with_a_business_key_acks_application_resends(addr,
+                                                                             tmp_path):
+    """From plain code: an order sent twice by the application (two messages, two unique
+    keys, one order id) is handled once when the dedup key is the order id."""
+    import threading
+    import time
+
+    from onceq import Message, SyncProducer, SyncPushConsumer
+
+    async with Admin(addr) as admin:
+        await admin.create_topic("T", 2)
+    url = f"sqlite:///{tmp_path}/dedup.db"
+
+    def body() -> tuple[list[str], dict]:
+        handled: list[str] = []
+        lock = threading.Lock()
+        with SyncProducer(addr) as p:
+            for i in range(20):
+                p.send("T", Message(f"order {i}".encode(), properties={"order": f"O{i}"}))
+            for i in range(0, 20, 2):  # the application sends every other order again
+                p.send("T", Message(f"order {i}".encode(), properties={"order": f"O{i}"}))
+
+        def handle(msgs, ctx):  # plain function
+            with lock:
+                handled.extend(m.properties["order"] for m in msgs)
+
+        wrapped = idempotent(handle, store=url, key="property:order")
+        c = SyncPushConsumer(addr, "billing", wrapped, subscriptions={"T": "*"},
+                             consume_from="FIRST")
+        with c:
+            deadline = time.monotonic() + 45  # a re-send seen BUSY is retried after 10 s
+            while wrapped.stats["handled"] + wrapped.stats["duplicate"] < 30:
+                assert time.monotonic() < deadline, dict(wrapped.stats)
+                time.sleep(0.05)
+        return handled, dict(wrapped.stats)
+
+    handled, stats = await asyncio.wait_for(asyncio.to_thread(body), 60)
+    assert sorted(handled) == sorted(f"O{i}" for i in range(20))
+    assert stats["duplicate"] == 10
