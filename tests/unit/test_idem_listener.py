@@ -305,3 +305,36 @@ async def test_expired_records_are_purged_in_bounded_batches_from_the_listener()
     await wrapped.close()
     assert wrapped.stats["purged"] == 3  # one bounded batch
     assert len(store._recs) == 3  # two expired left for the next round, plus msg 10
+
+
+async def test_a_briefly_failing_complete_is_retried_so_the_record_is_consumed():
+    class Flaky(MemoryStore):
+        fails = 2
+
+        async def complete_many(self, tickets, retention_s):
+            if self.fails:
+                self.fails -= 1
+                raise StoreError("postgresql dedup store: connection reset")
+            return await super().complete_many(tickets, retention_s)
+
+    store = Flaky()
+    wrapped = idempotent(Recorder(), store=store)
+    assert await call(wrapped, [msg(1)]) == (ConsumeStatus.SUCCESS, 0, 0)
+    assert (await store.get("g", "orders", "UNIQ0001")).status is Status.CONSUMED
+    assert wrapped.stats["store_errors"] == 2
+
+
+async def test_a_plain_reconcile_function_runs_off_the_event_loop():
+    clock = FakeClock()
+    store = MemoryStore(clock)
+    await _crashed_claim(store, clock, 1)
+    threads = []
+
+    def reconcile(key, m):
+        threads.append(threading.current_thread())
+        return True
+
+    inner = Recorder()
+    wrapped = idempotent(inner, store=store, reconcile=reconcile)
+    assert await call(wrapped, [msg(1)]) == (ConsumeStatus.SUCCESS, 0, 0)
+    assert inner.seen == [] and threads and threads[0] is not threading.main_thread()

@@ -191,7 +191,11 @@ class IdempotentListener:
             return Verdict.DLQ
         # RECONCILE: the user checks the business system; the claim stays ours meanwhile
         try:
-            done = self.reconcile(c.key, m)  # type: ignore[misc]
+            if inspect.iscoroutinefunction(self.reconcile):
+                done = await self.reconcile(c.key, m)
+            else:  # a plain function may block (it asks a database): not on the loop
+                done = await asyncio.get_running_loop().run_in_executor(
+                    None, self.reconcile, c.key, m)
             if inspect.isawaitable(done):
                 done = await done
         except Exception:
@@ -229,13 +233,7 @@ class IdempotentListener:
         out: list[tuple[int, Verdict]] = []
         if acked:
             done = tickets[:acked]
-            try:
-                won = await self.store.complete_many(done, self.retention_s)
-            except StoreError as exc:  # the effect happened: acknowledge anyway
-                self.stats["store_errors"] += 1
-                log.error("effect done but CONSUMED not recorded for %d message(s): %s",
-                          len(done), exc)
-                won = [True] * len(done)
+            won = await self._complete(done)
             for t, ok in zip(done, won, strict=True):
                 if not ok:
                     self.stats["fenced"] += 1
@@ -252,6 +250,21 @@ class IdempotentListener:
                 log.warning("could not release %d claim(s): %s", len(failed), exc)
             out += [(i, Verdict.LATER) for i, _ in to_run[acked:]]
         return out
+
+    async def _complete(self, tickets: list[Ticket]) -> list[bool]:
+        """Mark ``CONSUMED``, retrying a failing store briefly: a record left ``CONSUMING``
+        after the effect becomes an ambiguous outcome once its lease expires."""
+        for attempt in range(3):
+            try:
+                return await self.store.complete_many(tickets, self.retention_s)
+            except StoreError as exc:
+                self.stats["store_errors"] += 1
+                if attempt == 2:  # the effect happened: acknowledge anyway
+                    log.error("effect done but CONSUMED not recorded for %d message(s): %s",
+                              len(tickets), exc)
+                    return [True] * len(tickets)
+                await asyncio.sleep(0.05 * 4 ** attempt)
+        raise AssertionError("unreachable")
 
     async def _call(self, batch: list[MessageExt], ctx: ConsumeContext) -> ConsumeStatus:
         try:
