@@ -326,3 +326,25 @@ async def test_two_idempotent_listeners_receive_the_same_message_at_once_500_tim
         if b is not a:
             await b.close()
         await drop(a)
+
+
+async def test_store_urls(tmp_path, monkeypatch):
+    from onceq.idempotency.sql import SqlStore
+
+    monkeypatch.chdir(tmp_path)
+    rel = open_store("sqlite:///rel.db?table=onceq_rel")
+    absolute = open_store(f"sqlite:///{tmp_path}/abs.db?synchronous=NORMAL")
+    mem = open_store("sqlite://")
+    try:
+        for s in (rel, absolute, mem):
+            assert isinstance(s, SqlStore)
+            [r] = await s.claim_many([claim("a")])
+            assert r.outcome is Outcome.CLAIMED
+        assert rel.table == "onceq_rel"
+        assert (tmp_path / "rel.db").exists() and (tmp_path / "abs.db").exists()
+    finally:
+        for s in (rel, absolute, mem):
+            await s.close()
+    with pytest.raises(ValueError, match="synchronous"):
+        open_store("sqlite://?synchronous=OFF")
+    assert isinstance(open_store("memory://"), MemoryStore)
