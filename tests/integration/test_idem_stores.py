@@ -348,3 +348,32 @@ async def test_store_urls(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="synchronous"):
         open_store("sqlite://?synchronous=OFF")
     assert isinstance(open_store("memory://"), MemoryStore)
+
+
+async def test_concurrent_batches_grouped_in_one_commit_keep_their_own_results(store):
+    """Many listener batches at once (the SQL stores commit them together): each gets the
+    answer it would get alone, in order, including its own in-batch duplicates."""
+    async def batch(i: int):
+        keys = [f"b{i}-{j}" for j in range(4)] + ["shared"]
+        return await store.claim_many([claim(f"o{i}-{k}", k) for k in keys])
+
+    results = await asyncio.gather(*(batch(i) for i in range(60)))
+    for res in results:
+        assert [r.outcome for r in res[:4]] == [Outcome.CLAIMED] * 4
+    shared = [res[4].outcome for res in results]
+    assert shared.count(Outcome.CLAIMED) == 1 and shared.count(Outcome.BUSY) == 59
+    assert (await store.stats()).consuming == 60 * 4 + 1
+
+
+async def test_a_failing_operation_does_not_fail_the_others_grouped_with_it(clock, tmp_path,
+                                                                           name):
+    s = make_store("postgresql", clock, tmp_path, name)
+    try:
+        await s.claim_many([claim("warm", "warm")])  # the table exists
+        bad = s.claim_many([claim("x", "nul\x00key")])  # PostgreSQL refuses NUL in text
+        good = [s.claim_many([claim(f"o{i}", f"k{i}")]) for i in range(20)]
+        out = await asyncio.gather(bad, *good, return_exceptions=True)
+        assert isinstance(out[0], StoreError)
+        assert all(r[0].outcome is Outcome.CLAIMED for r in out[1:])
+    finally:
+        await drop(s)

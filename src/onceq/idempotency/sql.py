@@ -38,6 +38,7 @@ __all__ = ["Dialect", "SqlStore", "mysql_dialect", "postgres_dialect", "sqlite_d
 COLS = ("grp, topic, dkey, status, owner, attempt, lease_until, payload_hash, created_at, "
         "updated_at, expires_at")
 _TRANSIENT_TRIES = 8
+_GROUP_MAX = 64  # operations committed together at most
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Dialect:
     is_transient: Callable[[BaseException], bool] = lambda exc: False
     errors: tuple[type[BaseException], ...] = ()
     sync_connect: Callable[[str], Callable[[], Any]] = lambda level: lambda: None
+    array_in: bool = False  # ``= ANY(array)`` instead of ``IN (...)`` (PostgreSQL)
 
 
 def _row_record(row: Sequence[Any]) -> Record:
@@ -81,8 +83,12 @@ class SqlStore:
         self.table = check_name(table)
         self._p = dialect.param
         size = int(pool_size) if pool_size is not None else dialect.pool_size
-        self._executor = ThreadPoolExecutor(max(1, size),
+        self._size = max(1, size)
+        self._executor = ThreadPoolExecutor(self._size,
                                             thread_name_prefix=f"onceq-dedup-{dialect.name}")
+        self._queue: list[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]]] = []
+        self._drainers = 0
+        self._drain_tasks: set[asyncio.Task[None]] = set()
         self._local = threading.local()
         self._conns: list[Any] = []
         self._conns_lock = threading.Lock()
@@ -95,6 +101,14 @@ class SqlStore:
 
     def _marks(self, n: int) -> str:
         return ", ".join([self._p] * n)
+
+    def _in(self, column: str, values: Sequence[Any]) -> tuple[str, list[Any]]:
+        """``column IN (...)``, or ``column = ANY(?)`` with one array parameter where the
+        database takes arrays: the statement text then stays the same whatever the batch
+        size, so the driver prepares it once and the planner plans it once."""
+        if self.dialect.array_in:
+            return f"{column} = ANY(?)", [list(values)]
+        return f"{column} IN ({self._marks(len(values))})", list(values)
 
     def _connection(self) -> Any:
         conn = getattr(self._local, "conn", None)
@@ -171,11 +185,69 @@ class SqlStore:
                 raise
         raise AssertionError("unreachable")
 
-    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def _run(self, fn: Callable[..., Any], *args: Any, coalesce: bool = True) -> Any:
+        """Run ``fn(cursor, now, *args)`` in a transaction on a worker thread.
+
+        Group commit: operations that arrive while the workers are busy wait in a queue, and
+        a worker runs everything queued in one transaction (one commit, so one fsync, for
+        many listener batches). Each operation stays atomic (the group is); if the group
+        fails, its operations are run again one transaction each, so that one failure
+        does not fail the others.
+        """
         if self._closed:
             raise StoreError("the dedup store is closed")
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._tx, fn, *args)
+        if not coalesce:
+            return await loop.run_in_executor(self._executor, self._tx, fn, *args)
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._queue.append((fn, args, fut))
+        if self._drainers < self._size:
+            self._drainers += 1
+            task = loop.create_task(self._drain())
+            self._drain_tasks.add(task)
+            task.add_done_callback(self._drain_tasks.discard)
+        return await fut
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        ops: list[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]]] = []
+        try:
+            while self._queue:
+                ops, self._queue = self._queue[:_GROUP_MAX], self._queue[_GROUP_MAX:]
+                outcomes = await loop.run_in_executor(self._executor, self._tx_group,
+                                                      [(fn, a) for fn, a, _ in ops])
+                for (_, _, fut), (ok, value) in zip(ops, outcomes, strict=True):
+                    if fut.done():
+                        continue
+                    if ok:
+                        fut.set_result(value)
+                    else:
+                        fut.set_exception(value)
+        except Exception as exc:  # e.g. closed meanwhile: never leave a caller waiting
+            for _, _, fut in ops + self._queue:
+                if not fut.done():
+                    fut.set_exception(StoreError(f"dedup store: {exc!r}"))
+            self._queue = []
+        finally:
+            self._drainers -= 1
+
+    def _tx_group(self, ops: list[tuple[Callable[..., Any], tuple[Any, ...]]]
+                  ) -> list[tuple[bool, Any]]:
+        def group(cur: Any, now: float) -> list[Any]:
+            return [fn(cur, now, *args) for fn, args in ops]
+
+        if len(ops) > 1:
+            try:
+                return [(True, v) for v in self._tx(group)]
+            except Exception:
+                pass  # one of them failed: each on its own, to isolate the failure
+        out: list[tuple[bool, Any]] = []
+        for fn, args in ops:
+            try:
+                out.append((True, self._tx(fn, *args)))
+            except Exception as exc:
+                out.append((False, exc))
+        return out
 
     # ------------------------------------------------------------------ claims
     async def claim_many(self, claims: Sequence[Claim]) -> list[ClaimResult]:
@@ -205,9 +277,9 @@ class SqlStore:
             by_gt[(g, t)].append(k)
         current: dict[tuple[str, str, str], Record] = {}
         for (g, t), keys in by_gt.items():
+            cond, params = self._in("dkey", keys)
             cur.execute(self._sql(f"SELECT {COLS} FROM {{t}} WHERE grp = ? AND topic = ? AND "
-                                  f"dkey IN ({self._marks(len(keys))}){self.dialect.lock}"),
-                        (g, t, *keys))
+                                  f"{cond}{self.dialect.lock}"), (g, t, *params))
             for row in cur.fetchall():
                 rec = _row_record(row)
                 current[(rec.group, rec.topic, rec.key)] = rec
@@ -236,10 +308,9 @@ class SqlStore:
                ) -> tuple[list[bool], list[str]]:
         """Which tickets still own their record, and the owners whose record is
         ``CONSUMING`` (locked until the end of the transaction)."""
-        owners = sorted({t.owner for t in tickets})
-        cur.execute(self._sql(f"SELECT grp, topic, dkey, owner, status FROM {{t}} WHERE owner "
-                              f"IN ({self._marks(len(owners))}) AND expires_at > ?"
-                              f"{self.dialect.lock}"), (*owners, now))
+        cond, params = self._in("owner", sorted({t.owner for t in tickets}))
+        cur.execute(self._sql(f"SELECT grp, topic, dkey, owner, status FROM {{t}} WHERE {cond} "
+                              f"AND expires_at > ?{self.dialect.lock}"), (*params, now))
         rows = {r[3]: (r[0], r[1], r[2], r[4]) for r in cur.fetchall()}
         owned = [rows.get(t.owner, ("",) * 4)[:3] == (t.group, t.topic, t.key)
                  for t in tickets]
@@ -256,9 +327,10 @@ class SqlStore:
                      ) -> list[bool]:
         owned, consuming = self._owned(cur, now, tickets)
         if consuming:
+            cond, params = self._in("owner", consuming)
             cur.execute(self._sql(f"UPDATE {{t}} SET status = ?, updated_at = ?, expires_at = ? "
-                                  f"WHERE owner IN ({self._marks(len(consuming))})"),
-                        (Status.CONSUMED.value, now, now + retention_s, *consuming))
+                                  f"WHERE {cond}"),
+                        (Status.CONSUMED.value, now, now + retention_s, *params))
         return owned
 
     async def release_many(self, tickets: Sequence[Ticket]) -> list[bool]:
@@ -269,8 +341,8 @@ class SqlStore:
     def _release_tx(self, cur: Any, now: float, tickets: list[Ticket]) -> list[bool]:
         _, consuming = self._owned(cur, now, tickets)
         if consuming:
-            cur.execute(self._sql(f"DELETE FROM {{t}} WHERE owner IN "
-                                  f"({self._marks(len(consuming))})"), consuming)
+            cond, params = self._in("owner", consuming)
+            cur.execute(self._sql(f"DELETE FROM {{t}} WHERE {cond}"), params)
         released = set(consuming)
         return [t.owner in released for t in tickets]
 
@@ -284,10 +356,10 @@ class SqlStore:
                    retention_s: float) -> list[bool]:
         _, consuming = self._owned(cur, now, tickets)
         if consuming:
+            cond, params = self._in("owner", consuming)
             cur.execute(self._sql(f"UPDATE {{t}} SET lease_until = ?, updated_at = ?, "
-                                  f"expires_at = ? WHERE owner IN "
-                                  f"({self._marks(len(consuming))})"),
-                        (now + lease_s, now, now + lease_s + retention_s, *consuming))
+                                  f"expires_at = ? WHERE {cond}"),
+                        (now + lease_s, now, now + lease_s + retention_s, *params))
         extended = set(consuming)
         return [t.owner in extended for t in tickets]
 
@@ -450,4 +522,5 @@ def postgres_dialect(url: SplitResult) -> Dialect:
                    _schema("DOUBLE PRECISION", "VARCHAR(128)", "VARCHAR(255)"),
                    _INSERT + " ON CONFLICT DO NOTHING",
                    "DELETE FROM {t} WHERE ctid IN (SELECT ctid FROM {t} WHERE expires_at <= ? "
-                   "LIMIT ?)", is_transient=transient, errors=(psycopg.Error,))
+                   "LIMIT ?)", is_transient=transient, errors=(psycopg.Error,),
+                   array_in=True)

@@ -137,7 +137,9 @@ class TransactionalListener:
                             m.queue_offset, exc)
                 items.append((m, None))
         try:
-            verdicts: list[Verdict] = await self.engine._run(self._batch_tx, group, items)
+            # not grouped with other batches: a failed group would run handlers twice
+            verdicts: list[Verdict] = await self.engine._run(self._batch_tx, group, items,
+                                                             coalesce=False)
         except StoreError as exc:
             self.stats["store_errors"] += 1
             log.warning("transaction failed, batch of %d consumed later: %s", len(msgs), exc)
