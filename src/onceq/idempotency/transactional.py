@@ -138,26 +138,29 @@ class TransactionalListener:
                 items.append((m, None))
         try:
             # not grouped with other batches: a failed group would run handlers twice
-            verdicts: list[Verdict] = await self.engine._run(self._batch_tx, group, items,
-                                                             coalesce=False)
+            verdicts, counts = await self.engine._run(self._batch_tx, group, items,
+                                                      coalesce=False)
         except StoreError as exc:
             self.stats["store_errors"] += 1
             log.warning("transaction failed, batch of %d consumed later: %s", len(msgs), exc)
             return ConsumeStatus.RECONSUME_LATER
+        self.stats.update(counts)  # here, on the event loop: counted once, after the commit
         ack_index, delay = batch_reply(verdicts)
         ctx.ack_index = ack_index
         ctx.delay_level = delay
         return ConsumeStatus.SUCCESS
 
     def _batch_tx(self, cur: Any, now: float, group: str,
-                  items: list[tuple[MessageExt, str | None]]) -> list[Verdict]:
+                  items: list[tuple[MessageExt, str | None]]
+                  ) -> tuple[list[Verdict], Counter[str]]:
         sql = self.engine._sql
         conn = cur.connection
         verdicts: list[Verdict] = []
+        counts: Counter[str] = Counter()
         for m, key in items:
             if key is None:
                 verdicts.append(Verdict.DLQ)
-                self.stats["no_key"] += 1
+                counts["no_key"] += 1
                 continue
             ph = payload_hash(m.body)
             cur.execute("SAVEPOINT onceq_msg")
@@ -168,12 +171,12 @@ class TransactionalListener:
                 row = cur.fetchone()
                 cur.execute("RELEASE SAVEPOINT onceq_msg")
                 if (self.check_payload and row is not None and row[0] and row[0] != ph):
-                    self.stats["conflict"] += 1
+                    counts["conflict"] += 1
                     log.error("%s@%d key %s to the DLQ: already seen with another payload",
                               m.topic, m.queue_offset, key)
                     verdicts.append(Verdict.DLQ)
                 else:
-                    self.stats["duplicate"] += 1
+                    counts["duplicate"] += 1
                     verdicts.append(Verdict.ACK)
                 continue
             try:
@@ -183,13 +186,13 @@ class TransactionalListener:
                               "message is retried", m.topic, m.queue_offset)
                 cur.execute("ROLLBACK TO SAVEPOINT onceq_msg")
                 cur.execute("RELEASE SAVEPOINT onceq_msg")
-                self.stats["failed"] += 1
+                counts["failed"] += 1
                 verdicts += [Verdict.LATER] * (len(items) - len(verdicts))
                 break
             cur.execute("RELEASE SAVEPOINT onceq_msg")
-            self.stats["handled"] += 1
+            counts["handled"] += 1
             verdicts.append(Verdict.ACK)
-        return verdicts
+        return verdicts, counts
 
     async def purge_expired(self, limit: int = 1000) -> int:
         """Remove up to ``limit`` rows older than the retention."""
