@@ -31,8 +31,10 @@ def _prepare(url: str) -> None:
 
 def test_dedup_show_stats_purge(tmp_path):
     url = f"sqlite:///{tmp_path}/dedup.db"
-    _prepare(url)
     run = CliRunner().invoke
+    r = run(main, ["dedup", "init", "--store", url])
+    assert r.exit_code == 0 and "ready: 0 CONSUMING, 0 CONSUMED" in r.output, r.output
+    _prepare(url)
     r = run(main, ["dedup", "show", "--store", url, "-g", "billing", "-t", "orders", "A-1",
                    "--json"])
     assert r.exit_code == 0, r.output

@@ -46,6 +46,17 @@ def dedup() -> None:
     """Inspect and clean the dedup records of idempotent consumers."""
 
 
+@dedup.command("init")
+@store_option
+def init(url: str) -> None:
+    """Create the dedup table (SQL stores) or check that the store answers (Redis).
+
+    Stores also create their table on first use; this lets an operator do it ahead, with
+    the rights the consumers may not have."""
+    s = _run(url, lambda st: st.stats())
+    click.echo(f"ready: {s.consuming} CONSUMING, {s.consumed} CONSUMED")
+
+
 @dedup.command("show")
 @store_option
 @click.option("--group", "-g", required=True, help="Consumer group.")
