@@ -31,11 +31,12 @@ from urllib.parse import parse_qs, urlsplit
 
 from ..client.push import ConsumeContext, ConsumeStatus, PushConsumer
 from ..log.record import Message as MessageExt
+from .dialects import Dialect, mysql_dialect, postgres_dialect, sqlite_dialect
 from .listener import DEFAULT_RETENTION_S, KeySpec, _stored_key, key_function
 from .policy import Verdict, batch_reply
 from .record import payload_hash
 from .retention import check_against_broker
-from .sql import Dialect, SqlStore, mysql_dialect, postgres_dialect, sqlite_dialect
+from .sql import SqlStore
 from .store import Purger, StoreError, check_name
 
 __all__ = ["TransactionalListener", "transactional"]
