@@ -9,6 +9,9 @@ The rules, for every import statement anywhere in a module (function bodies and
   ``onceq.protocol``, and besides the standard library only ``msgpack``.
 * ``onceq.client`` never imports ``onceq.storage``, ``onceq.broker`` or ``onceq.cli``: a
   client talks to the broker through the protocol only.
+* ``onceq.idempotency`` (dedup records and stores, used by consumers) imports the client
+  side (``onceq.client``, ``onceq.protocol``, ``onceq.log``) and never ``onceq.storage``,
+  ``onceq.broker`` or ``onceq.cli``.
 
 A violation fails with the file, the line and the import.
 """
@@ -58,6 +61,7 @@ RULES = [
     Rule("onceq.log", allowed_onceq=frozenset({"log", "protocol"}),
          allowed_third_party=frozenset({"msgpack"})),
     Rule("onceq.client", forbidden_onceq=frozenset({"storage", "broker", "cli"})),
+    Rule("onceq.idempotency", forbidden_onceq=frozenset({"storage", "broker", "cli"})),
 ]
 
 
@@ -167,6 +171,13 @@ def test_protocol_and_log_reaching_out_are_reported():
     assert _check("onceq.log", "from .. import _aio\n", is_package=True) == [
         "src/onceq/log/__init__.py:1: imports onceq (onceq.log may import from onceq only "
         "onceq.log, onceq.protocol)"]
+
+
+def test_idempotency_reaching_into_the_broker_side_is_reported():
+    assert _check("onceq.idempotency.wrap", "from ..storage.dedup import DedupWindow\n"
+                  "from ..client.push import ConsumeStatus\n") == [
+        "src/onceq/idempotency/wrap.py:1: imports onceq.storage.dedup "
+        "(onceq.idempotency must not import onceq.storage)"]
 
 
 def test_allowed_imports_pass():

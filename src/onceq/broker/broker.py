@@ -732,12 +732,14 @@ class Broker:
     def h_broker_status(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
                         ) -> Response:
         """Store health: log range, flush policy, damaged positions and offsets, whether
-        writes are accepted, the dedup window."""
+        writes are accepted, the dedup window; the retry delay levels (seconds), which
+        consumers need to size their dedup retention."""
         store = self.store
         return 0, {"log_start": store.log.start, "log_end": store.log.end,
                    "flush": self.config.store.flush, "damaged": store.damaged(),
                    "writes": store.write_state(),
-                   "dedup": store.dedup.status(int(store.clock() * 1000))}, b""
+                   "dedup": store.dedup.status(int(store.clock() * 1000)),
+                   "delay_levels": list(self.retry.levels)}, b""
 
     def _on_internal_put(self, topic: str, queue: int) -> None:
         self.holds.notify((topic, queue))

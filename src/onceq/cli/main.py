@@ -261,10 +261,12 @@ def demo(messages: int, queues: int) -> None:
 
 
 from .consumer_cmds import register  # noqa: E402 - consume, group, dlq
+from .dedup_cmd import register as register_dedup  # noqa: E402 - dedup show/stats/purge
 from .offsets_cmds import offsets  # noqa: E402 - offsets show/reset
 from .verify_cmd import register as register_verify  # noqa: E402 - broker verify/status
 
 register(main)
+register_dedup(main)
 main.add_command(offsets)
 register_verify(broker)
 

@@ -220,9 +220,10 @@ class Admin(BrokerClient):
     # ---------------------------------------------------------------- dead letters
     async def broker_status(self) -> dict[str, Any]:
         """Store health: ``log_start``, ``log_end``, ``flush``, ``damaged`` (the commit-log
-        positions and, per topic and queue, the offsets lost to disk damage) and ``dedup``
-        (``window_s``, ``effective_window_s``: shorter while the key cap forgets keys
-        younger than the window, ``keys``, ``max_keys``)."""
+        positions and, per topic and queue, the offsets lost to disk damage), ``writes``,
+        ``dedup`` (``window_s``, ``effective_window_s``: shorter while the key cap forgets
+        keys younger than the window, ``keys``, ``max_keys``) and ``delay_levels`` (the
+        retry delays in seconds, level 1 first)."""
         return await self._req(RequestCode.BROKER_STATUS)
 
     async def dead_letter_offsets(self, group: str) -> tuple[int, int] | None:

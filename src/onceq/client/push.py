@@ -56,12 +56,14 @@ class ConsumeContext:
 
     ``ack_index``: with SUCCESS, messages after this index are retried (partial success);
     the default covers the whole batch. ``delay_level``: 0 lets the broker choose
-    (3 + reconsume count); a listener may set another level for its retries.
+    (3 + reconsume count), -1 sends the retried messages straight to the group's DLQ; a
+    listener may set another level for its retries. ``group``: the consumer group.
     """
 
     queue: MessageQueue
     ack_index: int
     delay_level: int = 0
+    group: str = ""
 
 
 Listener = Callable[[list[MessageExt], ConsumeContext],
@@ -168,6 +170,11 @@ class PushConsumer:
         self._closed = False
         try:
             await self._heartbeat()
+            # a listener may check its settings against the broker before consuming (the
+            # idempotent wrapper checks its retention against the redelivery horizon)
+            hook = getattr(listener, "on_consumer_start", None)
+            if hook is not None:
+                await hook(self)
         except BaseException:  # e.g. no broker: leave nothing half started behind
             self._running = False
             if self._conn is not None:
@@ -642,7 +649,7 @@ class PushConsumer:
                 origin = m.properties.get(PROP_ORIGIN_TOPIC)
                 if origin is not None and m.topic.startswith(RETRY_PREFIX):
                     m.topic = origin
-            ctx = ConsumeContext(pq.mq, len(batch) - 1)
+            ctx = ConsumeContext(pq.mq, len(batch) - 1, group=self.group)
             status = await self._call_listener(batch, ctx)
         if status == ConsumeStatus.SUCCESS:
             # clamp: a negative index would slice from the end and drop failed messages

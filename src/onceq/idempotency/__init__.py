@@ -1,0 +1,55 @@
+"""Consumer idempotency: each message's business effect happens once.
+
+``idempotent(listener, store=URL)`` wraps a push-consumer listener (``listener``). Records
+per (group, topic, dedup key) with owner-fenced claims (``record``, pure), the policy for
+ambiguous outcomes (``policy``, pure), stores behind one small protocol (``store``:
+in-memory; ``sql``: SQLite, MariaDB/MySQL, PostgreSQL; ``redis_store``).
+``transactional(handler, db=URL)`` commits the dedup row with the business writes.
+"""
+
+from .listener import IdempotentListener, idempotent
+from .policy import Action, Ambiguous, Decision, Verdict, batch_reply, decide_action
+from .record import (
+    Claim,
+    ClaimResult,
+    Outcome,
+    Record,
+    Status,
+    Ticket,
+    decide_claim,
+    decide_complete,
+    decide_extend,
+    decide_release,
+    payload_hash,
+)
+from .store import DedupStore, MemoryStore, StoreError, StoreStats, open_store
+from .transactional import TransactionalListener, transactional
+
+__all__ = [
+    "Action",
+    "Ambiguous",
+    "Claim",
+    "ClaimResult",
+    "Decision",
+    "DedupStore",
+    "IdempotentListener",
+    "MemoryStore",
+    "Outcome",
+    "Record",
+    "Status",
+    "StoreError",
+    "StoreStats",
+    "Ticket",
+    "TransactionalListener",
+    "Verdict",
+    "batch_reply",
+    "decide_action",
+    "decide_claim",
+    "decide_complete",
+    "decide_extend",
+    "decide_release",
+    "idempotent",
+    "open_store",
+    "payload_hash",
+    "transactional",
+]

@@ -1,0 +1,147 @@
+"""SQL dialects of the dedup stores: how to connect, the schema, the few statements that
+differ between SQLite, MariaDB/MySQL (PyMySQL) and PostgreSQL (psycopg 3)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import SplitResult, unquote
+
+from .store import StoreError
+
+__all__ = ["COLS", "ROW", "Dialect", "mysql_dialect", "postgres_dialect", "sqlite_dialect"]
+
+COLS = ("grp, topic, dkey, status, owner, attempt, lease_until, payload_hash, created_at, "
+        "updated_at, expires_at")
+
+
+@dataclass
+class Dialect:
+    name: str
+    connect: Callable[[], Any]  # a new DB-API connection
+    schema: Callable[[str], list[str]]  # CREATE statements for a table name
+    insert_absent: str  # INSERT of one row that does nothing if the key exists ({t})
+    purge: str  # delete up to ? expired rows ({t}; params: now, limit)
+    lock: str = " FOR UPDATE"
+    begin: str | None = None  # statement opening a write transaction (None: implicit)
+    param: str = "%s"
+    pool_size: int = 4
+    is_transient: Callable[[BaseException], bool] = lambda exc: False
+    errors: tuple[type[BaseException], ...] = ()
+    sync_connect: Callable[[str], Callable[[], Any]] = lambda level: lambda: None
+    array_in: bool = False  # ``= ANY(array)`` instead of ``IN (...)`` (PostgreSQL)
+
+
+
+def _schema(double: str, key: str, text: str, extra: str = "", inline_index: bool = False
+            ) -> Callable[[str], list[str]]:
+    def make(t: str) -> list[str]:
+        idx = (f", INDEX {t}_owner (owner), INDEX {t}_expires (expires_at)"
+               if inline_index else "")
+        stmts = [f"CREATE TABLE IF NOT EXISTS {t} (grp {key} NOT NULL, topic {key} NOT NULL, "
+                 f"dkey {text} NOT NULL, status VARCHAR(10) NOT NULL, owner VARCHAR(100) NOT "
+                 f"NULL, attempt INTEGER NOT NULL, lease_until {double} NOT NULL, payload_hash "
+                 f"VARCHAR(64) NOT NULL, created_at {double} NOT NULL, updated_at {double} NOT "
+                 f"NULL, expires_at {double} NOT NULL, PRIMARY KEY (grp, topic, dkey){idx})"
+                 f"{extra}"]
+        if not inline_index:
+            stmts += [f"CREATE INDEX IF NOT EXISTS {t}_owner ON {t} (owner)",
+                      f"CREATE INDEX IF NOT EXISTS {t}_expires ON {t} (expires_at)"]
+        return stmts
+    return make
+
+
+ROW = "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+_INSERT = f"INSERT INTO {{t}} ({COLS}) VALUES {ROW}"
+
+
+def sqlite_dialect(path: str, synchronous: str = "FULL") -> Dialect:
+    """SQLite in WAL mode (a file shared by the processes of one host, or ``:memory:``).
+    ``synchronous=FULL`` survives a power cut; ``NORMAL`` (faster: no fsync per commit)
+    survives a crash of the process but may lose the last records in a power cut."""
+    import sqlite3
+
+    memory = path == ":memory:"
+
+    def connector(level: str) -> Callable[[], Any]:
+        def connect() -> Any:
+            conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False,
+                                   timeout=10)
+            if not memory:
+                conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute(f"PRAGMA synchronous={level}")
+            return conn
+        return connect
+
+    return Dialect("sqlite", connector(synchronous), _schema("REAL", "TEXT", "TEXT"),
+                   _INSERT + " ON CONFLICT DO NOTHING",
+                   "DELETE FROM {t} WHERE rowid IN (SELECT rowid FROM {t} WHERE expires_at <= ? "
+                   "LIMIT ?)", lock="", begin="BEGIN IMMEDIATE", param="?",
+                   pool_size=1,  # writers are serialised by the database anyway
+                   is_transient=lambda exc: "locked" in str(exc) or "busy" in str(exc),
+                   errors=(sqlite3.Error,), sync_connect=connector)
+
+
+def mysql_dialect(url: SplitResult) -> Dialect:
+    """MariaDB or MySQL through PyMySQL, READ COMMITTED, keys compared byte for byte."""
+    try:
+        import pymysql
+    except ImportError as exc:  # pragma: no cover - depends on the installation
+        raise ImportError("the MySQL dedup store needs PyMySQL: pip install "
+                          "'onceq[idempotency]'") from exc
+
+    def connect() -> Any:
+        try:
+            conn = pymysql.connect(host=url.hostname or "127.0.0.1", port=url.port or 3306,
+                                   user=unquote(url.username or "root"),
+                                   password=unquote(url.password or ""),
+                                   database=url.path.lstrip("/") or None, charset="utf8mb4",
+                                   autocommit=False, connect_timeout=5, read_timeout=30,
+                                   write_timeout=30,  # rowcount = rows matched:
+                                   client_flag=pymysql.constants.CLIENT.FOUND_ROWS)
+        except pymysql.Error as exc:
+            raise StoreError(f"mysql dedup store: cannot connect: {exc}") from exc
+        with conn.cursor() as cur:
+            cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+            cur.execute("SET SESSION innodb_lock_wait_timeout = 10")
+        return conn
+
+    def transient(exc: BaseException) -> bool:  # a lock wait timeout is an error
+        return bool(exc.args) and exc.args[0] == 1213  # deadlock: retried
+
+    return Dialect("mysql", connect,
+                   _schema("DOUBLE", "VARCHAR(128)", "VARCHAR(255)",
+                           " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin",
+                           inline_index=True),
+                   _INSERT + " ON DUPLICATE KEY UPDATE grp = grp",
+                   "DELETE FROM {t} WHERE expires_at <= ? LIMIT ?",
+                   is_transient=transient, errors=(pymysql.Error,))
+
+
+def postgres_dialect(url: SplitResult) -> Dialect:
+    """PostgreSQL through psycopg 3, READ COMMITTED."""
+    try:
+        import psycopg
+    except ImportError as exc:  # pragma: no cover - depends on the installation
+        raise ImportError("the PostgreSQL dedup store needs psycopg: pip install "
+                          "'onceq[idempotency]'") from exc
+    conninfo = url._replace(scheme="postgresql", query="", fragment="").geturl()
+
+    def connect() -> Any:
+        try:
+            return psycopg.connect(conninfo, autocommit=False, connect_timeout=5,
+                                   options="-c lock_timeout=10s")
+        except psycopg.Error as exc:
+            raise StoreError(f"postgresql dedup store: cannot connect: {exc}") from exc
+
+    def transient(exc: BaseException) -> bool:  # a lock timeout is an error, not retried
+        return isinstance(exc, psycopg.errors.DeadlockDetected
+                          | psycopg.errors.SerializationFailure)
+
+    return Dialect("postgresql", connect,
+                   _schema("DOUBLE PRECISION", "VARCHAR(128)", "VARCHAR(255)"),
+                   _INSERT + " ON CONFLICT DO NOTHING",
+                   "DELETE FROM {t} WHERE ctid IN (SELECT ctid FROM {t} WHERE expires_at <= ? "
+                   "LIMIT ?)", is_transient=transient, errors=(psycopg.Error,),
+                   array_in=True)

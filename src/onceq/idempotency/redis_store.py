@@ -1,0 +1,247 @@
+"""The Redis dedup store: one hash per record, Lua scripts for atomic claims and
+compare-and-set, key TTLs for retention (redis-py asyncio).
+
+A record lives at ``<prefix><group>:<topic>:<key>`` (group and topic names cannot contain
+``:``) with the fields ``st own att lu ph ca ua ex`` and a TTL that ends at its
+``expires_at``. Every script walks its keys in order inside Redis, so a batch is one round
+trip and atomic. Times are the store clock's (passed as arguments, stored as given); TTLs
+are relative, so the Redis server's own clock plays no part.
+
+The claim script only decides what to write; it returns each key's record as it found it,
+and the client derives the result with ``record.decide_claim`` (the same rules, the same
+arguments), checking that both agree. All keys of a batch must be on one Redis server (no
+cross-slot batches on a cluster).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .record import Claim, ClaimResult, Outcome, Record, Status, Ticket, decide_claim
+from .store import MAX_KEY_LEN, Clock, StoreError, StoreStats
+
+__all__ = ["RedisStore"]
+
+_FIELDS = ("st", "own", "att", "lu", "ph", "ca", "ua", "ex")
+
+# ARGV: now, then per key: owner, payload hash, check ("1"/"0"), lease end, expiry, ttl ms
+_CLAIM = """
+local now = tonumber(ARGV[1])
+local out = {}
+for i, k in ipairs(KEYS) do
+  local b = 1 + (i - 1) * 6
+  local owner, ph, check = ARGV[b + 1], ARGV[b + 2], ARGV[b + 3]
+  local lu, ex, ttl = ARGV[b + 4], ARGV[b + 5], ARGV[b + 6]
+  local r = redis.call('HMGET', k, 'st', 'own', 'att', 'lu', 'ph', 'ca', 'ua', 'ex')
+  local outcome
+  if (not r[1]) or tonumber(r[8]) <= now then
+    redis.call('DEL', k)
+    redis.call('HSET', k, 'st', 'CONSUMING', 'own', owner, 'att', '1', 'lu', lu, 'ph', ph,
+               'ca', ARGV[1], 'ua', ARGV[1], 'ex', ex)
+    redis.call('PEXPIRE', k, ttl)
+    outcome = 'CLAIMED'
+    r = {false}
+  elseif r[2] == owner and r[1] == 'CONSUMING' then
+    outcome = 'CLAIMED'
+  elseif check == '1' and ph ~= '' and r[5] ~= '' and ph ~= r[5] then
+    outcome = 'CONFLICT'
+  elseif r[1] == 'CONSUMED' then
+    outcome = 'DUPLICATE'
+  elseif tonumber(r[4]) > now then
+    outcome = 'BUSY'
+  else
+    local nph = ph
+    if nph == '' then nph = r[5] end
+    redis.call('HSET', k, 'own', owner, 'att', tostring(tonumber(r[3]) + 1), 'lu', lu,
+               'ph', nph, 'ua', ARGV[1], 'ex', ex)
+    redis.call('PEXPIRE', k, ttl)
+    outcome = 'TAKEN_OVER'
+  end
+  if r[1] then
+    out[i] = {outcome, r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8]}
+  else
+    out[i] = outcome  -- no record before: the outcome alone (a smaller reply)
+  end
+end
+return out
+"""
+
+# ARGV: now, mode, new lease end, new expiry, ttl ms, then the owners (one per key).
+# mode "complete": CONSUMING -> CONSUMED (already CONSUMED by the owner: ok, unchanged);
+# "release": delete a CONSUMING claim; "extend": push a CONSUMING claim's lease.
+_CAS = """
+local now, mode = tonumber(ARGV[1]), ARGV[2]
+local out = {}
+for i, k in ipairs(KEYS) do
+  local r = redis.call('HMGET', k, 'st', 'own', 'ex')
+  local ok = 0
+  if r[2] == ARGV[5 + i] and r[3] and tonumber(r[3]) > now then
+    if r[1] == 'CONSUMING' then
+      ok = 1
+      if mode == 'complete' then
+        redis.call('HSET', k, 'st', 'CONSUMED', 'ua', ARGV[1], 'ex', ARGV[4])
+        redis.call('PEXPIRE', k, ARGV[5])
+      elseif mode == 'release' then
+        redis.call('DEL', k)
+      else
+        redis.call('HSET', k, 'lu', ARGV[3], 'ua', ARGV[1], 'ex', ARGV[4])
+        redis.call('PEXPIRE', k, ARGV[5])
+      end
+    elseif mode == 'complete' then
+      ok = 1
+    end
+  end
+  out[i] = ok
+end
+return out
+"""
+
+
+def _ttl_ms(expires_at: float, now: float) -> str:
+    return str(max(1, math.ceil((expires_at - now) * 1000)))
+
+
+class RedisStore:
+    """A dedup store in Redis (``prefix`` keeps several users of one database apart)."""
+
+    def __init__(self, url: str, *, clock: Clock = time.time, prefix: str = "onceq:dedup:",
+                 timeout_s: float | str = 5.0) -> None:
+        try:
+            import redis.asyncio as aioredis
+        except ImportError as exc:  # pragma: no cover - depends on the installation
+            raise ImportError("the Redis dedup store needs redis: pip install "
+                              "'onceq[idempotency]'") from exc
+        import redis.exceptions
+        from redis.asyncio.retry import Retry
+        from redis.backoff import ExponentialBackoff
+
+        self.clock = clock
+        self.prefix = prefix
+        self._errors = (redis.exceptions.RedisError, OSError)
+        self._redis = aioredis.from_url(url, socket_timeout=float(timeout_s),
+                                        socket_connect_timeout=float(timeout_s),
+                                        decode_responses=True,
+                                        # a short retry: the consumer retries the batch
+                                        retry=Retry(ExponentialBackoff(0.5, 0.05), 2))
+        self._claim = self._redis.register_script(_CLAIM)
+        self._cas_script = self._redis.register_script(_CAS)
+
+    def _key(self, group: str, topic: str, key: str) -> str:
+        return f"{self.prefix}{group}:{topic}:{key}"
+
+    async def _call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return await script(keys=keys, args=args)
+        except self._errors as exc:
+            raise StoreError(f"redis dedup store: {type(exc).__name__}: {exc}") from exc
+
+    async def claim_many(self, claims: Sequence[Claim]) -> list[ClaimResult]:
+        if not claims:
+            return []
+        now = self.clock()
+        args: list[Any] = [repr(now)]
+        for c in claims:
+            if len(c.key) > MAX_KEY_LEN:
+                raise ValueError(f"dedup key longer than {MAX_KEY_LEN} characters")
+            lease_until = now + c.lease_s
+            expires_at = lease_until + c.retention_s
+            args += [c.owner, c.payload_hash, "1" if c.check_payload else "0",
+                     repr(lease_until), repr(expires_at), _ttl_ms(expires_at, now)]
+        replies = await self._call(self._claim, [self._key(c.group, c.topic, c.key)
+                                                 for c in claims], args)
+        out = []
+        for c, reply in zip(claims, replies, strict=True):
+            if isinstance(reply, str):
+                outcome, found = reply, None
+            else:
+                outcome, *fields = reply
+                found = self._record(c.group, c.topic, c.key, fields)
+            res, _ = decide_claim(found, c, now)
+            if res.outcome is not Outcome(outcome):
+                raise StoreError(f"redis dedup store: the script said {outcome} where the "
+                                 f"rules say {res.outcome} for {c.key!r}")
+            out.append(res)
+        return out
+
+    @staticmethod
+    def _record(group: str, topic: str, key: str, f: Sequence[Any]) -> Record | None:
+        if not f or f[0] is None:
+            return None
+        return Record(group, topic, key, Status(f[0]), f[1], int(f[2]), float(f[3]), f[4],
+                      float(f[5]), float(f[6]), float(f[7]))
+
+    async def _cas(self, mode: str, tickets: Sequence[Ticket], lease_s: float = 0.0,
+                   retention_s: float = 0.0) -> list[bool]:
+        if not tickets:
+            return []
+        now = self.clock()
+        lease_until = now + lease_s
+        expires_at = (lease_until if mode == "extend" else now) + retention_s
+        args = [repr(now), mode, repr(lease_until), repr(expires_at),
+                _ttl_ms(expires_at, now), *(t.owner for t in tickets)]
+        res = await self._call(self._cas_script,
+                               [self._key(t.group, t.topic, t.key) for t in tickets], args)
+        return [bool(x) for x in res]
+
+    async def complete_many(self, tickets: Sequence[Ticket], retention_s: float) -> list[bool]:
+        return await self._cas("complete", tickets, retention_s=retention_s)
+
+    async def release_many(self, tickets: Sequence[Ticket]) -> list[bool]:
+        return await self._cas("release", tickets)
+
+    async def extend_many(self, tickets: Sequence[Ticket], lease_s: float,
+                          retention_s: float) -> list[bool]:
+        return await self._cas("extend", tickets, lease_s, retention_s)
+
+    async def get(self, group: str, topic: str, key: str) -> Record | None:
+        try:
+            f = await self._redis.hmget(self._key(group, topic, key), _FIELDS)
+        except self._errors as exc:
+            raise StoreError(f"redis dedup store: {type(exc).__name__}: {exc}") from exc
+        rec = self._record(group, topic, key, f)
+        return rec if rec is not None and rec.alive(self.clock()) else None
+
+    async def purge_expired(self, limit: int = 1000) -> int:
+        """Redis removes records itself when their TTL ends; records whose expiry passed on
+        the store clock but not on the server's are removed here (bounded by ``limit``)."""
+        now = self.clock()
+        dead = []
+        try:
+            async for k in self._redis.scan_iter(match=self._pattern(), count=500):
+                ex = await self._redis.hget(k, "ex")
+                if ex is not None and float(ex) <= now:
+                    dead.append(k)
+                    if len(dead) >= limit:
+                        break
+            if dead:
+                await self._redis.delete(*dead)
+        except self._errors as exc:
+            raise StoreError(f"redis dedup store: {type(exc).__name__}: {exc}") from exc
+        return len(dead)
+
+    def _pattern(self) -> str:
+        return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in self.prefix) + "*"
+
+    async def stats(self) -> StoreStats:
+        now = self.clock()
+        counts = {Status.CONSUMING: 0, Status.CONSUMED: 0}
+        try:
+            async for k in self._redis.scan_iter(match=self._pattern(), count=500):
+                st, ex = await self._redis.hmget(k, ["st", "ex"])
+                if st is not None and ex is not None and float(ex) > now:
+                    counts[Status(st)] += 1
+        except self._errors as exc:
+            raise StoreError(f"redis dedup store: {type(exc).__name__}: {exc}") from exc
+        return StoreStats(counts[Status.CONSUMING], counts[Status.CONSUMED])
+
+    async def drop_all(self) -> None:
+        """Delete every record under this store's prefix (tests and the operator's reset)."""
+        keys = [k async for k in self._redis.scan_iter(match=self._pattern(), count=500)]
+        for i in range(0, len(keys), 500):
+            await self._redis.delete(*keys[i:i + 500])
+
+    async def close(self) -> None:
+        await self._redis.aclose()

@@ -1,0 +1,393 @@
+"""SQL dedup stores: SQLite (embedded), MariaDB/MySQL (PyMySQL), PostgreSQL (psycopg 3).
+
+One algorithm over DB-API connections, a small ``Dialect`` per database (``dialects``).
+Each batch is one
+transaction on a connection owned by a worker thread (the event loop never blocks):
+
+* claim: insert a fresh ``CONSUMING`` row for every key that has none (``ON CONFLICT DO
+  NOTHING`` / ``ON DUPLICATE KEY UPDATE`` no-op), read the batch's rows under a row lock
+  (``FOR UPDATE``; SQLite serialises writers with ``BEGIN IMMEDIATE``), apply
+  ``record.decide_claim`` to each, write back the rows it changed with ``WHERE owner = <the
+  owner read>``. A row whose owner is the claim's own token was inserted by this claim.
+* complete / release / extend: read the rows of the given owner tokens under the lock,
+  then update or delete those that are still owned: a token that was fenced off (its row
+  taken over by another owner, or gone) matches nothing.
+
+Keys are sorted inside a transaction so that two batches lock rows in the same order;
+deadlocks and serialisation failures the database reports are retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from .dialects import COLS, ROW, Dialect, mysql_dialect, postgres_dialect, sqlite_dialect
+from .record import Claim, ClaimResult, Record, Status, Ticket, decide_claim
+from .store import MAX_KEY_LEN, Clock, StoreError, StoreStats, check_name
+
+__all__ = ["Dialect", "SqlStore", "mysql_dialect", "postgres_dialect", "sqlite_dialect"]
+
+_TRANSIENT_TRIES = 8
+_GROUP_MAX = 64  # operations committed together at most
+
+
+def _row_record(row: Sequence[Any]) -> Record:
+    return Record(row[0], row[1], row[2], Status(row[3]), row[4], int(row[5]), float(row[6]),
+                  row[7], float(row[8]), float(row[9]), float(row[10]))
+
+
+def _row_values(r: Record) -> tuple[Any, ...]:
+    return (r.group, r.topic, r.key, r.status.value, r.owner, r.attempt, r.lease_until,
+            r.payload_hash, r.created_at, r.updated_at, r.expires_at)
+
+
+class SqlStore:
+    """A dedup store in a SQL table (``table``, created on first use)."""
+
+    def __init__(self, dialect: Dialect, *, clock: Clock = time.time,
+                 table: str = "onceq_dedup", pool_size: int | str | None = None,
+                 synchronous: str | None = None) -> None:
+        if synchronous is not None:  # SQLite: FULL (default) or NORMAL
+            if dialect.name != "sqlite" or synchronous.upper() not in ("FULL", "NORMAL"):
+                raise ValueError("synchronous is an SQLite option: FULL or NORMAL")
+            dialect.connect = dialect.sync_connect(synchronous.upper())
+        self.dialect = dialect
+        self.clock = clock
+        self.table = check_name(table)
+        self._p = dialect.param
+        size = int(pool_size) if pool_size is not None else dialect.pool_size
+        self._size = max(1, size)
+        self._executor = ThreadPoolExecutor(self._size,
+                                            thread_name_prefix=f"onceq-dedup-{dialect.name}")
+        self._queue: list[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]]] = []
+        self._drainers = 0
+        self._drain_tasks: set[asyncio.Task[None]] = set()
+        self._local = threading.local()
+        self._conns: list[Any] = []
+        self._conns_lock = threading.Lock()
+        self._schema_ready = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ plumbing
+    def _sql(self, text: str) -> str:
+        return text.replace("{t}", self.table).replace("?", self._p)
+
+    def _marks(self, n: int) -> str:
+        return ", ".join([self._p] * n)
+
+    def _in(self, column: str, values: Sequence[Any]) -> tuple[str, list[Any]]:
+        """``column IN (...)``, or ``column = ANY(?)`` with one array parameter where the
+        database takes arrays: the statement text then stays the same whatever the batch
+        size, so the driver prepares it once and the planner plans it once."""
+        if self.dialect.array_in:
+            return f"{column} = ANY(?)", [list(values)]
+        return f"{column} IN ({self._marks(len(values))})", list(values)
+
+    def _connection(self) -> Any:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self.dialect.connect()
+            self._local.conn = conn
+            with self._conns_lock:
+                self._conns.append(conn)
+            if not self._schema_ready:
+                self._create_schema(conn)
+        return conn
+
+    def _drop_connection(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None:
+            with self._conns_lock:
+                if conn in self._conns:
+                    self._conns.remove(conn)
+            with contextlib.suppress(Exception):  # already broken: nothing to do
+                conn.close()
+
+    def _create_schema(self, conn: Any) -> None:
+        for attempt in range(3):
+            try:
+                cur = conn.cursor()
+                for stmt in self.dialect.schema(self.table):
+                    cur.execute(stmt)
+                conn.commit()
+                break
+            except self.dialect.errors:
+                # another process created the table at the same instant: look again
+                conn.rollback()
+                if attempt == 2:
+                    raise
+                time.sleep(0.05)
+        self._schema_ready = True
+
+    def _tx(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(cursor, now, *args)`` in one transaction on this thread's connection."""
+        d = self.dialect
+        for attempt in range(_TRANSIENT_TRIES):
+            conn = None
+            try:
+                conn = self._connection()
+                cur = conn.cursor()
+                if d.begin:
+                    cur.execute(d.begin)
+                result = fn(cur, self.clock(), *args)
+                conn.commit()
+                return result
+            except d.errors as exc:
+                try:
+                    if conn is not None:
+                        conn.rollback()
+                except Exception:
+                    self._drop_connection()
+                if d.is_transient(exc) and attempt < _TRANSIENT_TRIES - 1:
+                    time.sleep(random.uniform(0.001, 0.01) * (attempt + 1))
+                    continue
+                self._drop_connection()  # reconnect on the next call
+                raise StoreError(f"{d.name} dedup store: {type(exc).__name__}: {exc}") from exc
+            except OSError as exc:
+                self._drop_connection()
+                raise StoreError(f"{d.name} dedup store: {exc}") from exc
+            except BaseException:
+                # never leave a transaction open (its row locks would block every other
+                # consumer): roll back, or drop the connection if even that fails
+                try:
+                    if conn is not None:
+                        conn.rollback()
+                except Exception:
+                    self._drop_connection()
+                raise
+        raise AssertionError("unreachable")
+
+    async def _run(self, fn: Callable[..., Any], *args: Any, coalesce: bool = True) -> Any:
+        """Run ``fn(cursor, now, *args)`` in a transaction on a worker thread.
+
+        Group commit: operations that arrive while the workers are busy wait in a queue, and
+        a worker runs everything queued in one transaction (one commit, so one fsync, for
+        many listener batches). Each operation stays atomic (the group is); if the group
+        fails, its operations are run again one transaction each, so that one failure
+        does not fail the others.
+        """
+        if self._closed:
+            raise StoreError("the dedup store is closed")
+        loop = asyncio.get_running_loop()
+        if not coalesce:
+            return await loop.run_in_executor(self._executor, self._tx, fn, *args)
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._queue.append((fn, args, fut))
+        if self._drainers < self._size:
+            self._drainers += 1
+            task = loop.create_task(self._drain())
+            self._drain_tasks.add(task)
+            task.add_done_callback(self._drain_tasks.discard)
+        return await fut
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        ops: list[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]]] = []
+        try:
+            while self._queue:
+                ops, self._queue = self._queue[:_GROUP_MAX], self._queue[_GROUP_MAX:]
+                outcomes = await loop.run_in_executor(self._executor, self._tx_group,
+                                                      [(fn, a) for fn, a, _ in ops])
+                for (_, _, fut), (ok, value) in zip(ops, outcomes, strict=True):
+                    if fut.done():
+                        continue
+                    if ok:
+                        fut.set_result(value)
+                    else:
+                        fut.set_exception(value)
+        except Exception as exc:  # e.g. closed meanwhile: never leave a caller waiting
+            for _, _, fut in ops + self._queue:
+                if not fut.done():
+                    fut.set_exception(StoreError(f"dedup store: {exc!r}"))
+            self._queue = []
+        finally:
+            self._drainers -= 1
+
+    def _tx_group(self, ops: list[tuple[Callable[..., Any], tuple[Any, ...]]]
+                  ) -> list[tuple[bool, Any]]:
+        def group(cur: Any, now: float) -> list[Any]:
+            return [fn(cur, now, *args) for fn, args in ops]
+
+        if len(ops) > 1:
+            try:
+                return [(True, v) for v in self._tx(group)]
+            except Exception:
+                pass  # one of them failed: each on its own, to isolate the failure
+        out: list[tuple[bool, Any]] = []
+        for fn, args in ops:
+            try:
+                out.append((True, self._tx(fn, *args)))
+            except Exception as exc:
+                out.append((False, exc))
+        return out
+
+    # ------------------------------------------------------------------ claims
+    async def claim_many(self, claims: Sequence[Claim]) -> list[ClaimResult]:
+        if not claims:
+            return []
+        for c in claims:
+            if len(c.key) > MAX_KEY_LEN:
+                raise ValueError(f"dedup key longer than {MAX_KEY_LEN} characters")
+        return await self._run(self._claim_tx, list(claims))
+
+    def _claim_tx(self, cur: Any, now: float, claims: list[Claim]) -> list[ClaimResult]:
+        first: dict[tuple[str, str, str], Claim] = {}
+        for c in claims:
+            first.setdefault((c.group, c.topic, c.key), c)
+        fresh = []
+        for k in sorted(first):
+            c = first[k]
+            lease_until = now + c.lease_s
+            fresh.append((*k, Status.CONSUMING.value, c.owner, 1, lease_until, c.payload_hash,
+                          now, now, lease_until + c.retention_s))
+        for i in range(0, len(fresh), 500):  # one statement per 500 rows: one round trip
+            chunk = fresh[i:i + 500]
+            cur.execute(self._sql(self.dialect.insert_absent.replace(
+                ROW, ", ".join([ROW] * len(chunk)))), [v for row in chunk for v in row])
+        by_gt: dict[tuple[str, str], list[str]] = defaultdict(list)
+        for g, t, k in sorted(first):
+            by_gt[(g, t)].append(k)
+        current: dict[tuple[str, str, str], Record] = {}
+        for (g, t), keys in by_gt.items():
+            cond, params = self._in("dkey", keys)
+            cur.execute(self._sql(f"SELECT {COLS} FROM {{t}} WHERE grp = ? AND topic = ? AND "
+                                  f"{cond}{self.dialect.lock}"), (g, t, *params))
+            for row in cur.fetchall():
+                rec = _row_record(row)
+                current[(rec.group, rec.topic, rec.key)] = rec
+        out = []
+        for c in claims:
+            k = (c.group, c.topic, c.key)
+            existing = current.get(k)
+            res, new = decide_claim(existing, c, now)
+            if new is not None:
+                if existing is None:  # cannot happen after the insert; stay correct anyway
+                    cur.execute(self._sql(self.dialect.insert_absent), _row_values(new))
+                else:
+                    cur.execute(self._sql(
+                        "UPDATE {t} SET status = ?, owner = ?, attempt = ?, lease_until = ?, "
+                        "payload_hash = ?, created_at = ?, updated_at = ?, expires_at = ? "
+                        "WHERE grp = ? AND topic = ? AND dkey = ? AND owner = ?"),
+                        (*_row_values(new)[3:], *k, existing.owner))
+                    if cur.rowcount != 1:
+                        raise StoreError(f"claim of {k} lost its row lock")
+                current[k] = new
+            out.append(res)
+        return out
+
+    # ------------------------------------------------------------------ compare-and-set
+    def _owned(self, cur: Any, now: float, tickets: Sequence[Ticket]
+               ) -> tuple[list[bool], list[str]]:
+        """Which tickets still own their record, and the owners whose record is
+        ``CONSUMING`` (locked until the end of the transaction)."""
+        cond, params = self._in("owner", sorted({t.owner for t in tickets}))
+        cur.execute(self._sql(f"SELECT grp, topic, dkey, owner, status FROM {{t}} WHERE {cond} "
+                              f"AND expires_at > ?{self.dialect.lock}"), (*params, now))
+        rows = {r[3]: (r[0], r[1], r[2], r[4]) for r in cur.fetchall()}
+        owned = [rows.get(t.owner, ("",) * 4)[:3] == (t.group, t.topic, t.key)
+                 for t in tickets]
+        consuming = sorted({t.owner for t, ok in zip(tickets, owned, strict=True)
+                            if ok and rows[t.owner][3] == Status.CONSUMING.value})
+        return owned, consuming
+
+    async def complete_many(self, tickets: Sequence[Ticket], retention_s: float) -> list[bool]:
+        if not tickets:
+            return []
+        return await self._run(self._complete_tx, list(tickets), retention_s)
+
+    def _complete_tx(self, cur: Any, now: float, tickets: list[Ticket], retention_s: float
+                     ) -> list[bool]:
+        owned, consuming = self._owned(cur, now, tickets)
+        if consuming:
+            cond, params = self._in("owner", consuming)
+            cur.execute(self._sql(f"UPDATE {{t}} SET status = ?, updated_at = ?, expires_at = ? "
+                                  f"WHERE {cond}"),
+                        (Status.CONSUMED.value, now, now + retention_s, *params))
+        return owned
+
+    async def release_many(self, tickets: Sequence[Ticket]) -> list[bool]:
+        if not tickets:
+            return []
+        return await self._run(self._release_tx, list(tickets))
+
+    def _release_tx(self, cur: Any, now: float, tickets: list[Ticket]) -> list[bool]:
+        _, consuming = self._owned(cur, now, tickets)
+        if consuming:
+            cond, params = self._in("owner", consuming)
+            cur.execute(self._sql(f"DELETE FROM {{t}} WHERE {cond}"), params)
+        released = set(consuming)
+        return [t.owner in released for t in tickets]
+
+    async def extend_many(self, tickets: Sequence[Ticket], lease_s: float,
+                          retention_s: float) -> list[bool]:
+        if not tickets:
+            return []
+        return await self._run(self._extend_tx, list(tickets), lease_s, retention_s)
+
+    def _extend_tx(self, cur: Any, now: float, tickets: list[Ticket], lease_s: float,
+                   retention_s: float) -> list[bool]:
+        _, consuming = self._owned(cur, now, tickets)
+        if consuming:
+            cond, params = self._in("owner", consuming)
+            cur.execute(self._sql(f"UPDATE {{t}} SET lease_until = ?, updated_at = ?, "
+                                  f"expires_at = ? WHERE {cond}"),
+                        (now + lease_s, now, now + lease_s + retention_s, *params))
+        extended = set(consuming)
+        return [t.owner in extended for t in tickets]
+
+    # ------------------------------------------------------------------ operator view
+    async def get(self, group: str, topic: str, key: str) -> Record | None:
+        def tx(cur: Any, now: float) -> Record | None:
+            cur.execute(self._sql(f"SELECT {COLS} FROM {{t}} WHERE grp = ? AND topic = ? AND "
+                                  "dkey = ? AND expires_at > ?"), (group, topic, key, now))
+            row = cur.fetchone()
+            return _row_record(row) if row else None
+
+        return await self._run(tx)
+
+    async def purge_expired(self, limit: int = 1000) -> int:
+        def tx(cur: Any, now: float) -> int:
+            cur.execute(self._sql(self.dialect.purge), (now, int(limit)))
+            return max(cur.rowcount, 0)
+
+        return await self._run(tx)
+
+    async def stats(self) -> StoreStats:
+        def tx(cur: Any, now: float) -> StoreStats:
+            cur.execute(self._sql("SELECT status, COUNT(*) FROM {t} WHERE expires_at > ? "
+                                  "GROUP BY status"), (now,))
+            counts = {s: int(n) for s, n in cur.fetchall()}
+            return StoreStats(counts.get("CONSUMING", 0), counts.get("CONSUMED", 0))
+
+        return await self._run(tx)
+
+    async def drop_table(self) -> None:
+        """Remove the table (tests and the operator's reset)."""
+        def tx(cur: Any, now: float) -> None:
+            cur.execute(self._sql("DROP TABLE IF EXISTS {t}"))
+
+        await self._run(tx)
+        self._schema_ready = False
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.get_running_loop().run_in_executor(None, self._close_all)
+
+    def _close_all(self) -> None:
+        self._executor.shutdown(wait=True)
+        with self._conns_lock:
+            conns, self._conns = self._conns, []
+        for conn in conns:
+            with contextlib.suppress(Exception):
+                conn.close()

@@ -1,0 +1,225 @@
+"""The dedup store protocol, its errors, an in-memory store and ``open_store(url)``.
+
+Every store applies the rules of ``record`` atomically, one batch per call (one round trip
+per listener batch where the store allows it). Time comes from the store's ``clock``
+(seconds, wall time by default): consumers sharing a store must have synchronised clocks;
+leases of a minute tolerate the usual skew of well under a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+from urllib.parse import parse_qs, urlsplit
+
+from .record import (
+    Claim,
+    ClaimResult,
+    Record,
+    Status,
+    Ticket,
+    decide_claim,
+    decide_complete,
+    decide_extend,
+    decide_release,
+)
+
+__all__ = ["DedupStore", "MemoryStore", "Purger", "StoreError", "StoreStats", "open_store"]
+
+log = logging.getLogger("onceq.idempotency")
+
+Clock = Callable[[], float]
+MAX_KEY_LEN = 255  # stores keep keys up to this many characters
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,50}")
+
+
+class StoreError(Exception):
+    """The dedup store could not answer (down, timed out, refused): nothing is known about
+    the records involved, so a consumer must not act as if a claim had succeeded."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    consuming: int  # records CONSUMING (live or expired, not past retention)
+    consumed: int  # records CONSUMED within retention
+
+
+@runtime_checkable
+class DedupStore(Protocol):
+    """What a dedup store does. Results come in the order of the requests."""
+
+    async def claim_many(self, claims: Sequence[Claim]) -> list[ClaimResult]: ...
+
+    async def complete_many(self, tickets: Sequence[Ticket], retention_s: float
+                            ) -> list[bool]: ...
+
+    async def release_many(self, tickets: Sequence[Ticket]) -> list[bool]: ...
+
+    async def extend_many(self, tickets: Sequence[Ticket], lease_s: float,
+                          retention_s: float) -> list[bool]: ...
+
+    async def get(self, group: str, topic: str, key: str) -> Record | None: ...
+
+    async def purge_expired(self, limit: int = 1000) -> int: ...
+
+    async def stats(self) -> StoreStats: ...
+
+    async def close(self) -> None: ...
+
+
+def check_name(name: str, what: str = "table") -> str:
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"invalid {what} name {name!r}: letters, digits and _ (max 51)")
+    return name
+
+
+class Purger:
+    """Runs ``purge(limit)`` in the background at most every ``interval_s`` (0: never), one
+    run at a time, when ``poke()`` is called (from a listener call: no timer to manage)."""
+
+    def __init__(self, purge: Callable[[int], Awaitable[int]], interval_s: float, limit: int,
+                 stats: Counter[str]) -> None:
+        self.purge = purge
+        self.interval_s = interval_s
+        self.limit = limit
+        self.stats = stats
+        self._last = time.monotonic()
+        self._task: asyncio.Task[None] | None = None
+
+    def poke(self) -> None:
+        if not self.interval_s or (self._task is not None and not self._task.done()):
+            return
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            return
+        self._last = now
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        try:
+            self.stats["purged"] += await self.purge(self.limit)
+        except StoreError as exc:
+            log.warning("purge of expired dedup records failed: %s", exc)
+
+    async def wait(self) -> None:
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+
+
+class MemoryStore:
+    """A store inside one process (tests, single-process tools): the rules of ``record``
+    applied to a dict. Records do not survive the process."""
+
+    def __init__(self, clock: Clock = time.time) -> None:
+        self.clock = clock
+        self._recs: dict[tuple[str, str, str], Record] = {}
+
+    async def claim_many(self, claims: Sequence[Claim]) -> list[ClaimResult]:
+        now = self.clock()
+        out = []
+        for c in claims:
+            k = (c.group, c.topic, c.key)
+            res, new = decide_claim(self._recs.get(k), c, now)
+            if new is not None:
+                self._recs[k] = new
+            out.append(res)
+        return out
+
+    def _cas(self, tickets: Sequence[Ticket], apply: Callable[[Record | None, str, float],
+                                                              tuple[bool, Record | None]]
+             ) -> list[bool]:
+        now = self.clock()
+        out = []
+        for t in tickets:
+            k = (t.group, t.topic, t.key)
+            ok, new = apply(self._recs.get(k), t.owner, now)
+            if new is not None:
+                self._recs[k] = new
+            out.append(ok)
+        return out
+
+    async def complete_many(self, tickets: Sequence[Ticket], retention_s: float) -> list[bool]:
+        return self._cas(tickets, lambda r, o, now: decide_complete(r, o, now, retention_s))
+
+    async def release_many(self, tickets: Sequence[Ticket]) -> list[bool]:
+        now = self.clock()
+        out = []
+        for t in tickets:
+            k = (t.group, t.topic, t.key)
+            ok = decide_release(self._recs.get(k), t.owner, now)
+            if ok:
+                del self._recs[k]
+            out.append(ok)
+        return out
+
+    async def extend_many(self, tickets: Sequence[Ticket], lease_s: float,
+                          retention_s: float) -> list[bool]:
+        return self._cas(tickets,
+                         lambda r, o, now: decide_extend(r, o, now, lease_s, retention_s))
+
+    async def get(self, group: str, topic: str, key: str) -> Record | None:
+        rec = self._recs.get((group, topic, key))
+        return rec if rec is not None and rec.alive(self.clock()) else None
+
+    async def purge_expired(self, limit: int = 1000) -> int:
+        now = self.clock()
+        dead = [k for k, r in self._recs.items() if not r.alive(now)][:limit]
+        for k in dead:
+            del self._recs[k]
+        return len(dead)
+
+    async def stats(self) -> StoreStats:
+        now = self.clock()
+        live = [r for r in self._recs.values() if r.alive(now)]
+        return StoreStats(sum(r.status is Status.CONSUMING for r in live),
+                          sum(r.status is Status.CONSUMED for r in live))
+
+    async def close(self) -> None:
+        pass
+
+
+def open_store(url: str, *, clock: Clock = time.time, **options: object) -> DedupStore:
+    """A store from its URL; the connection opens on first use.
+
+    * ``memory://`` (one process only)
+    * ``sqlite:///relative/path.db``, ``sqlite:////absolute/path.db``, ``sqlite://`` or
+      ``sqlite:///:memory:`` (in memory)
+    * ``redis://[user:password@]host[:port][/db]``
+    * ``mysql://user[:password]@host[:port]/database`` (MariaDB or MySQL)
+    * ``postgresql://user[:password]@host[:port]/database``
+
+    ``?table=NAME`` (SQL, default ``onceq_dedup``) or ``?prefix=TEXT`` (Redis, default
+    ``onceq:dedup:``) in the URL, or the same as keyword options, keep several users apart.
+    """
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+    opts = {**query, **options}
+    if scheme == "memory":
+        return MemoryStore(clock)
+    if scheme == "sqlite":
+        from .sql import SqlStore, sqlite_dialect
+
+        path = url.split("://", 1)[1].split("?", 1)[0]
+        path = path[1:] if path.startswith("/") else path
+        return SqlStore(sqlite_dialect(path or ":memory:"), clock=clock, **opts)  # type: ignore[arg-type]
+    if scheme in ("mysql", "mariadb", "mysql+pymysql"):
+        from .sql import SqlStore, mysql_dialect
+
+        return SqlStore(mysql_dialect(parts), clock=clock, **opts)  # type: ignore[arg-type]
+    if scheme in ("postgresql", "postgres"):
+        from .sql import SqlStore, postgres_dialect
+
+        return SqlStore(postgres_dialect(parts), clock=clock, **opts)  # type: ignore[arg-type]
+    if scheme in ("redis", "rediss", "unix"):
+        from .redis_store import RedisStore
+
+        return RedisStore(url.split("?", 1)[0], clock=clock, **opts)  # type: ignore[arg-type]
+    raise ValueError(f"unknown dedup store URL scheme {scheme!r} in {url!r}: use memory, "
+                     "sqlite, redis, mysql or postgresql")

@@ -1,0 +1,234 @@
+"""Transactional exactly-once: the dedup row and the business writes commit together.
+
+``transactional(handler, db=URL)`` is a push-consumer listener for effects that all live in
+one SQL database (SQLite, MariaDB/MySQL, PostgreSQL). Per listener batch, on one
+connection and in one transaction:
+
+1. for each message, under a savepoint: insert its dedup row (group, topic, key, payload
+   hash, time). A row already there means "already done": the message is acknowledged
+   without running the handler (or sent to the DLQ when its payload differs);
+2. otherwise ``handler(message, connection)`` makes the business writes on the same
+   connection (it must not commit or roll back). If it raises, the savepoint is rolled
+   back (its writes and the dedup row vanish) and this message and the rest of the batch
+   are retried;
+3. one commit makes the dedup rows and the writes durable together.
+
+A crash before the commit leaves nothing behind and the redelivery runs the handler; after
+the commit the redelivery finds the rows. Two consumers with the same message at once:
+the second insert waits on the first transaction's row (SQLite serialises writers) and
+then finds it. No lease and no ambiguous outcome: the database decides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from ..client.push import ConsumeContext, ConsumeStatus, PushConsumer
+from ..log.record import Message as MessageExt
+from .dialects import Dialect, mysql_dialect, postgres_dialect, sqlite_dialect
+from .listener import DEFAULT_RETENTION_S, KeySpec, _stored_key, key_function
+from .policy import Verdict, batch_reply
+from .record import payload_hash
+from .retention import check_against_broker
+from .sql import SqlStore
+from .store import Purger, StoreError, check_name
+
+__all__ = ["TransactionalListener", "transactional"]
+
+log = logging.getLogger("onceq.idempotency")
+
+Handler = Callable[[MessageExt, Any], None]
+
+
+def _done_schema(dialect: str) -> Callable[[str], list[str]]:
+    double = {"sqlite": "REAL", "postgresql": "DOUBLE PRECISION"}.get(dialect, "DOUBLE")
+    key = "TEXT" if dialect == "sqlite" else "VARCHAR(128)"
+    dkey = "TEXT" if dialect == "sqlite" else "VARCHAR(255)"
+    extra = (" ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
+             if dialect == "mysql" else "")
+
+    def make(t: str) -> list[str]:
+        idx = f", INDEX {t}_created (created_at)" if dialect == "mysql" else ""
+        stmts = [f"CREATE TABLE IF NOT EXISTS {t} (grp {key} NOT NULL, topic {key} NOT NULL, "
+                 f"dkey {dkey} NOT NULL, payload_hash VARCHAR(64) NOT NULL, created_at "
+                 f"{double} NOT NULL, PRIMARY KEY (grp, topic, dkey){idx}){extra}"]
+        if dialect != "mysql":
+            stmts.append(f"CREATE INDEX IF NOT EXISTS {t}_created ON {t} (created_at)")
+        return stmts
+    return make
+
+
+def _dialect(url: str) -> Dialect:
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme == "sqlite":
+        path = url.split("://", 1)[1].split("?", 1)[0]
+        path = path[1:] if path.startswith("/") else path
+        if not path or path == ":memory:":
+            raise ValueError("transactional mode needs a database file, not :memory:")
+        d = sqlite_dialect(path)
+        insert = "INSERT INTO {t} (grp, topic, dkey, payload_hash, created_at) VALUES " \
+                 "(?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
+        purge = ("DELETE FROM {t} WHERE rowid IN (SELECT rowid FROM {t} WHERE created_at < ? "
+                 "LIMIT ?)")
+    elif scheme in ("mysql", "mariadb"):
+        d = mysql_dialect(parts)
+        # rowcount 0 on a duplicate (ON DUPLICATE KEY UPDATE counts found rows here)
+        insert = "INSERT IGNORE INTO {t} (grp, topic, dkey, payload_hash, created_at) " \
+                 "VALUES (?, ?, ?, ?, ?)"
+        purge = "DELETE FROM {t} WHERE created_at < ? LIMIT ?"
+    elif scheme in ("postgresql", "postgres"):
+        d = postgres_dialect(parts)
+        insert = "INSERT INTO {t} (grp, topic, dkey, payload_hash, created_at) VALUES " \
+                 "(?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
+        purge = ("DELETE FROM {t} WHERE ctid IN (SELECT ctid FROM {t} WHERE created_at < ? "
+                 "LIMIT ?)")
+    else:
+        raise ValueError(f"transactional mode needs sqlite, mysql or postgresql, not {scheme!r}")
+    return dataclasses.replace(d, schema=_done_schema(d.name), insert_absent=insert,
+                               purge=purge)
+
+
+class TransactionalListener:
+    """A listener wrapped by ``transactional``; ``stats`` counts what happened."""
+
+    def __init__(self, handler: Handler, *, db: str, key: KeySpec = None,
+                 group: str | None = None, table: str = "onceq_done",
+                 retention_s: float = DEFAULT_RETENTION_S, check_payload: bool = True,
+                 pool_size: int | None = None, strict_retention: bool = True,
+                 purge_interval_s: float = 60.0, purge_limit: int = 1000,
+                 clock: Callable[[], float] = time.time) -> None:
+        query = {k: v[-1] for k, v in parse_qs(urlsplit(db).query).items()}
+        self.handler = handler
+        self.table = check_name(query.get("table", table))
+        self.engine = SqlStore(_dialect(db), clock=clock, table=self.table,
+                               pool_size=pool_size)
+        self.key_of = key_function(key)
+        self.group = group
+        self.retention_s = retention_s
+        self.check_payload = check_payload
+        self.strict_retention = strict_retention
+        self.horizon_s: float | None = None
+        self.stats: Counter[str] = Counter()
+        self._purger = Purger(self.purge_expired, purge_interval_s, purge_limit, self.stats)
+
+    async def on_consumer_start(self, consumer: PushConsumer) -> None:
+        """Called by ``PushConsumer.start()``: the rows must outlive every redelivery."""
+        self.horizon_s = await check_against_broker(
+            consumer.address, self.retention_s, consumer.config.max_reconsume,
+            strict=self.strict_retention)
+
+    async def __call__(self, msgs: list[MessageExt], ctx: ConsumeContext) -> ConsumeStatus:
+        group = self.group or ctx.group
+        if not group:
+            raise ValueError("transactional(): no consumer group (pass group=...)")
+        self._purger.poke()
+        items: list[tuple[MessageExt, str | None]] = []
+        for m in msgs:
+            try:
+                items.append((m, _stored_key(self.key_of(m))))
+            except Exception as exc:
+                log.warning("no dedup key for %s@%d (%s): to the DLQ", m.topic,
+                            m.queue_offset, exc)
+                items.append((m, None))
+        try:
+            # not grouped with other batches: a failed group would run handlers twice
+            verdicts, counts = await self.engine._run(self._batch_tx, group, items,
+                                                      coalesce=False)
+        except StoreError as exc:
+            self.stats["store_errors"] += 1
+            log.warning("transaction failed, batch of %d consumed later: %s", len(msgs), exc)
+            return ConsumeStatus.RECONSUME_LATER
+        self.stats.update(counts)  # here, on the event loop: counted once, after the commit
+        ack_index, delay = batch_reply(verdicts)
+        ctx.ack_index = ack_index
+        ctx.delay_level = delay
+        return ConsumeStatus.SUCCESS
+
+    def _batch_tx(self, cur: Any, now: float, group: str,
+                  items: list[tuple[MessageExt, str | None]]
+                  ) -> tuple[list[Verdict], Counter[str]]:
+        sql = self.engine._sql
+        conn = cur.connection
+        verdicts: list[Verdict] = []
+        counts: Counter[str] = Counter()
+        for m, key in items:
+            if key is None:
+                verdicts.append(Verdict.DLQ)
+                counts["no_key"] += 1
+                continue
+            ph = payload_hash(m.body)
+            cur.execute("SAVEPOINT onceq_msg")
+            cur.execute(sql(self.engine.dialect.insert_absent), (group, m.topic, key, ph, now))
+            if cur.rowcount == 0:  # already done (committed by someone, or earlier here)
+                cur.execute(sql("SELECT payload_hash FROM {t} WHERE grp = ? AND topic = ? "
+                                "AND dkey = ?"), (group, m.topic, key))
+                row = cur.fetchone()
+                cur.execute("RELEASE SAVEPOINT onceq_msg")
+                if (self.check_payload and row is not None and row[0] and row[0] != ph):
+                    counts["conflict"] += 1
+                    log.error("%s@%d key %s to the DLQ: already seen with another payload",
+                              m.topic, m.queue_offset, key)
+                    verdicts.append(Verdict.DLQ)
+                else:
+                    counts["duplicate"] += 1
+                    verdicts.append(Verdict.ACK)
+                continue
+            try:
+                self.handler(m, conn)
+            except Exception:
+                log.exception("handler failed on %s@%d; its writes are rolled back, the "
+                              "message is retried", m.topic, m.queue_offset)
+                cur.execute("ROLLBACK TO SAVEPOINT onceq_msg")
+                cur.execute("RELEASE SAVEPOINT onceq_msg")
+                counts["failed"] += 1
+                verdicts += [Verdict.LATER] * (len(items) - len(verdicts))
+                break
+            cur.execute("RELEASE SAVEPOINT onceq_msg")
+            counts["handled"] += 1
+            verdicts.append(Verdict.ACK)
+        return verdicts, counts
+
+    async def purge_expired(self, limit: int = 1000) -> int:
+        """Remove up to ``limit`` rows older than the retention."""
+        def tx(cur: Any, now: float) -> int:
+            cur.execute(self.engine._sql(self.engine.dialect.purge),
+                        (now - self.retention_s, int(limit)))
+            return max(cur.rowcount, 0)
+
+        return await self.engine._run(tx)
+
+    async def drop_table(self) -> None:
+        await self.engine.drop_table()
+
+    async def close(self) -> None:
+        await self._purger.wait()
+        await self.engine.close()
+
+
+def transactional(handler: Handler, *, db: str, key: KeySpec = None,
+                  **options: Any) -> TransactionalListener:
+    """Wrap ``handler(message, connection)`` so that its database writes and the message's
+    dedup row commit in one transaction (exactly-once for effects inside that database)::
+
+        def handle(m, conn):
+            cur = conn.cursor()
+            cur.execute("UPDATE orders SET status = 'PAID' WHERE id = %s", (m.keys,))
+
+        consumer = PushConsumer(addr, "billing",
+                                transactional(handle, db="postgresql://app@db/shop"))
+
+    ``db``: ``sqlite:///path``, ``mysql://...``, ``postgresql://...`` (``?table=NAME``,
+    default ``onceq_done``). ``handler`` runs in a worker thread; it must not commit or
+    roll back. Options: ``key``, ``group``, ``retention_s`` (1 day), ``check_payload``,
+    ``pool_size`` (connections, 4; 1 for SQLite), ``strict_retention``,
+    ``purge_interval_s`` (60; 0: off) and ``purge_limit`` (1000): rows past retention are
+    removed in bounded batches.
+    """
+    return TransactionalListener(handler, db=db, key=key, **options)

@@ -1,0 +1,119 @@
+"""An idempotent push consumer in its own process, for tests that SIGKILL it mid-way.
+
+The business effect of a message is a row ``(key, pid)`` inserted into the table
+``effects`` of the SQLite file ``--effects`` (committed per message), so the parent counts
+effects after a kill. Offsets are committed only on shutdown or after long intervals
+(``--commit-interval``, long polling of ``--pull-suspend``): a SIGKILL lands after the
+effects and their ``CONSUMED`` records but before the offset commit. With
+``--hang-after-effect`` the handler never returns after its effect (a crash between the
+effect and ``CONSUMED``). With ``--transactional TABLE`` the effects are rows of TABLE in
+the ``--store`` database, written in the dedup rows' transaction (``--hang-after-effect``
+then hangs before the commit). Prints ``READY <client id>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sqlite3
+import sys
+import threading
+import time
+from typing import Any
+
+from onceq.client.push import PushConsumer
+from onceq.idempotency import idempotent
+
+
+class Effects:
+    """The business side: one row per effect, in a SQLite file shared with the test."""
+
+    def __init__(self, path: str) -> None:
+        self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False,
+                                     timeout=30)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("CREATE TABLE IF NOT EXISTS effects (key TEXT NOT NULL, "
+                           "pid INTEGER NOT NULL)")
+        self._lock = threading.Lock()
+
+    def apply(self, key: str) -> None:
+        with self._lock:
+            self._conn.execute("INSERT INTO effects VALUES (?, ?)", (key, os.getpid()))
+
+    def done(self, key: str) -> bool:
+        with self._lock:
+            return self._conn.execute("SELECT COUNT(*) FROM effects WHERE key = ?",
+                                      (key,)).fetchone()[0] > 0
+
+
+async def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--addr", required=True)
+    ap.add_argument("--group", required=True)
+    ap.add_argument("--topic", required=True)
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--table", default="onceq_dedup")
+    ap.add_argument("--effects", default=None)
+    ap.add_argument("--transactional", default=None, metavar="EFFECTS_TABLE",
+                    help="transactional mode: effects are rows of this table in the --store "
+                         "database, written in the dedup row's transaction")
+    ap.add_argument("--lease", type=float, default=60.0)
+    ap.add_argument("--commit-interval", type=float, default=3600.0)
+    ap.add_argument("--pull-suspend", type=float, default=60.0)
+    ap.add_argument("--rebalance-interval", type=float, default=20.0)
+    ap.add_argument("--max-reconsume", type=int, default=16)
+    ap.add_argument("--hang-after-effect", action="store_true")
+    ap.add_argument("--reconcile", action="store_true",
+                    help="ambiguous outcomes: ask the effects table whether it was done")
+    args = ap.parse_args(argv)
+    from onceq.idempotency import open_store, transactional
+
+    store: Any = None
+    if args.transactional:
+        mark = "?" if args.store.startswith("sqlite") else "%s"
+
+        def handle_tx(m, conn):  # inside the transaction of the dedup rows
+            conn.cursor().execute(f"INSERT INTO {args.transactional} (k, pid) VALUES "
+                                  f"({mark}, {mark})", (m.unique_key, os.getpid()))
+            if args.hang_after_effect:  # killed before the commit
+                time.sleep(3600)
+
+        listener: Any = transactional(handle_tx, db=args.store, table=args.table)
+    else:
+        effects = Effects(args.effects)
+
+        def handle(msgs, ctx):  # a plain function: runs in a worker thread
+            for m in msgs:
+                effects.apply(m.unique_key)
+            if args.hang_after_effect:
+                time.sleep(3600)
+
+        opt = {"prefix": args.table + ":"} if args.store.startswith("redis") else {
+            "table": args.table}
+        store = open_store(args.store, **opt)
+        opts: dict[str, Any] = {}
+        if args.reconcile:
+            opts["reconcile"] = lambda key, m: effects.done(key)
+        listener = idempotent(handle, store=store, lease_s=args.lease, **opts)
+    consumer = PushConsumer(args.addr, args.group, listener, consume_from="FIRST",
+                            commit_interval_s=args.commit_interval,
+                            pull_suspend_s=args.pull_suspend, consume_timeout_s=7200,
+                            rebalance_interval_s=args.rebalance_interval,
+                            max_reconsume=args.max_reconsume)
+    consumer.subscribe(args.topic, "*")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await consumer.start()
+    print(f"READY {consumer.client_id}", flush=True)
+    await stop.wait()
+    await consumer.shutdown()
+    await (store or listener).close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))
