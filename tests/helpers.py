@@ -15,6 +15,7 @@ from onceq.broker.broker import Broker
 from onceq.broker.config import BrokerConfig
 from onceq.storage.config import StoreConfig
 from onceq.storage.files import OS_FILES, FileOps
+from onceq.storage.store import MessageStore
 
 
 def small_store(data_dir: str, **kw: Any) -> StoreConfig:
@@ -71,3 +72,12 @@ def spawn_broker(data_dir: str, *args: str, port: int | None = None,
             time.sleep(0.05)
     proc.kill()
     raise RuntimeError("broker did not start")
+
+
+def kill_store(store: MessageStore) -> None:
+    """Drop a store as a killed process would: no checkpoint, no offsets snapshot, no
+    fsync (the page cache keeps what was written)."""
+    store.log.close()
+    for cq in store.queues.values():
+        cq.close()
+    store.open_files.close_all()

@@ -24,6 +24,7 @@ from onceq.storage.config import StoreConfig
 from onceq.storage.store import MessageStore
 from tests.clock import FakeClock
 from tests.faultfiles import FaultFiles
+from tests.helpers import kill_store as kill
 
 SEG = 64 * 1024  # ~190 records of BODY bytes: the sends roll segments
 PER_FILE = 50  # index entries per file: the sends create index files
@@ -51,11 +52,6 @@ def open_store(root: str, files: FaultFiles, clock: FakeClock | None = None) -> 
     return store
 
 
-def kill(store: MessageStore) -> None:
-    """A killed process: no checkpoint, no fsync (the page cache keeps the writes)."""
-    store.log.close()
-    for cq in store.queues.values():
-        cq.close()
 
 
 class Ledger:

@@ -20,6 +20,7 @@ from onceq.storage.files import OS_FILES, FileOps
 from onceq.storage.store import MessageStore
 from onceq.storage.verify import verify_store
 from tests.clock import FakeClock
+from tests.helpers import kill_store as crash
 from tests.powercut import PowerCutFiles
 
 SEG = 64 * 1024
@@ -38,11 +39,6 @@ def open_store(root: str, files: FileOps = OS_FILES, **kw) -> MessageStore:
     return store
 
 
-def crash(store: MessageStore) -> None:
-    """A killed process: no checkpoint, no fsync (the page cache keeps the writes)."""
-    store.log.close()
-    for cq in store.queues.values():
-        cq.close()
 
 
 def body(i: int) -> bytes:

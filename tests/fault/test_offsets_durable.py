@@ -21,6 +21,7 @@ from onceq.storage.files import OS_FILES, FileOps
 from onceq.storage.store import MessageStore
 from tests.clock import FakeClock
 from tests.faultfiles import FaultFiles
+from tests.helpers import kill_store as crash
 from tests.helpers import running_broker, small_store
 from tests.powercut import PowerCutFiles
 
@@ -35,11 +36,6 @@ def open_store(root: str, files: FileOps = OS_FILES, **kw) -> MessageStore:
     return store
 
 
-def crash(store: MessageStore) -> None:
-    """A killed process: no checkpoint, no offsets snapshot, no fsync."""
-    store.log.close()
-    for cq in store.queues.values():
-        cq.close()
 
 
 def fill(store: MessageStore, topic: str, queues: int, n: int, tag: str = "") -> None:

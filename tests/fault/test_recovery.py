@@ -32,6 +32,7 @@ from onceq.storage.metadata import decode_checkpoint
 from onceq.storage.store import MessageStore
 from onceq.storage.verify import verify_store
 from tests.clock import FakeClock
+from tests.helpers import kill_store as crash
 
 SEG = 64 * 1024
 PER_FILE = 7
@@ -66,11 +67,6 @@ def open_store(path: str, clock: FakeClock) -> MessageStore:
     return store
 
 
-def crash(store: MessageStore) -> None:
-    """Drop the store as a killed process would: no checkpoint, no offsets, no fsync."""
-    store.log.close()
-    for cq in store.queues.values():
-        cq.close()
 
 
 def write_workload(store: MessageStore, rng: random.Random, clock: FakeClock) -> list[Written]:
