@@ -45,7 +45,7 @@ TX = {"tx_sqlite": "sqlite:///{dir}/shop.db", "tx_postgresql": URLS["postgresql"
 
 
 async def run_once(addr: str, store_kind: str, batch: int, n: int, tmp: str) -> float:
-    topic = f"bench_{store_kind}_{batch}"
+    topic = f"bench_{store_kind}_{batch}_{uuid.uuid4().hex[:6]}"
     async with Admin(addr) as admin:
         await admin.create_topic(topic, QUEUES)
     async with Producer(addr) as p:
