@@ -27,14 +27,19 @@ __all__ = ["RedisStore"]
 
 _FIELDS = ("st", "own", "att", "lu", "ph", "ca", "ua", "ex")
 
-# ARGV: now, then per key: owner, payload hash, check ("1"/"0"), lease end, expiry, ttl ms
+# ARGV: now, then one string holding, per key, six fields each ended by a newline: owner,
+# payload hash, check ("1"/"0"), lease end, expiry, ttl ms (one argument instead of six per
+# key: the client encodes and the server parses far fewer arguments)
 _CLAIM = """
 local now = tonumber(ARGV[1])
+local f = {}
+for v in string.gmatch(ARGV[2], '([^\\n]*)\\n') do f[#f + 1] = v end
+if #f ~= 6 * #KEYS then return redis.error_reply('onceq: bad claim arguments') end
 local out = {}
 for i, k in ipairs(KEYS) do
-  local b = 1 + (i - 1) * 6
-  local owner, ph, check = ARGV[b + 1], ARGV[b + 2], ARGV[b + 3]
-  local lu, ex, ttl = ARGV[b + 4], ARGV[b + 5], ARGV[b + 6]
+  local b = (i - 1) * 6
+  local owner, ph, check = f[b + 1], f[b + 2], f[b + 3]
+  local lu, ex, ttl = f[b + 4], f[b + 5], f[b + 6]
   local r = redis.call('HMGET', k, 'st', 'own', 'att', 'lu', 'ph', 'ca', 'ua', 'ex')
   local outcome
   if (not r[1]) or tonumber(r[8]) <= now then
@@ -69,16 +74,20 @@ end
 return out
 """
 
-# ARGV: now, mode, new lease end, new expiry, ttl ms, then the owners (one per key).
+# ARGV: now, mode, new lease end, new expiry, ttl ms, then the owners (one per key, each
+# ended by a newline, in one argument).
 # mode "complete": CONSUMING -> CONSUMED (already CONSUMED by the owner: ok, unchanged);
 # "release": delete a CONSUMING claim; "extend": push a CONSUMING claim's lease.
 _CAS = """
 local now, mode = tonumber(ARGV[1]), ARGV[2]
+local owners = {}
+for v in string.gmatch(ARGV[6], '([^\\n]*)\\n') do owners[#owners + 1] = v end
+if #owners ~= #KEYS then return redis.error_reply('onceq: bad owner arguments') end
 local out = {}
 for i, k in ipairs(KEYS) do
   local r = redis.call('HMGET', k, 'st', 'own', 'ex')
   local ok = 0
-  if r[2] == ARGV[5 + i] and r[3] and tonumber(r[3]) > now then
+  if r[2] == owners[i] and r[3] and tonumber(r[3]) > now then
     if r[1] == 'CONSUMING' then
       ok = 1
       if mode == 'complete' then
@@ -98,6 +107,11 @@ for i, k in ipairs(KEYS) do
 end
 return out
 """
+
+
+def _check_field(value: str) -> None:
+    if "\n" in value:  # the scripts' field separator
+        raise ValueError(f"owner token or payload hash with a newline: {value!r}")
 
 
 def _ttl_ms(expires_at: float, now: float) -> str:
@@ -142,16 +156,19 @@ class RedisStore:
         if not claims:
             return []
         now = self.clock()
-        args: list[Any] = [repr(now)]
+        fields: list[str] = []
         for c in claims:
             if len(c.key) > MAX_KEY_LEN:
                 raise ValueError(f"dedup key longer than {MAX_KEY_LEN} characters")
+            _check_field(c.owner)
+            _check_field(c.payload_hash)
             lease_until = now + c.lease_s
             expires_at = lease_until + c.retention_s
-            args += [c.owner, c.payload_hash, "1" if c.check_payload else "0",
-                     repr(lease_until), repr(expires_at), _ttl_ms(expires_at, now)]
+            fields += [c.owner, c.payload_hash, "1" if c.check_payload else "0",
+                       repr(lease_until), repr(expires_at), _ttl_ms(expires_at, now)]
         replies = await self._call(self._claim, [self._key(c.group, c.topic, c.key)
-                                                 for c in claims], args)
+                                                 for c in claims],
+                                   [repr(now), "\n".join(fields) + "\n"])
         out = []
         for c, reply in zip(claims, replies, strict=True):
             if isinstance(reply, str):
@@ -180,8 +197,10 @@ class RedisStore:
         now = self.clock()
         lease_until = now + lease_s
         expires_at = (lease_until if mode == "extend" else now) + retention_s
+        for t in tickets:
+            _check_field(t.owner)
         args = [repr(now), mode, repr(lease_until), repr(expires_at),
-                _ttl_ms(expires_at, now), *(t.owner for t in tickets)]
+                _ttl_ms(expires_at, now), "".join([t.owner + "\n" for t in tickets])]
         res = await self._call(self._cas_script,
                                [self._key(t.group, t.topic, t.key) for t in tickets], args)
         return [bool(x) for x in res]
