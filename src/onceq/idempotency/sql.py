@@ -315,6 +315,27 @@ class SqlStore:
 
     def _complete_tx(self, cur: Any, now: float, tickets: list[Ticket], retention_s: float
                      ) -> list[bool]:
+        if self.dialect.row_values_in:
+            # one statement in the common case: mark CONSUMED every row that is still
+            # CONSUMING under exactly (group, topic, key, owner) of a ticket; when it
+            # matched them all, every ticket won. Otherwise some were fenced off or had
+            # completed already: read which (the rows just marked are owned and alive).
+            distinct = sorted(set(tickets), key=lambda t: (t.group, t.topic, t.key, t.owner))
+            owners, oparams = self._in("owner", sorted({t.owner for t in distinct}))
+            cur.execute(self._sql(
+                f"UPDATE {{t}} SET status = ?, updated_at = ?, expires_at = ? WHERE {owners} "
+                f"AND (grp, topic, dkey, owner) IN (VALUES "
+                f"{', '.join(['(?, ?, ?, ?)'] * len(distinct))}) AND status = ? "
+                f"AND expires_at > ?"),
+                (Status.CONSUMED.value, now, now + retention_s, *oparams,
+                 *(v for t in distinct for v in (t.group, t.topic, t.key, t.owner)),
+                 Status.CONSUMING.value, now))
+            if cur.rowcount == len(distinct):
+                return [True] * len(tickets)
+            owned, consuming = self._owned(cur, now, tickets)
+            if consuming:  # cannot be: the update took every one of them
+                raise StoreError("complete: a claim escaped its update")
+            return owned
         owned, consuming = self._owned(cur, now, tickets)
         if consuming:
             cond, params = self._in("owner", consuming)
