@@ -5,9 +5,11 @@ A broker in its own process (async flush), a topic of 8 queues and N messages of
 produced first; then, in this process, one push consumer drains them (pull batch 32) with
 the no-op handler bare or wrapped by ``idempotent(..., store=URL)``. Throughput is N / (time
 from start to the last message handled). Each configuration runs on a fresh topic and a
-fresh dedup table (or key prefix). One run; compare the ratios to "none" within a run.
+fresh dedup table (or key prefix). ``--runs R`` repeats every configuration R times, in
+rounds; rates are medians, and ratios the median of each round's ratio to that round's
+"none" (on a shared machine the rates move between rounds; compare within a round).
 
-Usage: python benchmarks/idempotency.py [--n 20000] [--stores none,sqlite,redis,...]
+Usage: python benchmarks/idempotency.py [--n 20000] [--runs 1] [--stores none,sqlite,...]
 (stores: none, sqlite, sqlite_normal (synchronous=NORMAL), redis, mysql, postgresql,
 tx_sqlite, tx_postgresql: the transactional mode with a handler that writes nothing)
 Prints one JSON document.
@@ -19,6 +21,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -45,7 +48,7 @@ TX = {"tx_sqlite": "sqlite:///{dir}/shop.db", "tx_postgresql": URLS["postgresql"
 
 
 async def run_once(addr: str, store_kind: str, batch: int, n: int, tmp: str) -> float:
-    topic = f"bench_{store_kind}_{batch}"
+    topic = f"bench_{store_kind}_{batch}_{uuid.uuid4().hex[:6]}"
     async with Admin(addr) as admin:
         await admin.create_topic(topic, QUEUES)
     async with Producer(addr) as p:
@@ -105,33 +108,44 @@ async def run_once(addr: str, store_kind: str, batch: int, n: int, tmp: str) -> 
 
 async def main_async(a: argparse.Namespace) -> dict:
     stores = a.stores.split(",")
-    res: dict[str, dict[str, float]] = {}
+    runs: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory(prefix="onceq-idem-bench-") as d:
         broker, addr = start_broker(os.path.join(d, "data"), "async")
         try:
-            for batch in (1, 32):
-                for kind in stores:
-                    n = a.n if batch == 32 else max(1000, a.n // 4)
-                    rate = await run_once(addr, kind, batch, n, d)
-                    res.setdefault(f"batch_{batch}", {})[kind] = round(rate)
+            for _ in range(a.runs):  # rounds: every configuration once per round
+                for batch in (1, 32):
+                    for kind in stores:
+                        n = a.n if batch == 32 else max(1000, a.n // 4)
+                        rate = await run_once(addr, kind, batch, n, d)
+                        runs.setdefault(f"batch_{batch}", {}).setdefault(kind, []).append(rate)
         finally:
             broker.terminate()
             broker.wait(60)
-    ratios = {b: {k: round(v / r["none"], 3) for k, v in r.items() if k != "none"}
-              for b, r in res.items() if "none" in r}
-    return {
+    res = {b: {k: round(statistics.median(v)) for k, v in r.items()} for b, r in runs.items()}
+    # each round's rate against the same round's "none" (run minutes apart at most), median
+    ratios = {b: {k: round(statistics.median(x / y for x, y in zip(v, r["none"], strict=True)),
+                           3)
+                  for k, v in r.items() if k != "none"}
+              for b, r in runs.items() if "none" in r}
+    out = {
         "workload": {"n_batch_32": a.n, "n_batch_1": max(1000, a.n // 4), "queues": QUEUES,
-                     "body_bytes": 100, "pull_batch": 32, "handler": "no-op"},
+                     "body_bytes": 100, "pull_batch": 32, "handler": "no-op", "runs": a.runs},
         "msg_per_s": res,
         "vs_no_dedup": ratios,
         "goal": "batch 32: SQLite and Redis dedup cost <= 15% (ratio >= 0.85), "
                 "transactional SQLite <= 30% (ratio >= 0.7)",
     }
+    if a.runs > 1:
+        out["msg_per_s_runs"] = {b: {k: [round(x) for x in v] for k, v in r.items()}
+                                 for b, r in runs.items()}
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=20_000)
+    ap.add_argument("--runs", type=int, default=1,
+                    help="rounds of every configuration; medians are reported")
     ap.add_argument("--stores", default="none,sqlite,sqlite_normal,redis,mysql,postgresql,"
                                         "tx_sqlite,tx_postgresql")
     print(json.dumps(asyncio.run(main_async(ap.parse_args())), indent=2))

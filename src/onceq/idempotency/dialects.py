@@ -31,6 +31,11 @@ class Dialect:
     errors: tuple[type[BaseException], ...] = ()
     sync_connect: Callable[[str], Callable[[], Any]] = lambda level: lambda: None
     array_in: bool = False  # ``= ANY(array)`` instead of ``IN (...)`` (PostgreSQL)
+    # the rowcount of ``insert_absent`` counts the rows inserted, not those already there
+    # (MySQL's ``ON DUPLICATE KEY UPDATE`` with FOUND_ROWS counts both: False)
+    counts_inserts: bool = False
+    # ``(a, b) IN (VALUES (?, ?), ...)`` works and uses the index of the other condition
+    row_values_in: bool = False
 
 
 
@@ -80,7 +85,8 @@ def sqlite_dialect(path: str, synchronous: str = "FULL") -> Dialect:
                    "LIMIT ?)", lock="", begin="BEGIN IMMEDIATE", param="?",
                    pool_size=1,  # writers are serialised by the database anyway
                    is_transient=lambda exc: "locked" in str(exc) or "busy" in str(exc),
-                   errors=(sqlite3.Error,), sync_connect=connector)
+                   errors=(sqlite3.Error,), sync_connect=connector, counts_inserts=True,
+                   row_values_in=True)
 
 
 def mysql_dialect(url: SplitResult) -> Dialect:
@@ -144,4 +150,4 @@ def postgres_dialect(url: SplitResult) -> Dialect:
                    _INSERT + " ON CONFLICT DO NOTHING",
                    "DELETE FROM {t} WHERE ctid IN (SELECT ctid FROM {t} WHERE expires_at <= ? "
                    "LIMIT ?)", is_transient=transient, errors=(psycopg.Error,),
-                   array_in=True)
+                   array_in=True, counts_inserts=True, row_values_in=True)

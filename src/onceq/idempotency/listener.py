@@ -155,12 +155,19 @@ class IdempotentListener:
                 return ConsumeStatus.RECONSUME_LATER
             return await self._unguarded(msgs, ctx, exc)
         to_run: list[tuple[int, Claim]] = []
+        claimed = 0
         for (i, c), res in zip(claims, results, strict=True):
+            if res.outcome is Outcome.CLAIMED:  # the common case: run, nothing to log
+                claimed += 1
+                to_run.append((i, c))
+                continue
             verdict = await self._verdict(msgs[i], c, res)
             if verdict is None:
                 to_run.append((i, c))
             else:
                 verdicts[i] = verdict
+        if claimed:
+            self.stats["claimed"] += claimed
         if to_run:
             for i, v in await self._run(msgs, ctx, to_run):
                 verdicts[i] = v

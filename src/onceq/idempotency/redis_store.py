@@ -15,9 +15,10 @@ cross-slot batches on a cluster).
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from .record import Claim, ClaimResult, Outcome, Record, Status, Ticket, decide_claim
@@ -27,14 +28,19 @@ __all__ = ["RedisStore"]
 
 _FIELDS = ("st", "own", "att", "lu", "ph", "ca", "ua", "ex")
 
-# ARGV: now, then per key: owner, payload hash, check ("1"/"0"), lease end, expiry, ttl ms
+# ARGV: now, then one string holding, per key, six fields each ended by a newline: owner,
+# payload hash, check ("1"/"0"), lease end, expiry, ttl ms (one argument instead of six per
+# key: the client encodes and the server parses far fewer arguments)
 _CLAIM = """
 local now = tonumber(ARGV[1])
+local f = {}
+for v in string.gmatch(ARGV[2], '([^\\n]*)\\n') do f[#f + 1] = v end
+if #f ~= 6 * #KEYS then return redis.error_reply('onceq: bad claim arguments') end
 local out = {}
 for i, k in ipairs(KEYS) do
-  local b = 1 + (i - 1) * 6
-  local owner, ph, check = ARGV[b + 1], ARGV[b + 2], ARGV[b + 3]
-  local lu, ex, ttl = ARGV[b + 4], ARGV[b + 5], ARGV[b + 6]
+  local b = (i - 1) * 6
+  local owner, ph, check = f[b + 1], f[b + 2], f[b + 3]
+  local lu, ex, ttl = f[b + 4], f[b + 5], f[b + 6]
   local r = redis.call('HMGET', k, 'st', 'own', 'att', 'lu', 'ph', 'ca', 'ua', 'ex')
   local outcome
   if (not r[1]) or tonumber(r[8]) <= now then
@@ -69,16 +75,20 @@ end
 return out
 """
 
-# ARGV: now, mode, new lease end, new expiry, ttl ms, then the owners (one per key).
+# ARGV: now, mode, new lease end, new expiry, ttl ms, then the owners (one per key, each
+# ended by a newline, in one argument).
 # mode "complete": CONSUMING -> CONSUMED (already CONSUMED by the owner: ok, unchanged);
 # "release": delete a CONSUMING claim; "extend": push a CONSUMING claim's lease.
 _CAS = """
 local now, mode = tonumber(ARGV[1]), ARGV[2]
+local owners = {}
+for v in string.gmatch(ARGV[6], '([^\\n]*)\\n') do owners[#owners + 1] = v end
+if #owners ~= #KEYS then return redis.error_reply('onceq: bad owner arguments') end
 local out = {}
 for i, k in ipairs(KEYS) do
   local r = redis.call('HMGET', k, 'st', 'own', 'ex')
   local ok = 0
-  if r[2] == ARGV[5 + i] and r[3] and tonumber(r[3]) > now then
+  if r[2] == owners[i] and r[3] and tonumber(r[3]) > now then
     if r[1] == 'CONSUMING' then
       ok = 1
       if mode == 'complete' then
@@ -98,6 +108,25 @@ for i, k in ipairs(KEYS) do
 end
 return out
 """
+
+
+_LANES = 2  # script calls of one kind in flight at once; more batches wait and merge
+_MERGE_MAX = 512  # keys per merged script call at most (a script blocks Redis while it runs)
+
+
+class _Lane:
+    """The batches of one kind of call waiting to be sent, and the calls in flight."""
+
+    __slots__ = ("active", "queue")
+
+    def __init__(self) -> None:
+        self.active = 0
+        self.queue: list[tuple[list[Any], asyncio.Future[Any]]] = []
+
+
+def _check_field(value: str) -> None:
+    if "\n" in value:  # the scripts' field separator
+        raise ValueError(f"owner token or payload hash with a newline: {value!r}")
 
 
 def _ttl_ms(expires_at: float, now: float) -> str:
@@ -128,6 +157,8 @@ class RedisStore:
                                         retry=Retry(ExponentialBackoff(0.5, 0.05), 2))
         self._claim = self._redis.register_script(_CLAIM)
         self._cas_script = self._redis.register_script(_CAS)
+        self._lanes: dict[tuple[Any, ...], _Lane] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def _key(self, group: str, topic: str, key: str) -> str:
         return f"{self.prefix}{group}:{topic}:{key}"
@@ -141,30 +172,47 @@ class RedisStore:
     async def claim_many(self, claims: Sequence[Claim]) -> list[ClaimResult]:
         if not claims:
             return []
-        now = self.clock()
-        args: list[Any] = [repr(now)]
         for c in claims:
             if len(c.key) > MAX_KEY_LEN:
                 raise ValueError(f"dedup key longer than {MAX_KEY_LEN} characters")
-            lease_until = now + c.lease_s
-            expires_at = lease_until + c.retention_s
-            args += [c.owner, c.payload_hash, "1" if c.check_payload else "0",
-                     repr(lease_until), repr(expires_at), _ttl_ms(expires_at, now)]
-        replies = await self._call(self._claim, [self._key(c.group, c.topic, c.key)
-                                                 for c in claims], args)
-        out = []
-        for c, reply in zip(claims, replies, strict=True):
-            if isinstance(reply, str):
-                outcome, found = reply, None
-            else:
-                outcome, *fields = reply
-                found = self._record(c.group, c.topic, c.key, fields)
-            res, _ = decide_claim(found, c, now)
-            if res.outcome is not Outcome(outcome):
-                raise StoreError(f"redis dedup store: the script said {outcome} where the "
-                                 f"rules say {res.outcome} for {c.key!r}")
-            out.append(res)
-        return out
+            _check_field(c.owner)
+            _check_field(c.payload_hash)
+        return await self._merged(("claim",), list(claims), self._claim_group)
+
+    async def _claim_group(self, batches: list[list[Claim]]
+                           ) -> list[list[ClaimResult] | BaseException]:
+        """The claims of several batches in one script call (each batch stays atomic:
+        the whole call is)."""
+        now = self.clock()
+        fields: list[str] = []
+        keys: list[str] = []
+        for batch in batches:
+            for c in batch:
+                lease_until = now + c.lease_s
+                expires_at = lease_until + c.retention_s
+                fields += [c.owner, c.payload_hash, "1" if c.check_payload else "0",
+                           repr(lease_until), repr(expires_at), _ttl_ms(expires_at, now)]
+                keys.append(self._key(c.group, c.topic, c.key))
+        replies = iter(await self._call(self._claim, keys,
+                                        [repr(now), "\n".join(fields) + "\n"]))
+        outs: list[list[ClaimResult] | BaseException] = []
+        for batch in batches:
+            out: list[ClaimResult] = []
+            error: BaseException | None = None
+            for c in batch:
+                reply = next(replies)
+                if isinstance(reply, str):
+                    outcome, found = reply, None
+                else:
+                    outcome, *rec = reply
+                    found = self._record(c.group, c.topic, c.key, rec)
+                res, _ = decide_claim(found, c, now)
+                if res.outcome is not Outcome(outcome) and error is None:
+                    error = StoreError(f"redis dedup store: the script said {outcome} where "
+                                       f"the rules say {res.outcome} for {c.key!r}")
+                out.append(res)
+            outs.append(out if error is None else error)
+        return outs
 
     @staticmethod
     def _record(group: str, topic: str, key: str, f: Sequence[Any]) -> Record | None:
@@ -177,14 +225,73 @@ class RedisStore:
                    retention_s: float = 0.0) -> list[bool]:
         if not tickets:
             return []
+        for t in tickets:
+            _check_field(t.owner)
+        return await self._merged((mode, lease_s, retention_s), list(tickets),
+                                  lambda batches: self._cas_group(mode, lease_s, retention_s,
+                                                                  batches))
+
+    async def _cas_group(self, mode: str, lease_s: float, retention_s: float,
+                         batches: list[list[Ticket]]) -> list[list[bool] | BaseException]:
         now = self.clock()
         lease_until = now + lease_s
         expires_at = (lease_until if mode == "extend" else now) + retention_s
+        tickets = [t for batch in batches for t in batch]
         args = [repr(now), mode, repr(lease_until), repr(expires_at),
-                _ttl_ms(expires_at, now), *(t.owner for t in tickets)]
-        res = await self._call(self._cas_script,
-                               [self._key(t.group, t.topic, t.key) for t in tickets], args)
-        return [bool(x) for x in res]
+                _ttl_ms(expires_at, now), "".join([t.owner + "\n" for t in tickets])]
+        res = iter(await self._call(self._cas_script,
+                                    [self._key(t.group, t.topic, t.key) for t in tickets], args))
+        return [[bool(next(res)) for _ in batch] for batch in batches]
+
+    async def _merged(self, kind: tuple[Any, ...], batch: list[Any],
+                      run: Callable[[list[list[Any]]], Awaitable[list[Any]]]) -> Any:
+        """Run ``batch`` through ``run`` together with the batches of the same kind that
+        other callers submit meanwhile: at most ``_LANES`` script calls of a kind are in
+        flight; batches that arrive while they are wait and then go in one call (one round
+        trip, one script run for many listener batches). ``run`` returns, per batch, its
+        result or the exception to raise to its caller."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        lane = self._lanes.setdefault(kind, _Lane())
+        lane.queue.append((batch, fut))
+        if lane.active < _LANES:
+            lane.active += 1
+            task = loop.create_task(self._drain(lane, run))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return await fut
+
+    async def _drain(self, lane: _Lane,
+                     run: Callable[[list[list[Any]]], Awaitable[list[Any]]]) -> None:
+        take: list[tuple[list[Any], asyncio.Future[Any]]] = []
+        try:
+            while lane.queue:
+                take, n = [], 0
+                while lane.queue and (not take or n + len(lane.queue[0][0]) <= _MERGE_MAX):
+                    item = lane.queue.pop(0)
+                    if item[1].done():  # its caller gave up (cancelled): not sent
+                        continue
+                    take.append(item)
+                    n += len(item[0])
+                if not take:
+                    continue
+                try:
+                    results = await run([b for b, _ in take])
+                except Exception as exc:  # the call failed: every batch in it fails
+                    results = [exc] * len(take)
+                for (_, fut), res in zip(take, results, strict=True):
+                    if fut.done():
+                        continue
+                    if isinstance(res, BaseException):
+                        fut.set_exception(res)
+                    else:
+                        fut.set_result(res)
+                take = []
+        finally:
+            lane.active -= 1
+            for _, fut in take:  # cancelled meanwhile (the loop is closing): nobody waits
+                if not fut.done():
+                    fut.set_exception(StoreError("redis dedup store: call cancelled"))
 
     async def complete_many(self, tickets: Sequence[Ticket], retention_s: float) -> list[bool]:
         return await self._cas("complete", tickets, retention_s=retention_s)

@@ -249,14 +249,23 @@ class SqlStore:
             lease_until = now + c.lease_s
             fresh.append((*k, Status.CONSUMING.value, c.owner, 1, lease_until, c.payload_hash,
                           now, now, lease_until + c.retention_s))
+        inserted = 0
         for i in range(0, len(fresh), 500):  # one statement per 500 rows: one round trip
             chunk = fresh[i:i + 500]
             cur.execute(self._sql(self.dialect.insert_absent.replace(
                 ROW, ", ".join([ROW] * len(chunk)))), [v for row in chunk for v in row])
-        by_gt: dict[tuple[str, str], list[str]] = defaultdict(list)
-        for g, t, k in sorted(first):
-            by_gt[(g, t)].append(k)
+            inserted += cur.rowcount
         current: dict[tuple[str, str, str], Record] = {}
+        if self.dialect.counts_inserts and inserted == len(fresh):
+            # every row was inserted by this claim (none existed, alive or not): the rows
+            # are the ones just written, no need to read them back (the common case)
+            for row in fresh:
+                current[row[:3]] = Record(row[0], row[1], row[2], Status.CONSUMING, *row[4:])
+            by_gt: dict[tuple[str, str], list[str]] = {}
+        else:
+            by_gt = defaultdict(list)
+            for g, t, k in sorted(first):
+                by_gt[(g, t)].append(k)
         for (g, t), keys in by_gt.items():
             cond, params = self._in("dkey", keys)
             cur.execute(self._sql(f"SELECT {COLS} FROM {{t}} WHERE grp = ? AND topic = ? AND "
@@ -306,6 +315,27 @@ class SqlStore:
 
     def _complete_tx(self, cur: Any, now: float, tickets: list[Ticket], retention_s: float
                      ) -> list[bool]:
+        if self.dialect.row_values_in:
+            # one statement in the common case: mark CONSUMED every row that is still
+            # CONSUMING under exactly (group, topic, key, owner) of a ticket; when it
+            # matched them all, every ticket won. Otherwise some were fenced off or had
+            # completed already: read which (the rows just marked are owned and alive).
+            distinct = sorted(set(tickets), key=lambda t: (t.group, t.topic, t.key, t.owner))
+            owners, oparams = self._in("owner", sorted({t.owner for t in distinct}))
+            cur.execute(self._sql(
+                f"UPDATE {{t}} SET status = ?, updated_at = ?, expires_at = ? WHERE {owners} "
+                f"AND (grp, topic, dkey, owner) IN (VALUES "
+                f"{', '.join(['(?, ?, ?, ?)'] * len(distinct))}) AND status = ? "
+                f"AND expires_at > ?"),
+                (Status.CONSUMED.value, now, now + retention_s, *oparams,
+                 *(v for t in distinct for v in (t.group, t.topic, t.key, t.owner)),
+                 Status.CONSUMING.value, now))
+            if cur.rowcount == len(distinct):
+                return [True] * len(tickets)
+            owned, consuming = self._owned(cur, now, tickets)
+            if consuming:  # cannot be: the update took every one of them
+                raise StoreError("complete: a claim escaped its update")
+            return owned
         owned, consuming = self._owned(cur, now, tickets)
         if consuming:
             cond, params = self._in("owner", consuming)

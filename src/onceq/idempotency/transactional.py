@@ -158,6 +158,8 @@ class TransactionalListener:
         conn = cur.connection
         verdicts: list[Verdict] = []
         counts: Counter[str] = Counter()
+        if self._all_fresh(cur, now, group, items):
+            return self._run_fresh(cur, conn, group, items)
         for m, key in items:
             if key is None:
                 verdicts.append(Verdict.DLQ)
@@ -187,6 +189,64 @@ class TransactionalListener:
                               "message is retried", m.topic, m.queue_offset)
                 cur.execute("ROLLBACK TO SAVEPOINT onceq_msg")
                 cur.execute("RELEASE SAVEPOINT onceq_msg")
+                counts["failed"] += 1
+                verdicts += [Verdict.LATER] * (len(items) - len(verdicts))
+                break
+            cur.execute("RELEASE SAVEPOINT onceq_msg")
+            counts["handled"] += 1
+            verdicts.append(Verdict.ACK)
+        return verdicts, counts
+
+    def _all_fresh(self, cur: Any, now: float, group: str,
+                   items: list[tuple[MessageExt, str | None]]) -> bool:
+        """Insert the batch's dedup rows in one statement (under a savepoint): True when
+        every one was new, so that each message only has to run; otherwise everything is
+        rolled back to the savepoint and the messages are taken one by one."""
+        rows = [(group, m.topic, key, payload_hash(m.body), now)
+                for m, key in items if key is not None]
+        if len(rows) < 2 or len({r[:3] for r in rows}) != len(rows):
+            return False  # nothing to gain, or a key twice in the batch: one by one
+        one = "(?, ?, ?, ?, ?)"
+        cur.execute("SAVEPOINT onceq_batch")
+        inserted = 0
+        for i in range(0, len(rows), 500):
+            chunk = rows[i:i + 500]
+            cur.execute(self.engine._sql(self.engine.dialect.insert_absent.replace(
+                one, ", ".join([one] * len(chunk)))), [v for r in chunk for v in r])
+            inserted += cur.rowcount
+        if inserted == len(rows):
+            cur.execute("RELEASE SAVEPOINT onceq_batch")
+            return True
+        cur.execute("ROLLBACK TO SAVEPOINT onceq_batch")
+        cur.execute("RELEASE SAVEPOINT onceq_batch")
+        return False
+
+    def _run_fresh(self, cur: Any, conn: Any, group: str,
+                   items: list[tuple[MessageExt, str | None]]
+                   ) -> tuple[list[Verdict], Counter[str]]:
+        """Run the handler on each message whose dedup row this transaction just inserted;
+        on a failure, its writes are rolled back and the rows of it and the rest of the
+        batch deleted (they are this transaction's own), and they are retried."""
+        verdicts: list[Verdict] = []
+        counts: Counter[str] = Counter()
+        for n, (m, key) in enumerate(items):
+            if key is None:
+                verdicts.append(Verdict.DLQ)
+                counts["no_key"] += 1
+                continue
+            cur.execute("SAVEPOINT onceq_msg")
+            try:
+                self.handler(m, conn)
+            except Exception:
+                log.exception("handler failed on %s@%d; its writes are rolled back, the "
+                              "message is retried", m.topic, m.queue_offset)
+                cur.execute("ROLLBACK TO SAVEPOINT onceq_msg")
+                cur.execute("RELEASE SAVEPOINT onceq_msg")
+                for m2, key2 in items[n:]:
+                    if key2 is not None:
+                        cur.execute(self.engine._sql("DELETE FROM {t} WHERE grp = ? AND "
+                                                     "topic = ? AND dkey = ?"),
+                                    (group, m2.topic, key2))
                 counts["failed"] += 1
                 verdicts += [Verdict.LATER] * (len(items) - len(verdicts))
                 break
