@@ -193,9 +193,15 @@ def test_many_keys_match_model(layout, seed, monkeypatch):
         if r < 0.4:
             seq.append(("add", rnd.choice(TOPICS), rnd.choice(keys), rnd.randrange(8),
                         rnd.randrange(10**9)))
-        elif r < 0.5:
-            seq.append(("batch", [(rnd.choice(TOPICS), rnd.choice(keys), rnd.randrange(8),
+        elif r < 0.5:  # half of them of producer-shaped keys only (the exact fast path)
+            pool = keys if rnd.random() < 0.5 else keys[:2000]
+            seq.append(("batch", [(rnd.choice(TOPICS), rnd.choice(pool), rnd.randrange(8),
                                    rnd.randrange(10**9)) for _ in range(rnd.randrange(60))]))
+        elif r < 0.6:
+            pool = keys if rnd.random() < 0.5 else keys[:2000]
+            seq.append(("put", rnd.choice(TOPICS), [rnd.choice(pool) for _ in
+                                                    range(rnd.randrange(1, 60))],
+                        rnd.randrange(8), rnd.random() < 0.3))
         elif r < 0.8:
             seq.append(("lookup", rnd.choice(TOPICS), rnd.choice(keys)))
         elif r < 0.9:

@@ -473,11 +473,21 @@ class DedupWindow:
         tids = list(map(known.__getitem__, topics))
         hex_key = _HEX_KEY
         hexdigits = _HEX_DIGITS
-        exact = [len(key) == hex_key and not key.translate(None, hexdigits) for key in keys]
-        digest = self._digest
-        idents = [unhexlify(key) if e else digest(key)
-                  for key, e in zip(keys, exact, strict=True)]
-        tidks = [t if e else t | _DIGEST_KIND for t, e in zip(tids, exact, strict=True)]
+        raw: bytes | None = b"".join(keys)
+        # the usual chunk: every key producer-shaped, made exact in one call
+        if (len(raw) == hex_key * k and max(map(len, keys)) == hex_key
+                and not raw.translate(None, hexdigits)):
+            raw = unhexlify(raw)
+            idents = [raw[i:i + _IDENT] for i in range(0, k * _IDENT, _IDENT)]
+            tidks = tids
+        else:
+            raw = None
+            exact = [len(key) == hex_key and not key.translate(None, hexdigits)
+                     for key in keys]
+            digest = self._digest
+            idents = [unhexlify(key) if e else digest(key)
+                      for key, e in zip(keys, exact, strict=True)]
+            tidks = [t if e else t | _DIGEST_KIND for t, e in zip(tids, exact, strict=True)]
         h32 = _H32
         hashes = [hash(ident) & h32 for ident in idents]
         # room: the oldest entries go first (the i-th add evicts when the window is full)
@@ -495,7 +505,8 @@ class DedupWindow:
             if lo == hi:
                 continue
             e = s + hi - lo
-            self._ident[s * _IDENT:e * _IDENT] = b"".join(idents[lo:hi])
+            self._ident[s * _IDENT:e * _IDENT] = raw[lo * _IDENT:hi * _IDENT] \
+                if raw is not None else b"".join(idents[lo:hi])
             self._tid[s:e] = array("I", tidks[lo:hi])
             self._hash[s:e] = array("I", hashes[lo:hi])
             self._queue[s:e] = array("H", queues[lo:hi])
