@@ -80,6 +80,19 @@ def _identity(key: bytes, tid: int, digest: _Digests) -> tuple[bytes, int]:
     return digest(key), tid | _DIGEST_KIND
 
 
+_SPLITS: dict[int, struct.Struct] = {}  # n -> the layout of n identities end to end
+
+
+def _split(raw: bytes, n: int) -> list[bytes] | tuple[bytes, ...]:
+    """The ``n`` identities laid end to end in ``raw``, as bytes objects."""
+    st = _SPLITS.get(n)
+    if st is None:
+        if len(_SPLITS) >= 256:
+            return [raw[i:i + _IDENT] for i in range(0, n * _IDENT, _IDENT)]
+        st = _SPLITS[n] = struct.Struct(f"{_IDENT}s" * n)
+    return st.unpack(raw)
+
+
 class Found:
     """The keys of one put, looked up at once (``TopicTable.find``): their identities, kept
     for ``DedupWindow.add_found`` so that no key's identity is computed twice."""
@@ -99,7 +112,7 @@ class Found:
                 self.raw = None
                 ident = digest(key) if key else b""
                 self.exact = [False]
-            self.idents = [ident]
+            self.idents: Sequence[bytes] = [ident]
             self.hashes = [hash(ident) & _H32]
             return
         raw = b"".join(keys)
@@ -109,7 +122,7 @@ class Found:
             raw = unhexlify(raw)
             self.raw: bytes | None = raw
             self.exact: list[bool] | None = None  # None: all exact
-            self.idents = [raw[i:i + _IDENT] for i in range(0, n * _IDENT, _IDENT)]
+            self.idents = _split(raw, n)
         else:
             hex_key = _HEX_KEY
             hexdigits = _HEX_DIGITS
@@ -478,7 +491,7 @@ class DedupWindow:
         if (len(raw) == hex_key * k and max(map(len, keys)) == hex_key
                 and not raw.translate(None, hexdigits)):
             raw = unhexlify(raw)
-            idents = [raw[i:i + _IDENT] for i in range(0, k * _IDENT, _IDENT)]
+            idents = _split(raw, k)
             tidks = tids
         else:
             raw = None
