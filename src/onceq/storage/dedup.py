@@ -80,6 +80,7 @@ def _identity(key: bytes, tid: int, digest: _Digests) -> tuple[bytes, int]:
     return digest(key), tid | _DIGEST_KIND
 
 
+_new = object.__new__
 _SPLITS: dict[int, struct.Struct] = {}  # n -> the layout of n identities end to end
 
 
@@ -103,18 +104,6 @@ class Found:
         self.keys = keys
         self.seqs: list[int] | None = None  # seq + 1 of each key's entry found (0: none)
         n = len(keys)
-        if n == 1:  # a batch of one: no per-batch costs
-            key = keys[0]
-            if len(key) == _HEX_KEY and not key.translate(None, _HEX_DIGITS):
-                self.raw = ident = unhexlify(key)
-                self.exact = None
-            else:
-                self.raw = None
-                ident = digest(key) if key else b""
-                self.exact = [False]
-            self.idents: Sequence[bytes] = [ident]
-            self.hashes = [hash(ident) & _H32]
-            return
         raw = b"".join(keys)
         # the usual batch: every key producer-shaped, made exact in one call
         if (len(raw) == _HEX_KEY * n and n and max(map(len, keys)) == _HEX_KEY
@@ -122,7 +111,7 @@ class Found:
             raw = unhexlify(raw)
             self.raw: bytes | None = raw
             self.exact: list[bool] | None = None  # None: all exact
-            self.idents = _split(raw, n)
+            self.idents: Sequence[bytes] = _split(raw, n)
         else:
             hex_key = _HEX_KEY
             hexdigits = _HEX_DIGITS
@@ -171,6 +160,8 @@ class TopicTable:
         """``get`` for each of ``keys`` (an empty key is never found), and the keys'
         identities for ``DedupWindow.add_found``."""
         w = self._window
+        if len(keys) == 1:
+            return self._find_one(keys)
         f = Found(keys, w._digest)
         n = len(keys)
         res: list[tuple[int, int, int] | None] = [None] * n
@@ -180,14 +171,9 @@ class TopicTable:
             return res, f
         bmask = w._bmask
         first = w._head
-        if n == 1:
-            vs = [heads[f.hashes[0] & bmask]]
-            if vs[0] <= first:
-                return res, f
-        else:
-            vs = [heads[h & bmask] for h in f.hashes]
-            if max(vs, default=0) <= first:  # the usual case: no key's bucket holds one
-                return res, f
+        vs = [heads[h & bmask] for h in f.hashes]
+        if max(vs, default=0) <= first:  # the usual case: no key's bucket holds an entry
+            return res, f
         base = w._base
         cap = w._cap
         hs = w._hash
@@ -214,6 +200,47 @@ class TopicTable:
                     break
                 v = nxt[s]
         return res, f
+
+    def _find_one(self, keys: Sequence[bytes]) -> tuple[list[tuple[int, int, int] | None],
+                                                         Found]:
+        """``find`` of one key, without its per-batch costs."""
+        w = self._window
+        f = _new(Found)
+        f.keys = keys
+        f.seqs = None
+        key = keys[0]
+        if len(key) == _HEX_KEY and not key.translate(None, _HEX_DIGITS):
+            f.raw = ident = unhexlify(key)
+            f.exact = None
+            exact = True
+        else:
+            f.raw = None
+            ident = w._digest(key) if key else b""
+            f.exact = [False]
+            exact = False
+        f.idents = (ident,)
+        h = hash(ident) & _H32
+        f.hashes = (h,)
+        tid = self._tid
+        if tid is None or not w._heads or not ident:
+            return [None], f
+        v = w._heads[h & w._bmask]
+        first = w._head
+        if v <= first:  # the usual case: an empty bucket, or only expired entries
+            return [None], f
+        tidk = tid if exact else tid | _DIGEST_KIND
+        base = w._base
+        cap = w._cap
+        hs = w._hash
+        nxt = w._next
+        while v > first:
+            s = (v - 1 - base) % cap
+            if hs[s] == h and w._tid[s] == tidk and \
+                    w._ident[s * _IDENT:s * _IDENT + _IDENT] == ident:
+                f.seqs = [v]
+                return [(w._queue[s], w._offset[s], w._ts[s])], f
+            v = nxt[s]
+        return [None], f
 
     def __contains__(self, key: bytes) -> bool:
         return self.get(key) is not None
