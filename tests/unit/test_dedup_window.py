@@ -103,6 +103,11 @@ ops = st.lists(st.one_of(
         st.sampled_from(TOPICS), st.sampled_from(KEYS), st.integers(0, 7),
         st.integers(0, 2**40)), max_size=20)),
     st.tuples(st.just("lookup"), st.sampled_from(TOPICS), st.sampled_from(KEYS)),
+    # a put's way: all keys looked up at once, then the new ones added (a found key too,
+    # when its record is no longer stored: ``stale``)
+    st.tuples(st.just("put"), st.sampled_from(TOPICS), st.lists(st.sampled_from(KEYS),
+                                                                max_size=20),
+              st.integers(0, 7), st.booleans()),
     st.tuples(st.just("expire")),
     st.tuples(st.just("drop"), st.sampled_from(TOPICS)),
     # steps that land exactly on the window's edge (0.5 s, 2 s, 10 s) as well as near it
@@ -132,6 +137,22 @@ def run_and_compare(sequence, window_s: float, max_keys: int) -> None:
             w.add_many([(t, k, q, off, now) for t, k, q, off in op[1]])
             for t, k, q, off in op[1]:
                 m.add(t, k, q, off, now)
+        elif kind == "put":
+            _k, topic, keys, q, stale = op
+            prevs, found = w.table(topic).find(keys)
+            which: list[int] = []
+            seen: set[bytes] = set()
+            for i, key in enumerate(keys):
+                if not key:
+                    continue
+                assert prevs[i] == m.lookup(topic, key)
+                if (prevs[i] is None or stale) and key not in seen:
+                    seen.add(key)
+                    which.append(i)
+            offsets = [1000 + i for i in which]
+            w.add_found(topic, found, which, q, offsets, now)
+            for i, off in zip(which, offsets, strict=True):
+                m.add(topic, keys[i], q, off, now)
         elif kind == "lookup":
             assert w.table(op[1]).get(op[2]) == m.lookup(op[1], op[2])
         elif kind == "expire":
@@ -172,9 +193,15 @@ def test_many_keys_match_model(layout, seed, monkeypatch):
         if r < 0.4:
             seq.append(("add", rnd.choice(TOPICS), rnd.choice(keys), rnd.randrange(8),
                         rnd.randrange(10**9)))
-        elif r < 0.5:
-            seq.append(("batch", [(rnd.choice(TOPICS), rnd.choice(keys), rnd.randrange(8),
+        elif r < 0.5:  # half of them of producer-shaped keys only (the exact fast path)
+            pool = keys if rnd.random() < 0.5 else keys[:2000]
+            seq.append(("batch", [(rnd.choice(TOPICS), rnd.choice(pool), rnd.randrange(8),
                                    rnd.randrange(10**9)) for _ in range(rnd.randrange(60))]))
+        elif r < 0.6:
+            pool = keys if rnd.random() < 0.5 else keys[:2000]
+            seq.append(("put", rnd.choice(TOPICS), [rnd.choice(pool) for _ in
+                                                    range(rnd.randrange(1, 60))],
+                        rnd.randrange(8), rnd.random() < 0.3))
         elif r < 0.8:
             seq.append(("lookup", rnd.choice(TOPICS), rnd.choice(keys)))
         elif r < 0.9:

@@ -80,6 +80,50 @@ def _identity(key: bytes, tid: int, digest: _Digests) -> tuple[bytes, int]:
     return digest(key), tid | _DIGEST_KIND
 
 
+_new = object.__new__
+_SPLITS: dict[int, struct.Struct] = {}  # n -> the layout of n identities end to end
+
+
+def _split(raw: bytes, n: int) -> list[bytes] | tuple[bytes, ...]:
+    """The ``n`` identities laid end to end in ``raw``, as bytes objects."""
+    st = _SPLITS.get(n)
+    if st is None:
+        if len(_SPLITS) >= 256:
+            return [raw[i:i + _IDENT] for i in range(0, n * _IDENT, _IDENT)]
+        st = _SPLITS[n] = struct.Struct(f"{_IDENT}s" * n)
+    return st.unpack(raw)
+
+
+class Found:
+    """The keys of one put, looked up at once (``TopicTable.find``): their identities, kept
+    for ``DedupWindow.add_found`` so that no key's identity is computed twice."""
+
+    __slots__ = ("exact", "hashes", "idents", "keys", "raw", "seqs")
+
+    def __init__(self, keys: Sequence[bytes], digest: _Digests) -> None:
+        self.keys = keys
+        self.seqs: list[int] | None = None  # seq + 1 of each key's entry found (0: none)
+        n = len(keys)
+        raw = b"".join(keys)
+        # the usual batch: every key producer-shaped, made exact in one call
+        if (len(raw) == _HEX_KEY * n and n and max(map(len, keys)) == _HEX_KEY
+                and not raw.translate(None, _HEX_DIGITS)):
+            raw = unhexlify(raw)
+            self.raw: bytes | None = raw
+            self.exact: list[bool] | None = None  # None: all exact
+            self.idents: Sequence[bytes] = _split(raw, n)
+        else:
+            hex_key = _HEX_KEY
+            hexdigits = _HEX_DIGITS
+            self.raw = None
+            self.exact = exact = [len(key) == hex_key and not key.translate(None, hexdigits)
+                                  for key in keys]
+            self.idents = [unhexlify(key) if e else digest(key) if key else b""
+                           for key, e in zip(keys, exact, strict=True)]
+        h32 = _H32
+        self.hashes = [hash(ident) & h32 for ident in self.idents]
+
+
 class TopicTable:
     """Lookups in one topic's part of the window: ``get(key)`` -> (queue, offset, ts_ms)."""
 
@@ -111,6 +155,92 @@ class TopicTable:
                 return w._queue[s], w._offset[s], w._ts[s]
             v = nxt[s]
         return None
+
+    def find(self, keys: Sequence[bytes]) -> tuple[list[tuple[int, int, int] | None], Found]:
+        """``get`` for each of ``keys`` (an empty key is never found), and the keys'
+        identities for ``DedupWindow.add_found``."""
+        w = self._window
+        if len(keys) == 1:
+            return self._find_one(keys)
+        f = Found(keys, w._digest)
+        n = len(keys)
+        res: list[tuple[int, int, int] | None] = [None] * n
+        tid = self._tid
+        heads = w._heads
+        if tid is None or not heads:
+            return res, f
+        bmask = w._bmask
+        first = w._head
+        vs = [heads[h & bmask] for h in f.hashes]
+        if max(vs, default=0) <= first:  # the usual case: no key's bucket holds an entry
+            return res, f
+        base = w._base
+        cap = w._cap
+        hs = w._hash
+        nxt = w._next
+        ring_tids = w._tid
+        ring_idents = w._ident
+        exact = f.exact
+        idents = f.idents
+        hashes = f.hashes
+        seqs = f.seqs = [0] * n
+        digest_tid = tid | _DIGEST_KIND
+        for i, v in enumerate(vs):
+            if v <= first or not idents[i]:
+                continue
+            h = hashes[i]
+            ident = idents[i]
+            tidk = tid if exact is None or exact[i] else digest_tid
+            while v > first:
+                s = (v - 1 - base) % cap
+                if hs[s] == h and ring_tids[s] == tidk and \
+                        ring_idents[s * _IDENT:s * _IDENT + _IDENT] == ident:
+                    res[i] = w._queue[s], w._offset[s], w._ts[s]
+                    seqs[i] = v
+                    break
+                v = nxt[s]
+        return res, f
+
+    def _find_one(self, keys: Sequence[bytes]) -> tuple[list[tuple[int, int, int] | None],
+                                                         Found]:
+        """``find`` of one key, without its per-batch costs."""
+        w = self._window
+        f = _new(Found)
+        f.keys = keys
+        f.seqs = None
+        key = keys[0]
+        if len(key) == _HEX_KEY and not key.translate(None, _HEX_DIGITS):
+            f.raw = ident = unhexlify(key)
+            f.exact = None
+            exact = True
+        else:
+            f.raw = None
+            ident = w._digest(key) if key else b""
+            f.exact = [False]
+            exact = False
+        f.idents = (ident,)
+        h = hash(ident) & _H32
+        f.hashes = (h,)
+        tid = self._tid
+        if tid is None or not w._heads or not ident:
+            return [None], f
+        v = w._heads[h & w._bmask]
+        first = w._head
+        if v <= first:  # the usual case: an empty bucket, or only expired entries
+            return [None], f
+        tidk = tid if exact else tid | _DIGEST_KIND
+        base = w._base
+        cap = w._cap
+        hs = w._hash
+        nxt = w._next
+        while v > first:
+            s = (v - 1 - base) % cap
+            if hs[s] == h and w._tid[s] == tidk and \
+                    w._ident[s * _IDENT:s * _IDENT + _IDENT] == ident:
+                f.seqs = [v]
+                return [(w._queue[s], w._offset[s], w._ts[s])], f
+            v = nxt[s]
+        return [None], f
 
     def __contains__(self, key: bytes) -> bool:
         return self.get(key) is not None
@@ -212,6 +342,120 @@ class DedupWindow:
             b = a + step
             self._add_chunk(topics[a:b], keys[a:b], queues[a:b], offsets[a:b], ts_ms[a:b])
 
+    def add_found(self, topic: str, found: Found, which: Sequence[int], queue_id: int,
+                  offsets: Sequence[int], ts_ms: int) -> None:
+        """``add_columns`` for the keys ``which`` (indexes, no key twice, none empty) of a
+        ``TopicTable.find`` of ``topic`` that nothing has changed since, all stored in
+        ``queue_id`` at ``ts_ms``, at ``offsets``."""
+        k = len(which)
+        max_keys = self.max_keys
+        if max_keys <= 0 or not k:
+            return
+        if k > max_keys:  # the batch evicts its own keys: the general way
+            self.add_columns([topic] * k, [found.keys[i] for i in which], [queue_id] * k,
+                             offsets, [ts_ms] * k)
+            return
+        if not self._heads:
+            self._alloc_heads()
+        tid = self._topics.get(topic)
+        if tid is None:
+            tid = self._topic(topic)
+        if k == 1:
+            self._add_found_one(tid, found, which[0], queue_id, offsets[0], ts_ms)
+            return
+        whole = k == len(found.idents)  # every key of the find (which is then 0..k-1)
+        idents = found.idents if whole else [found.idents[i] for i in which]
+        hashes = found.hashes if whole else [found.hashes[i] for i in which]
+        exact = found.exact
+        if exact is not None and not whole:
+            exact = [exact[i] for i in which]
+        free = max_keys - (self._tail - self._head)
+        if free < k:  # the oldest entries go first
+            self._evict([ts_ms] * (k - max(free, 0)))
+        if self._tail - self._head + k > self._cap:
+            self._grow_ring(min(max(self._cap * 2, _RING_MIN, self._tail - self._head + k),
+                                max_keys))
+        cap = self._cap
+        first = self._tail
+        s0 = (first - self._base) % cap
+        k1 = min(k, cap - s0)  # up to the ring's end, then from its start
+        raw = found.raw if whole else None
+        digest_tid = tid | _DIGEST_KIND
+        for s, lo, hi in ((s0, 0, k1), (0, k1, k)):
+            if lo == hi:
+                continue
+            e = s + hi - lo
+            m = hi - lo
+            self._ident[s * _IDENT:e * _IDENT] = raw[lo * _IDENT:hi * _IDENT] \
+                if raw is not None else b"".join(idents[lo:hi])
+            self._tid[s:e] = array("I", [tid]) * m if exact is None else \
+                array("I", [tid if x else digest_tid for x in exact[lo:hi]])
+            self._hash[s:e] = array("I", hashes[lo:hi])
+            self._queue[s:e] = array("H", [queue_id]) * m
+            self._offset[s:e] = array("q", offsets[lo:hi])
+            self._ts[s:e] = array("q", [ts_ms]) * m
+        self._tail = first + k
+        live = self._live
+        live[tid] += k
+        # link each entry in at the head of its bucket
+        heads = self._heads
+        bmask = self._bmask
+        nxt = self._next
+        bks = [h & bmask for h in hashes]
+        if k1 == k and len(set(bks)) == k:  # no wrap, no two in one bucket: all at once
+            nxt[s0:s0 + k] = array("Q", map(heads.__getitem__, bks))
+            for b, seq in zip(bks, range(first + 1, first + k + 1), strict=True):
+                heads[b] = seq
+        else:
+            seq = first
+            s = s0
+            for b in bks:
+                seq += 1  # seq + 1 of the entry
+                nxt[s] = heads[b]
+                heads[b] = seq
+                s += 1
+                if s == cap:
+                    s = 0
+        # an older copy the find saw, if still held, answers no more
+        seqs = found.seqs
+        if seqs is not None:
+            oldest = self._head
+            base = self._base
+            ring_tids = self._tid
+            for i in which:
+                v = seqs[i]
+                if v > oldest:
+                    ring_tids[(v - 1 - base) % cap] = _DEAD
+                    live[tid] -= 1
+
+    def _add_found_one(self, tid: int, found: Found, i: int, queue_id: int, offset: int,
+                       ts_ms: int) -> None:
+        """``add_found`` for one key, without its per-batch costs."""
+        if self._tail - self._head >= self.max_keys:
+            self._evict((ts_ms,))
+        if self._tail - self._head >= self._cap:
+            self._grow_ring()
+        h = found.hashes[i]
+        exact = found.exact
+        s = (self._tail - self._base) % self._cap
+        self._ident[s * _IDENT:s * _IDENT + _IDENT] = found.idents[i]
+        self._tid[s] = tid if exact is None or exact[i] else tid | _DIGEST_KIND
+        self._hash[s] = h
+        self._queue[s] = queue_id
+        self._offset[s] = offset
+        self._ts[s] = ts_ms
+        seq = self._tail = self._tail + 1  # seq + 1 of the new entry
+        heads = self._heads
+        b = h & self._bmask
+        self._next[s] = heads[b]
+        heads[b] = seq
+        live = self._live
+        live[tid] += 1
+        seqs = found.seqs
+        if seqs is not None and seqs[i] > self._head:  # an older copy answers no more
+            self._tid[(seqs[i] - 1 - self._base) % self._cap] = _DEAD
+            live[tid] -= 1
+
     def _alloc_heads(self) -> None:
         b = 1
         while b < min(self.max_keys, _MAX_BUCKETS):
@@ -269,11 +513,21 @@ class DedupWindow:
         tids = list(map(known.__getitem__, topics))
         hex_key = _HEX_KEY
         hexdigits = _HEX_DIGITS
-        exact = [len(key) == hex_key and not key.translate(None, hexdigits) for key in keys]
-        digest = self._digest
-        idents = [unhexlify(key) if e else digest(key)
-                  for key, e in zip(keys, exact, strict=True)]
-        tidks = [t if e else t | _DIGEST_KIND for t, e in zip(tids, exact, strict=True)]
+        raw: bytes | None = b"".join(keys)
+        # the usual chunk: every key producer-shaped, made exact in one call
+        if (len(raw) == hex_key * k and max(map(len, keys)) == hex_key
+                and not raw.translate(None, hexdigits)):
+            raw = unhexlify(raw)
+            idents = _split(raw, k)
+            tidks = tids
+        else:
+            raw = None
+            exact = [len(key) == hex_key and not key.translate(None, hexdigits)
+                     for key in keys]
+            digest = self._digest
+            idents = [unhexlify(key) if e else digest(key)
+                      for key, e in zip(keys, exact, strict=True)]
+            tidks = [t if e else t | _DIGEST_KIND for t, e in zip(tids, exact, strict=True)]
         h32 = _H32
         hashes = [hash(ident) & h32 for ident in idents]
         # room: the oldest entries go first (the i-th add evicts when the window is full)
@@ -291,7 +545,8 @@ class DedupWindow:
             if lo == hi:
                 continue
             e = s + hi - lo
-            self._ident[s * _IDENT:e * _IDENT] = b"".join(idents[lo:hi])
+            self._ident[s * _IDENT:e * _IDENT] = raw[lo * _IDENT:hi * _IDENT] \
+                if raw is not None else b"".join(idents[lo:hi])
             self._tid[s:e] = array("I", tidks[lo:hi])
             self._hash[s:e] = array("I", hashes[lo:hi])
             self._queue[s:e] = array("H", queues[lo:hi])

@@ -521,11 +521,14 @@ class MessageStore:
         build = build_record_parts
         seen_tags: dict[bytes, int] = {}
         window = dedup.table(topic) if use_dedup else None
+        if window is not None:  # every key looked up at once
+            found, looked_up = window.find([m[0] for m in metas])
+        batch_idx: list[int] = []  # the indexes of the keys in batch_keys
         try:  # a failed write (log, roll, index) leaves no trace: it is rolled back
             for i, part in enumerate(parts):
                 key, tags = metas[i]
                 if window is not None and key:
-                    prev = window.get(key)
+                    prev = found[i]
                     if prev is not None and self._still_stored(topic, prev[0], prev[1]):
                         dups.append(i)
                         dup_queues.append(prev[0])
@@ -538,6 +541,7 @@ class MessageStore:
                         offsets.append(first)
                         continue
                     batch_keys[key] = offset
+                    batch_idx.append(i)
                 size = fixed + len(part)
                 if size > room:  # a record never spans two segments
                     pos = log_.roll(records)
@@ -562,9 +566,8 @@ class MessageStore:
         if use_dedup and batch_keys:
             # only now that the records are written: a failed write must not turn the
             # producer's retry into a "duplicate" of a message that was never stored
-            n = len(batch_keys)
-            dedup.add_columns([topic] * n, list(batch_keys), [queue_id] * n,
-                              list(batch_keys.values()), [now_ms] * n)
+            dedup.add_found(topic, looked_up, batch_idx, queue_id, list(batch_keys.values()),
+                            now_ms)
             dedup.expire(now_ms)
         return PutResult(queue_id, offsets, dups, dup_queues, log_.end)
 
