@@ -142,8 +142,8 @@ class OnceqBatchReader(DataSourceReader):
         return parts
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, RangePartition)
-        yield from read_range(partition.range)
+        if isinstance(partition, RangePartition):  # Spark reads a placeholder when none
+            yield from read_range(partition.range)
 
 
 class OnceqStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -205,8 +205,8 @@ class OnceqStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return parts
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, RangePartition)
-        yield from read_range(partition.range)
+        if isinstance(partition, RangePartition):  # Spark reads a placeholder when none
+            yield from read_range(partition.range)
 
     # ------------------------------------------------------------------ progress
     def commit(self, end: dict) -> None:
