@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -230,3 +235,30 @@ def test_stream_stopped_mid_stream_resumes_without_gaps_or_duplicates(
     rows = spark.read.parquet(str(out)).collect()
     assert len(rows) == 400 and as_sent(rows) == sent
     assert first_run + rest >= 400  # a batch cut short by stop() is read again
+
+
+def test_stream_after_sigkill_of_the_spark_jvm_resumes_exactly(spark, broker_addr, tmp_path):
+    topic = "s_kill"
+    create_topic(broker_addr, topic, 2)
+    sent = produce(broker_addr, topic, 400)
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tests.spark.stream_proc", broker_addr, topic, str(out),
+         str(ckpt)], start_new_session=True, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, cwd=Path(__file__).resolve().parents[2])
+    try:
+        deadline = time.monotonic() + 90
+        commits = ckpt / "commits"
+        while time.monotonic() < deadline and child.poll() is None and not (
+                commits.is_dir() and len([p for p in commits.iterdir()
+                                          if p.name.isdigit()]) >= 2):
+            time.sleep(0.05)
+        assert child.poll() is None, "the streaming process ended by itself"
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)  # the driver and its JVM, mid-stream
+        child.wait(10)
+    done = len([p for p in commits.iterdir() if p.name.isdigit()])
+    assert 2 <= done < 10  # killed before the end (400 messages, 40 per batch)
+    _run_available_now(spark, broker_addr, topic, out, ckpt, maxMessagesPerTrigger="40")
+    rows = spark.read.parquet(str(out)).collect()
+    assert len(rows) == 400 and as_sent(rows) == sent
