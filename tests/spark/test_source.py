@@ -167,6 +167,15 @@ def test_stream_starts_latest_by_default(spark, broker_addr, tmp_path):
     assert sum(_run_available_now(spark, broker_addr, topic, out, ckpt)) == 10
     assert as_sent(pq.read_table(str(out)).to_pylist()) == sent
 
+    # a queue added to the topic is read from its start
+    create_topic(broker_addr, topic, 3)
+    with SyncProducer(broker_addr) as p:
+        for i in range(4):
+            r = p.send(topic, Message(f"new{i}".encode()), queue=2)
+            sent[(2, r.offset)] = (f"new{i}".encode(), "", "", {}, r.unique_key)
+    assert sum(_run_available_now(spark, broker_addr, topic, out, ckpt)) == 4
+    assert as_sent(pq.read_table(str(out)).to_pylist()) == sent
+
 
 def _wait_for_retention(addr: str, topic: str, above: int) -> int:
     deadline = time.monotonic() + 20

@@ -198,10 +198,12 @@ class OnceqStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
         topic = self.opts.topic
         begin, stop = from_offsets(topic, start), from_offsets(topic, end)
+        # a queue added to the topic since ``start`` begins at its earliest offset
+        added = self.planner.bounds([q for q in stop if q not in begin])
+        begin.update({q: lo for q, (lo, _hi) in added.items()})
         parts: list[InputPartition] = []
         for q in sorted(stop):
-            parts += [RangePartition(r)
-                      for r in self.planner.range(q, begin.get(q, 0), stop[q])]
+            parts += [RangePartition(r) for r in self.planner.range(q, begin[q], stop[q])]
         return parts
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
