@@ -11,7 +11,7 @@ import pyarrow as pa
 
 from ..client.pull import PullConsumer
 from ..protocol.codes import PullStatus
-from .arrow import to_record_batch
+from .arrow import records_to_batch
 from .options import check_loss
 
 log = logging.getLogger("onceq.spark")
@@ -41,7 +41,7 @@ async def pull_range(r: QueueRange) -> AsyncIterator[pa.RecordBatch]:
     try:
         offset = r.start
         stream = consumer.stream(r.topic, r.queue, r.start, r.pull_batch, suspend=0.0,
-                                 commit=False)
+                                 commit=False, decode=False)
         try:
             async for res in stream:
                 if res.status == PullStatus.OFFSET_MOVED:
@@ -55,9 +55,10 @@ async def pull_range(r: QueueRange) -> AsyncIterator[pa.RecordBatch]:
                     raise RuntimeError(
                         f"onceq: {r.topic}/{r.queue} ends at {res.max_offset} while offsets "
                         f"up to {r.end} were planned (was the topic deleted and re-created?)")
-                msgs = [m for m in res.messages if m.queue_offset < r.end]
-                if msgs:
-                    yield to_record_batch(msgs)
+                if res.payload:
+                    batch = records_to_batch(res.payload, r.verify_checksums, r.end)
+                    if batch.num_rows:
+                        yield batch
                 offset = res.next_offset
                 if offset >= r.end:
                     break
