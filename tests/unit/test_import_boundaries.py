@@ -12,6 +12,10 @@ The rules, for every import statement anywhere in a module (function bodies and
 * ``onceq.idempotency`` (dedup records and stores, used by consumers) imports the client
   side (``onceq.client``, ``onceq.protocol``, ``onceq.log``) and never ``onceq.storage``,
   ``onceq.broker`` or ``onceq.cli``.
+* ``onceq.spark`` (the PySpark data source) is a client too: never ``onceq.storage``,
+  ``onceq.broker`` or ``onceq.cli``.
+* Only ``onceq.spark`` imports ``pyspark``, ``pyarrow`` and ``numpy`` (the ``spark`` extra):
+  every other module works without them.
 
 A violation fails with the file, the line and the import.
 """
@@ -35,6 +39,14 @@ class Rule:
     allowed_onceq: frozenset[str] | None = None  # onceq subpackages it may import (None: any)
     forbidden_onceq: frozenset[str] = frozenset()
     allowed_third_party: frozenset[str] | None = None  # None: any
+    forbidden_third_party: frozenset[str] = frozenset()
+    exempt: frozenset[str] = frozenset()  # subpackages of ``package`` the rule skips
+
+    def applies_to(self, module: str) -> bool:
+        if module != self.package and not module.startswith(self.package + "."):
+            return False
+        return not any(module == f"{self.package}.{e}"
+                       or module.startswith(f"{self.package}.{e}.") for e in self.exempt)
 
     def why_not(self, target: str) -> str | None:
         """Why importing ``target`` (an absolute module name) breaks this rule, or None."""
@@ -47,6 +59,8 @@ class Rule:
                 allowed = ", ".join(f"onceq.{p}" for p in sorted(self.allowed_onceq))
                 return f"{self.package} may import from onceq only {allowed}"
             return None
+        if parts[0] in self.forbidden_third_party:
+            return f"only onceq.spark may import {parts[0]}"
         if (self.allowed_third_party is not None and parts[0] not in STDLIB
                 and parts[0] not in self.allowed_third_party):
             allowed = ", ".join(sorted(self.allowed_third_party)) or "nothing"
@@ -55,6 +69,8 @@ class Rule:
         return None
 
 
+SPARK_ONLY = frozenset({"pyspark", "pyarrow", "numpy"})
+
 RULES = [
     Rule("onceq.protocol", allowed_onceq=frozenset({"protocol"}),
          allowed_third_party=frozenset({"msgpack"})),
@@ -62,6 +78,8 @@ RULES = [
          allowed_third_party=frozenset({"msgpack"})),
     Rule("onceq.client", forbidden_onceq=frozenset({"storage", "broker", "cli"})),
     Rule("onceq.idempotency", forbidden_onceq=frozenset({"storage", "broker", "cli"})),
+    Rule("onceq.spark", forbidden_onceq=frozenset({"storage", "broker", "cli"})),
+    Rule("onceq", forbidden_third_party=SPARK_ONLY, exempt=frozenset({"spark"})),
 ]
 
 
@@ -104,7 +122,7 @@ def violations(path: Path, source: str, module: str, rules: list[Rule] = RULES
                ) -> list[str]:
     found = []
     for rule in rules:
-        if module != rule.package and not module.startswith(rule.package + "."):
+        if not rule.applies_to(module):
             continue
         for line, target, names in imported_modules(source, module,
                                                     path.name == "__init__.py"):
@@ -162,8 +180,8 @@ def test_protocol_and_log_reaching_out_are_reported():
     assert _check("onceq.protocol.frame", "from ..log.record import Message\n") == [
         "src/onceq/protocol/frame.py:1: imports onceq.log.record "
         "(onceq.protocol may import from onceq only onceq.protocol)"]
-    assert _check("onceq.protocol.frame", "import numpy as np\n") == [
-        "src/onceq/protocol/frame.py:1: imports numpy (onceq.protocol may import only the "
+    assert _check("onceq.protocol.frame", "import zstandard\n") == [
+        "src/onceq/protocol/frame.py:1: imports zstandard (onceq.protocol may import only the "
         "standard library and msgpack besides onceq)"]
     assert _check("onceq.log.record", "from ..client.message import Message\n") == [
         "src/onceq/log/record.py:1: imports onceq.client.message "
@@ -178,6 +196,20 @@ def test_idempotency_reaching_into_the_broker_side_is_reported():
                   "from ..client.push import ConsumeStatus\n") == [
         "src/onceq/idempotency/wrap.py:1: imports onceq.storage.dedup "
         "(onceq.idempotency must not import onceq.storage)"]
+
+
+def test_pyspark_outside_the_spark_package_is_reported():
+    assert _check("onceq.client.pull", "import pyarrow as pa\n"
+                  "from pyspark.sql.datasource import DataSource\n") == [
+        "src/onceq/client/pull.py:1: imports pyarrow (only onceq.spark may import pyarrow)",
+        "src/onceq/client/pull.py:2: imports pyspark.sql.datasource "
+        "(only onceq.spark may import pyspark)"]
+    assert _check("onceq.spark.reader", "import pyarrow as pa\n"
+                  "from pyspark.sql.datasource import DataSource\n"
+                  "from ..client.sync import SyncPullConsumer\n") == []
+    assert _check("onceq.spark.reader", "from ..broker.broker import Broker\n") == [
+        "src/onceq/spark/reader.py:1: imports onceq.broker.broker "
+        "(onceq.spark must not import onceq.broker)"]
 
 
 def test_allowed_imports_pass():

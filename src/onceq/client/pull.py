@@ -22,6 +22,7 @@ class PullResult:
     next_offset: int
     min_offset: int
     max_offset: int
+    payload: bytes = b""  # the stored records undecoded (``decode=False``)
 
 
 def default_client_id(instance: str = "DEFAULT") -> str:
@@ -61,8 +62,11 @@ class PullConsumer(BrokerClient):
             header["commit"] = commit_offset
         return header
 
-    def _result(self, hdr: dict[str, Any], payload: bytes, tag_list: list[str] | None
-                ) -> PullResult:
+    def _result(self, hdr: dict[str, Any], payload: bytes, tag_list: list[str] | None,
+                decode: bool = True) -> PullResult:
+        if not decode:
+            return PullResult(PullStatus(hdr["st"]), [], hdr["next"], hdr["min"], hdr["max"],
+                              payload)
         msgs = list(decode_records(payload, self.verify)) if payload else []
         if tag_list is not None:
             wanted = set(tag_list)
@@ -82,8 +86,8 @@ class PullConsumer(BrokerClient):
         return self._result(hdr, payload, tag_list)
 
     async def stream(self, topic: str, queue: int, offset: int, max_msgs: int = 32, *,
-                     tags: str | None = None, suspend: float = 15.0, commit: bool = True
-                     ) -> AsyncIterator[PullResult]:
+                     tags: str | None = None, suspend: float = 15.0, commit: bool = True,
+                     decode: bool = True) -> AsyncIterator[PullResult]:
         """Pull a queue continuously from ``offset``, one pull always in flight.
 
         The next pull is sent as soon as a result arrives, before the caller works on it, so
@@ -91,7 +95,9 @@ class PullConsumer(BrokerClient):
         carries the group's offset up to the batches the caller has finished (a batch is
         finished when the loop asks for the next one); commit the last batch yourself with
         ``commit_offset`` when you stop. Empty results (long polling timed out) are yielded
-        too, so the caller can stop.
+        too, so the caller can stop. Without ``decode`` a result carries the stored records
+        undecoded in ``payload`` (for a caller with its own decoder; ``tags`` is then only
+        the broker's hash filter).
         """
         tag_list = parse_tags(tags)
         conn = await self._connection()
@@ -105,7 +111,7 @@ class PullConsumer(BrokerClient):
                 fut = conn.send_request(RequestCode.PULL, self._pull_header(
                     topic, queue, hdr["next"], max_msgs, tag_list, suspend,
                     done if commit else None))
-                yield self._result(hdr, payload, tag_list)
+                yield self._result(hdr, payload, tag_list, decode)
                 done = hdr["next"]
         finally:
             fut.cancel()
