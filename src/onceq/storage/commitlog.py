@@ -345,6 +345,10 @@ class CommitLog:
             size -= n
         return out[0] if len(out) == 1 else b"".join(out)
 
+    def read_segment(self, seg: Segment, offset: int, size: int) -> bytes:
+        """Up to ``size`` data bytes of ``seg`` from data offset ``offset``."""
+        return self.files.pread(self._fd(seg), size, FILE_HEADER_SIZE + offset)
+
     def lost(self, position: int) -> bool:
         """Whether ``position`` lies in the log's range but in no segment (a lost file)."""
         if not self.start <= position < self.end:

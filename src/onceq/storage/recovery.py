@@ -20,7 +20,7 @@ from ..log.record import (
     check_record,
     record_matches,
 )
-from ..log.segment import DAMAGED_ENTRY_SIZE, FILE_HEADER_SIZE, INDEX_ENTRY, damaged_entry
+from ..log.segment import DAMAGED_ENTRY_SIZE, INDEX_ENTRY, damaged_entry
 from .commitlog import READ_CHUNK, CommitLog, Segment
 from .consumequeue import ConsumeQueue
 from .damage import DamageRegistry
@@ -317,7 +317,6 @@ def window_keys(log_: CommitLog, seg: Segment, start_off: int, stop_off: int, si
     no per-record object. At the first record that does not check, the rest of the
     segment goes through ``scan_segment``, which resyncs past damaged bytes.
     """
-    fs = log_.files
     unpack = _WINDOW_FIELDS.unpack_from
     crc32 = zlib.crc32
     fixed = _WINDOW_FIELDS.size
@@ -330,7 +329,7 @@ def window_keys(log_: CommitLog, seg: Segment, start_off: int, stop_off: int, si
     off = start_off
     want = READ_CHUNK
     while off < end:
-        buf = fs.pread(log_._fd(seg), min(want, end - off), FILE_HEADER_SIZE + off)
+        buf = log_.read_segment(seg, off, min(want, end - off))
         view = memoryview(buf)
         n = len(buf)
         p = 0
