@@ -139,22 +139,29 @@ class TopicTable:
         if tid is None or not w._heads:
             return None
         ident, tidk = _identity(key, tid, w._digest)
-        h = hash(ident) & _H32
+        v = self._seek(hash(ident) & _H32, tidk, ident)
+        if not v:
+            return None
+        s = (v - 1 - w._base) % w._cap
+        return w._queue[s], w._offset[s], w._ts[s]
+
+    def _seek(self, h: int, tidk: int, ident: bytes) -> int:
+        """The sequence number of the live entry with this hash, topic kind and identity
+        (0: none): a walk down its bucket's chain, newest first."""
+        w = self._window
         v = w._heads[h & w._bmask]
         first = w._head
-        if v <= first:  # v - 1 < first: an empty bucket, or only expired entries
-            return None
         base = w._base
         cap = w._cap
         hs = w._hash
         nxt = w._next
-        while v > first:
+        while v > first:  # v - 1 < first: an empty bucket, or only expired entries
             s = (v - 1 - base) % cap
             if hs[s] == h and w._tid[s] == tidk and \
                     w._ident[s * _IDENT:s * _IDENT + _IDENT] == ident:
-                return w._queue[s], w._offset[s], w._ts[s]
+                return v
             v = nxt[s]
-        return None
+        return 0
 
     def find(self, keys: Sequence[bytes]) -> tuple[list[tuple[int, int, int] | None], Found]:
         """``get`` for each of ``keys`` (an empty key is never found), and the keys'
@@ -224,23 +231,14 @@ class TopicTable:
         tid = self._tid
         if tid is None or not w._heads or not ident:
             return [None], f
-        v = w._heads[h & w._bmask]
-        first = w._head
-        if v <= first:  # the usual case: an empty bucket, or only expired entries
+        if w._heads[h & w._bmask] <= w._head:  # the usual case: an empty bucket
             return [None], f
-        tidk = tid if exact else tid | _DIGEST_KIND
-        base = w._base
-        cap = w._cap
-        hs = w._hash
-        nxt = w._next
-        while v > first:
-            s = (v - 1 - base) % cap
-            if hs[s] == h and w._tid[s] == tidk and \
-                    w._ident[s * _IDENT:s * _IDENT + _IDENT] == ident:
-                f.seqs = [v]
-                return [(w._queue[s], w._offset[s], w._ts[s])], f
-            v = nxt[s]
-        return [None], f
+        v = self._seek(h, tid if exact else tid | _DIGEST_KIND, ident)
+        if not v:
+            return [None], f
+        f.seqs = [v]
+        s = (v - 1 - w._base) % w._cap
+        return [(w._queue[s], w._offset[s], w._ts[s])], f
 
     def __contains__(self, key: bytes) -> bool:
         return self.get(key) is not None
