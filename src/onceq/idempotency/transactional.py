@@ -182,13 +182,7 @@ class TransactionalListener:
                     counts["duplicate"] += 1
                     verdicts.append(Verdict.ACK)
                 continue
-            try:
-                self.handler(m, conn)
-            except Exception:
-                log.exception("handler failed on %s@%d; its writes are rolled back, the "
-                              "message is retried", m.topic, m.queue_offset)
-                cur.execute("ROLLBACK TO SAVEPOINT onceq_msg")
-                cur.execute("RELEASE SAVEPOINT onceq_msg")
+            if not self._handle_in_savepoint(cur, conn, m):
                 counts["failed"] += 1
                 verdicts += [Verdict.LATER] * (len(items) - len(verdicts))
                 break
@@ -235,13 +229,7 @@ class TransactionalListener:
                 counts["no_key"] += 1
                 continue
             cur.execute("SAVEPOINT onceq_msg")
-            try:
-                self.handler(m, conn)
-            except Exception:
-                log.exception("handler failed on %s@%d; its writes are rolled back, the "
-                              "message is retried", m.topic, m.queue_offset)
-                cur.execute("ROLLBACK TO SAVEPOINT onceq_msg")
-                cur.execute("RELEASE SAVEPOINT onceq_msg")
+            if not self._handle_in_savepoint(cur, conn, m):
                 for m2, key2 in items[n:]:
                     if key2 is not None:
                         cur.execute(self.engine._sql("DELETE FROM {t} WHERE grp = ? AND "
@@ -254,6 +242,19 @@ class TransactionalListener:
             counts["handled"] += 1
             verdicts.append(Verdict.ACK)
         return verdicts, counts
+
+    def _handle_in_savepoint(self, cur: Any, conn: Any, m: MessageExt) -> bool:
+        """Run the handler inside the open savepoint ``onceq_msg``; on failure roll its
+        writes back, release the savepoint and return False (the message is retried)."""
+        try:
+            self.handler(m, conn)
+        except Exception:
+            log.exception("handler failed on %s@%d; its writes are rolled back, the "
+                          "message is retried", m.topic, m.queue_offset)
+            cur.execute("ROLLBACK TO SAVEPOINT onceq_msg")
+            cur.execute("RELEASE SAVEPOINT onceq_msg")
+            return False
+        return True
 
     async def purge_expired(self, limit: int = 1000) -> int:
         """Remove up to ``limit`` rows older than the retention."""
