@@ -10,11 +10,11 @@
   cleanly. ``MessageStore.open()`` is timed (wall clock and the process's CPU time) in a
   fresh process, with the window (120 s, 2 M keys) and without it
   (``dedup_window_s=0``): the difference is the cost of rebuilding the window
-  (``second_open``: the same store opened once more, which no longer finds the window's
-  snapshot taken at the clean close and reads the log). A second pair of runs opens the
-  store after a crash that left the last ``--tail-keys`` messages
-  after the checkpoint without their index entries (the store then rebuilds every index
-  from the whole log). The put throughput of the fill (messages/s of CPU time, one
+  (``second_open``: the same store opened once more). A second pair of runs opens the
+  store after a crash that left the last ``--tail-keys`` messages after the last
+  checkpoint: the window comes from its journal up to that checkpoint and from the log
+  after it (a tree without the journal reads the window's whole stretch of log). The put
+  throughput of the fill (messages/s of CPU time, one
   process, dedup on) is reported too.
 
 ``--src`` takes several source trees (e.g. ``git archive main src`` unpacked elsewhere, and
@@ -37,6 +37,9 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(os.path.dirname(HERE), "src")
+sys.path.insert(0, HERE)
+
+from _progress import Steps, note  # noqa: E402
 
 _RSS = r"""
 import gc, json, os, sys, time
@@ -83,9 +86,9 @@ step = 60.0 / total * 256  # all keys within 60 s of store time
 n = 0
 put_s = 0.0
 while n < total:
-    if n == total - tail:
-        store.write_checkpoint()
     k = min(256, total - n)
+    if tail and n <= total - tail < n + k:  # the last checkpoint before the crash
+        store.write_checkpoint()
     parts = [encode_part(body, "%s%012X%08X" % (prefix, 1700000000000 + n // 1000, n + i), 1)
              for i in range(k)]
     t0 = time.process_time()
@@ -121,7 +124,8 @@ print(json.dumps({"open_s": round(dt, 3), "open_cpu_s": round(cpu, 3),
 """
 
 
-def child(script: str, *args: object) -> dict:
+def child(what: str, script: str, *args: object) -> dict:
+    note(f"  {what}")
     out = subprocess.run([sys.executable, "-c", script, *map(str, args)], check=True,
                          capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -131,14 +135,17 @@ def rebuild(src: str, keys: int, tail: int, root: str) -> dict:
     res: dict = {"keys": keys}
     for name, t in (("clean", 0), ("crash", tail)):
         data = os.path.join(root, name)
-        built = child(_BUILD, src, data, keys, t)
+        built = child(f"{name}: filling a store with {keys} keys", _BUILD, src, data, keys, t)
         now = built["end_s"] + 30
-        with_w = child(_OPEN, src, data, now, 120.0)
-        # again from the log: a snapshot saved at the clean close is used once only
-        again = child(_OPEN, src, data, now, 120.0) if name == "clean" else None
+        with_w = child(f"{name}: open with the window", _OPEN, src, data, now, 120.0)
+        # once more: the journal goes on across a start
+        again = child(f"{name}: open again", _OPEN, src, data, now, 120.0) \
+            if name == "clean" else None
         shutil.rmtree(data)
-        built2 = child(_BUILD, src, data, keys, t)  # again: the first open checkpointed
-        without = child(_OPEN, src, data, built2["end_s"] + 30, 0.0)
+        # again: the first open checkpointed
+        built2 = child(f"{name}: filling it again", _BUILD, src, data, keys, t)
+        without = child(f"{name}: open without the window", _OPEN, src, data,
+                        built2["end_s"] + 30, 0.0)
         shutil.rmtree(data)
         res[name] = {"open_s": with_w["open_s"], "open_cpu_s": with_w["open_cpu_s"],
                      "open_without_window_s": without["open_s"],
@@ -163,12 +170,15 @@ def main() -> None:
     ap.add_argument("--skip-rebuild", action="store_true")
     args = ap.parse_args()
     out: dict = {}
+    steps = Steps(len(args.src) * ((not args.skip_rss) + (not args.skip_rebuild)))
     for src in args.src:
         row: dict = {}
         out[src] = row
         if not args.skip_rss:
-            row["rss"] = [child(_RSS, src, n) for n in args.keys]
+            steps.next(f"rss of the window, keys {args.keys}, tree {src}")
+            row["rss"] = [child(f"rss: {n} keys", _RSS, src, n) for n in args.keys]
         if not args.skip_rebuild:
+            steps.next(f"rebuild of the window at open, {args.rebuild_keys} keys, tree {src}")
             root = tempfile.mkdtemp(prefix="onceq-dedup-", dir=args.dir)
             try:
                 row["rebuild"] = rebuild(src, args.rebuild_keys, args.tail_keys, root)

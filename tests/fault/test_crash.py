@@ -84,8 +84,14 @@ async def test_sigkill_sync_broker_keeps_every_acked_send(tmp_path):
                 by_key[m.unique_key] = (q, m.queue_offset, m.body)
         for key, (q, off, body) in acked.items():
             assert by_key.get(key) == (q, off, body), f"acknowledged send {key} lost or moved"
-        # sends after the restart continue right after the last stored offset
+        # sends after the restart continue right after the last stored offset, and a
+        # producer's retry of an acknowledged send is still recognised (the dedup window
+        # came back from its journal and the log after the last checkpoint)
         async with Producer(addr) as p:
+            for key in list(acked)[::50]:
+                q, off, body = acked[key]
+                r = await p.send("crash", Message(body, unique_key=key), queue=q)
+                assert r.duplicate and (r.queue_id, r.offset) == (q, off), key
             for q in range(QUEUES):
                 r = await p.send("crash", b"after", queue=q)
                 assert r.offset == len(stored[q])

@@ -437,9 +437,15 @@ def _window_answers(store: MessageStore, acked: dict, ids) -> list[bool]:
     return out
 
 
-def test_dedup_window_snapshot_at_clean_close(tmp_path):
-    """A clean close saves the window; the next start restores it instead of reading the
-    log, once: the snapshot is removed, and a later start reads the log again."""
+def _journal_files(root: str) -> list[str]:
+    d = os.path.join(root, "dedup")
+    return sorted(os.path.join(d, n) for n in os.listdir(d)) if os.path.isdir(d) else []
+
+
+def test_dedup_window_journal_at_clean_close_and_crash(tmp_path):
+    """A clean close ends the window's journal at the last checkpoint: the next start reads
+    no log for the window. After a crash the journal is read up to the last checkpoint and
+    only the log after it; every acknowledged key is recognised either way."""
     root = str(tmp_path)
     clock = FakeClock(T0)
     store = MessageStore(cfg(root, dedup_max_keys=300), clock=clock)
@@ -449,57 +455,97 @@ def test_dedup_window_snapshot_at_clean_close(tmp_path):
     acked = send(store, "T", 0, 400, queues=2)
     send(store, "U", 1000, 5)
     store.close()
-    snap = os.path.join(root, "dedup-window")
-    assert os.path.exists(snap)
+    before = _journal_files(root)
+    assert before
     clock.advance(10)
     store = MessageStore(cfg(root, dedup_max_keys=300), clock=clock)
     store.open()
-    assert store.dedup.restored and not os.path.exists(snap)
+    assert store.dedup_restored_to == store.log.end
     assert len(store.dedup) == 300  # the newest 300 keys of both topics
     assert _window_answers(store, acked, (399, 200, 99)) == [True, True, False]
-    crash(store)  # no snapshot: the log is read
+    acked.update(send(store, "T", 400, 30, queues=2))
+    store.write_checkpoint()  # the journal goes on: the keys added since, in a new chunk
+    assert before[-1] in _journal_files(root) and len(_journal_files(root)) <= 2
+    at_checkpoint = store.log.end
+    acked.update(send(store, "T", 430, 20, queues=2))  # after the last checkpoint
+    crash(store)
     store = MessageStore(cfg(root, dedup_max_keys=300), clock=clock)
     store.open()
-    assert not store.dedup.restored and len(store.dedup) == 300
-    assert _window_answers(store, acked, (399, 200, 98)) == [True, True, False]
+    assert store.dedup_restored_to == at_checkpoint < store.log.end
+    assert len(store.dedup) == 300
+    assert _window_answers(store, acked, (449, 430, 429, 200)) == [True] * 4
     store.close()
 
 
-@pytest.mark.parametrize("change", ["damaged", "window", "max_keys", "moved"])
-def test_dedup_window_snapshot_not_used(tmp_path, change):
-    """A damaged snapshot, other window settings, or a checkpoint moved since: the window is
-    rebuilt from the log."""
+def test_dedup_journal_rotates_and_stays_bounded(tmp_path):
+    """Many checkpoints with a small key cap: a new file once one holds ``max_keys``
+    entries, at most two kept, and a crash still finds every key the window holds."""
+    root = str(tmp_path)
+    clock = FakeClock(T0)
+    store = MessageStore(cfg(root, dedup_max_keys=50), clock=clock)
+    store.open()
+    store.create_topic("T", 1)
+    acked = {}
+    for i in range(40):
+        acked.update(send(store, "T", i * 10, 10))
+        store.write_checkpoint()
+        assert len(_journal_files(root)) <= 2
+    crash(store)
+    store = MessageStore(cfg(root, dedup_max_keys=50), clock=clock)
+    store.open()
+    assert store.dedup_restored_to == store.log.end
+    assert len(store.dedup) == 50
+    assert _window_answers(store, acked, (399, 350, 349)) == [True, True, False]
+    store.close()
+
+
+@pytest.mark.parametrize("change", ["damaged", "window", "max_keys", "ahead", "torn"])
+def test_dedup_journal_not_used(tmp_path, change):
+    """A damaged or torn chunk, other window settings, or a chunk past the checkpoint: the
+    window is filled from the log from where the journal stops being trusted."""
     root = str(tmp_path)
     clock = FakeClock(T0)
     store = MessageStore(cfg(root), clock=clock)
     store.open()
     store.create_topic("T", 1)
-    acked = send(store, "T", 0, 50)
-    store.close()
-    snap = os.path.join(root, "dedup-window")
+    acked = send(store, "T", 0, 30)
+    store.write_checkpoint()
+    first_end = store.log.end
+    with open(os.path.join(root, "checkpoint"), "rb") as f:
+        old_checkpoint = f.read()
+    acked.update(send(store, "T", 30, 20))
+    store.write_checkpoint()
+    crash(store)
+    (path,) = _journal_files(root)
     kw = {}
-    if change == "damaged":
-        flip(snap, os.path.getsize(snap) - 5)
+    if change == "damaged":  # the second chunk's last byte
+        flip(path, os.path.getsize(path) - 1)
+    elif change == "torn":
+        os.truncate(path, os.path.getsize(path) - 3)
     elif change == "window":
         kw = {"dedup_window_s": 600}
     elif change == "max_keys":
         kw = {"dedup_max_keys": 40}
-    else:  # a start that did not restore it, and wrote (the snapshot stays unread)
-        with open(snap, "rb") as f:
-            data = f.read()
-        store = MessageStore(cfg(root, dedup_window_s=0), clock=clock)
-        store.open()
-        send(store, "T", 50, 1)
-        store.close()
-        with open(snap, "wb") as f:
-            f.write(data)
+    else:  # the checkpoint the second chunk ended at was lost: only the first counts
+        with open(os.path.join(root, "checkpoint"), "wb") as f:
+            f.write(old_checkpoint)
     clock.advance(10)
     store = MessageStore(cfg(root, **kw), clock=clock)
     store.open()
-    assert not store.dedup.restored and not os.path.exists(snap)
+    want = None if change in ("window", "max_keys") else first_end
+    assert store.dedup_restored_to == want
     n = 40 if change == "max_keys" else 50
-    assert len(store.dedup) == n + (change == "moved")
+    assert len(store.dedup) == n
     assert all(_window_answers(store, acked, range(50 - n, 50)))
+    # the journal begins anew (a full chunk): the next crash reads only the log after it
+    acked.update(send(store, "T", 50, 5))
+    store.write_checkpoint()
+    end = store.log.end
+    crash(store)
+    store = MessageStore(cfg(root, **kw), clock=clock)
+    store.open()
+    assert store.dedup_restored_to == end
+    assert all(_window_answers(store, acked, range(55 - n, 55)))
     store.close()
 
 

@@ -2,8 +2,8 @@
 
 A retried send whose unique key was stored within the window gets the first send's result
 back, flagged as a duplicate, and stores nothing. The window is rebuilt from the commit log
-at start (records carry their unique key and store time), or restored from the snapshot of
-a clean close (``snapshot``, ``restore``), so it survives restarts. Memory is
+at start (records carry their unique key and store time), or restored from its journal
+(``export``, ``restore``; see ``dedup_journal``), so it survives restarts. Memory is
 bounded by ``max_keys``: above it the oldest keys are forgotten first, and the window is
 then shorter than configured (``effective_window_s``; a warning is logged).
 
@@ -12,7 +12,7 @@ Compact layout (about 65 bytes per key, no Python object per key):
 * each key is kept as a 20-byte identity: the key itself when it has the producer's shape
   (40 upper-case hex digits, stored as their 20 bytes, exact), else a 128-bit BLAKE2b
   digest of the key, keyed with a secret drawn at random per window (and kept in its
-  snapshot). Two different keys answer "duplicate" for each other only if their digests
+  journal). Two different keys answer "duplicate" for each other only if their digests
   collide: with 128 bits and 2 million keys in the window the odds are about 1 in 10^26,
   and no client can aim at another's key without the secret;
 * the entries live in an insertion-ordered ring of parallel ``array`` columns (identity,
@@ -30,11 +30,9 @@ found, and go with their time.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import struct
-import zlib
 from array import array
 from binascii import unhexlify
 from collections import Counter
@@ -54,8 +52,6 @@ _MAX_TID = _DIGEST_KIND - 1  # topic ids run below this, so no live entry reads 
 _H32 = 0xFFFFFFFF
 _WARN_EVERY_MS = 60_000
 _SMALL = 8  # batches up to this size are added key by key
-_SNAP_MAGIC = b"ONCEQDW1"
-_SNAP_HEAD = struct.Struct("<8sII")  # magic, length of the JSON meta, crc32 of the rest
 
 
 class _Digests:
@@ -247,7 +243,7 @@ class TopicTable:
 class DedupWindow:
     __slots__ = ("_base", "_bmask", "_cap", "_cut_ts", "_digest", "_hash", "_head", "_heads",
                  "_ident", "_live", "_next", "_next_tid", "_offset", "_queue", "_tables", "_tail",
-                 "_tid", "_topics", "_ts", "_warned_ms", "max_keys", "restored", "window_ms")
+                 "_tid", "_topics", "_ts", "_warned_ms", "max_keys", "window_ms")
 
     def __init__(self, window_s: float, max_keys: int) -> None:
         self.window_ms = int(window_s * 1000)
@@ -272,7 +268,6 @@ class DedupWindow:
         self._bmask = 0
         self._cut_ts: int | None = None  # store time of the newest key the cap cut early
         self._warned_ms = -_WARN_EVERY_MS
-        self.restored = False  # filled from a snapshot (restore) rather than from the log
 
     @property
     def enabled(self) -> bool:
@@ -429,24 +424,9 @@ class DedupWindow:
     def _add_found_one(self, tid: int, found: Found, i: int, queue_id: int, offset: int,
                        ts_ms: int) -> None:
         """``add_found`` for one key, without its per-batch costs."""
-        if self._tail - self._head >= self.max_keys:
-            self._evict((ts_ms,))
-        if self._tail - self._head >= self._cap:
-            self._grow_ring()
-        h = found.hashes[i]
         exact = found.exact
-        s = (self._tail - self._base) % self._cap
-        self._ident[s * _IDENT:s * _IDENT + _IDENT] = found.idents[i]
-        self._tid[s] = tid if exact is None or exact[i] else tid | _DIGEST_KIND
-        self._hash[s] = h
-        self._queue[s] = queue_id
-        self._offset[s] = offset
-        self._ts[s] = ts_ms
-        seq = self._tail = self._tail + 1  # seq + 1 of the new entry
-        heads = self._heads
-        b = h & self._bmask
-        self._next[s] = heads[b]
-        heads[b] = seq
+        self._put_entry(found.idents[i], tid if exact is None or exact[i] else
+                        tid | _DIGEST_KIND, found.hashes[i], queue_id, offset, ts_ms)
         live = self._live
         live[tid] += 1
         seqs = found.seqs
@@ -461,14 +441,10 @@ class DedupWindow:
         self._heads = array("Q", bytes(8 * b))
         self._bmask = b - 1
 
-    def _add_one(self, topic: str, key: bytes, queue_id: int, offset: int,
-                 ts_ms: int) -> None:
-        """``_add_chunk`` for one key, without its per-batch costs."""
-        tid = self._topics.get(topic)
-        if tid is None:
-            tid = self._topic(topic)
-        ident, tidk = _identity(key, tid, self._digest)
-        h = hash(ident) & _H32
+    def _put_entry(self, ident: bytes, tidk: int, h: int, queue_id: int, offset: int,
+                   ts_ms: int) -> int:
+        """Append one entry (room made first) and link it at the head of its bucket;
+        the bucket's previous head (seq + 1, 0: none), where its chain goes on."""
         if self._tail - self._head >= self.max_keys:
             self._evict((ts_ms,))
         if self._tail - self._head >= self._cap:
@@ -484,9 +460,20 @@ class DedupWindow:
         heads = self._heads
         b = h & self._bmask
         v = heads[b]
-        nxt = self._next
-        nxt[s] = v
+        self._next[s] = v
         heads[b] = seq
+        return v
+
+    def _add_one(self, topic: str, key: bytes, queue_id: int, offset: int,
+                 ts_ms: int) -> None:
+        """``_add_chunk`` for one key, without its per-batch costs."""
+        tid = self._topics.get(topic)
+        if tid is None:
+            tid = self._topic(topic)
+        ident, tidk = _identity(key, tid, self._digest)
+        h = hash(ident) & _H32
+        v = self._put_entry(ident, tidk, h, queue_id, offset, ts_ms)
+        nxt = self._next
         self._live[tid] += 1
         oldest = self._head
         base = self._base
@@ -634,15 +621,23 @@ class DedupWindow:
                 "effective_window_s": self.effective_window_s(now_ms) if self.enabled else 0,
                 "keys": len(self), "max_keys": self.max_keys}
 
-    # ------------------------------------------------------------------ snapshot
-    def snapshot(self, checkpoint: int, topics: dict[str, int]) -> bytes:
-        """The window as bytes, for ``restore`` at the next start from ``checkpoint``.
+    # ------------------------------------------------------------------ journal
+    @property
+    def next_seq(self) -> int:
+        """Sequence number of the next entry added (``export`` takes the ones from a seq)."""
+        return self._tail
+
+    def export(self, since: int, topics: dict[str, int]) -> tuple[dict, list[bytes]]:
+        """The entries from sequence number ``since`` (from the oldest held, if older) to
+        now: a meta dict and five columns (identities, topic ids, queues, offsets, store
+        times) that ``restore`` takes back, concatenated with the ones exported before.
 
         ``topics``: name -> creation position of the live topics (a topic deleted and
         created again in between must not find its old keys)."""
-        n = self._tail - self._head
+        first = max(since, self._head)
+        n = self._tail - first
         cap = self._cap
-        s = (self._head - self._base) % cap if cap else 0
+        s = (first - self._base) % cap if cap else 0
         k1 = min(n, cap - s)
         parts = []
         for col, w in ((self._ident, _IDENT), (self._tid, 0), (self._queue, 0),
@@ -651,33 +646,29 @@ class DedupWindow:
                 parts.append(bytes(col[s * w:(s + k1) * w]) + bytes(col[:(n - k1) * w]))
             else:
                 parts.append(col[s:s + k1].tobytes() + col[:n - k1].tobytes())
-        meta = json.dumps({
-            "checkpoint": checkpoint, "window_ms": self.window_ms, "max_keys": self.max_keys,
+        meta = {
+            "window_ms": self.window_ms, "max_keys": self.max_keys,
             "secret": self._digest.secret.hex(), "cut_ts": self._cut_ts, "entries": n,
             "topics": {name: [tid, topics[name]] for name, tid in self._topics.items()
                        if name in topics},
-        }).encode()
-        body = meta + b"".join(parts)
-        return _SNAP_HEAD.pack(_SNAP_MAGIC, len(meta), zlib.crc32(body)) + body
+        }
+        return meta, parts
 
-    def restore(self, data: bytes, checkpoint: int, topics: dict[str, int]) -> bool:
-        """Fill an empty window from ``snapshot`` bytes; False (and no change) when they
-        do not match: damaged, another checkpoint or other window settings."""
-        if len(data) < _SNAP_HEAD.size or self._tail:
+    def restore(self, meta: dict, columns: Sequence[bytes | memoryview],
+                topics: dict[str, int]) -> bool:
+        """Fill an empty window from ``export``ed columns (several exports' columns joined,
+        oldest first), with the ``meta`` of the last export; False (and no change) when
+        they do not fit: other window settings or columns of unequal lengths. Above
+        ``max_keys`` entries the newest are kept."""
+        widths = (_IDENT, 4, 2, 8, 8)
+        n = len(columns[1]) // 4
+        if (self._tail or meta["window_ms"] != self.window_ms or not self.enabled
+                or meta["max_keys"] != self.max_keys or not n
+                or any(len(c) != n * w for c, w in zip(columns, widths, strict=True))):
             return False
-        magic, meta_len, crc = _SNAP_HEAD.unpack_from(data)
-        body = memoryview(data)[_SNAP_HEAD.size:]
-        if magic != _SNAP_MAGIC or zlib.crc32(body) != crc or meta_len > len(body):
-            return False
-        try:
-            meta = json.loads(bytes(body[:meta_len]))
-        except ValueError:
-            return False
-        n = meta["entries"]
-        if (meta["checkpoint"] != checkpoint or meta["window_ms"] != self.window_ms
-                or meta["max_keys"] != self.max_keys or not 0 < n <= self.max_keys
-                or len(body) != meta_len + n * (_IDENT + 4 + 2 + 8 + 8)):
-            return False
+        drop = max(0, n - self.max_keys)
+        n -= drop
+        cols = [memoryview(c)[drop * w:] for c, w in zip(columns, widths, strict=True)]
         self._digest = _Digests(bytes.fromhex(meta["secret"]))
         self._cut_ts = meta["cut_ts"]
         for name, (tid, created) in meta["topics"].items():
@@ -686,11 +677,6 @@ class DedupWindow:
                 self._live[tid] = 0
         self._next_tid = (max(tid for tid, _c in meta["topics"].values()) + 1) % _MAX_TID \
             if meta["topics"] else 0
-        p = meta_len
-        cols = []
-        for w in (_IDENT, 4, 2, 8, 8):
-            cols.append(body[p:p + n * w])
-            p += n * w
         cap = max(n, min(self.max_keys, _RING_MIN))
         self._ident = bytearray(cols[0])
         self._ident.extend(bytes((cap - n) * _IDENT))
@@ -719,12 +705,12 @@ class DedupWindow:
         hs = self._hash
         nxt = self._next
         h32 = _H32
+        idents = bytes(cols[0])
         step = 1 << 16
-        at = _SNAP_HEAD.size + meta_len  # the identities in ``data``
         for a in range(0, n, step):  # hashes and chains, in slices (the idents are objects)
             b = min(a + step, n)
-            hashes = [hash(data[i:i + _IDENT]) & h32
-                      for i in range(at + a * _IDENT, at + b * _IDENT, _IDENT)]
+            hashes = [hash(idents[i:i + _IDENT]) & h32
+                      for i in range(a * _IDENT, b * _IDENT, _IDENT)]
             hs[a:b] = array("I", hashes)
             seq = a
             for h in hashes:
@@ -732,7 +718,6 @@ class DedupWindow:
                 nxt[seq] = heads[bk]
                 seq += 1
                 heads[bk] = seq
-        self.restored = True
         return True
 
     # ------------------------------------------------------------------ internals

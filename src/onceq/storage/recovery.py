@@ -105,6 +105,8 @@ class Recovery:
         self.records = 0
         self.last_store_ms = last_store_ms
         self.damage_changed = False
+        # the dedup window already holds the keys of the log below this (from its journal)
+        self.dedup_from: int | None = None
 
     def run(self, checkpoint: int | None) -> None:
         """Index the log records after ``checkpoint`` (the whole log when None).
@@ -134,7 +136,7 @@ class Recovery:
         if checkpoint is not None:
             self.check_last_entries()
         window_start = self.now_ms - self.dedup.window_ms
-        if checkpoint is not None and not self.dedup.restored:
+        if checkpoint is not None:
             # before the tail: the window is filled oldest first
             self.dedup_below(scan_from, window_start)
         base: dict[tuple[str, int], int] = {}  # first offset of each queue's pending entries
@@ -269,10 +271,11 @@ class Recovery:
 
         The indexes (bisected on store time) give where the window starts in the log; that
         stretch is read in one pass, oldest first. At most ``dedup_max_keys`` records are
-        wanted, so the cost depends on the window's traffic, not on the data kept.
+        wanted, so the cost depends on the window's traffic, not on the data kept. When the
+        window was restored from its journal, only the log after ``dedup_from`` is read.
         """
         dedup = self.dedup
-        if not dedup.enabled:
+        if not dedup.enabled or (self.dedup_from is not None and self.dedup_from >= scan_from):
             return
         spans = [(cq, cq.max_offset) for cq in self.queues.values()
                  if cq.first_offset_where(3, window_start) < cq.max_offset]
@@ -296,7 +299,7 @@ class Recovery:
         starts = [cq.entry(f)[0] for (cq, hi), f in zip(spans, firsts, strict=True) if f < hi]
         if not starts:
             return
-        from_pos = max(min(starts), self.log.start)
+        from_pos = max(min(starts), self.log.start, self.dedup_from or 0)
         dedup.reserve(count(since))
         for seg in self.log.segments:
             if seg.end <= from_pos or seg.base >= scan_from:

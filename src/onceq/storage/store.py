@@ -30,6 +30,7 @@ from .config import StoreConfig
 from .consumequeue import ConsumeQueue
 from .damage import DamageRegistry
 from .dedup import DedupWindow
+from .dedup_journal import DedupJournal, PendingChunk
 from .failures import DiskGuard, RateLimitedLog, storage_error
 from .files import OS_FILES, FileOps
 from .metadata import (
@@ -116,7 +117,9 @@ class MessageStore:
         self._topics_path = os.path.join(root, "topics.json")
         self._offsets_path = os.path.join(root, "offsets.json")
         self._checkpoint_path = os.path.join(root, "checkpoint")
-        self._dedup_path = os.path.join(root, "dedup-window")
+        self._legacy_dedup_path = os.path.join(root, "dedup-window")  # before the journal
+        self.dedup_journal = DedupJournal(os.path.join(root, "dedup"), files)
+        self.dedup_restored_to: int | None = None  # the journal restored the window below this
         self._queues_dir = os.path.join(root, "queues")
         files.makedirs(self._queues_dir)
         # index files and sealed commit-log segments share one bounded cache of open files
@@ -272,6 +275,7 @@ class MessageStore:
         """Index the log after ``checkpoint`` (the whole log when None); see recovery.py."""
         rec = Recovery(self.log, self.queues, self.topics, self.dedup, self.damage,
                        int(self.clock() * 1000), self._last_store_ms, self._mark_damaged)
+        rec.dedup_from = self.dedup_restored_to
         rec.run(checkpoint)
         self.recovered_records = rec.records
         self._last_store_ms = rec.last_store_ms
@@ -787,20 +791,28 @@ class MessageStore:
     # ================================================================ durability
     def write_checkpoint(self) -> None:
         """Fsync log and indexes, then record that everything before the log end is indexed."""
+        end = self.log.end
+        chunk = self.dedup_chunk(end)
         self.log.sync()
-        self.checkpoint_at(self.log.end, self.dirty_index_files())
+        self.checkpoint_at(end, self.dirty_index_files(), chunk)
 
     def dirty_index_files(self) -> list[str]:
         """The index files written since the last call (to fsync before a checkpoint)."""
         return [p for cq in self.queues.values() for p in cq.dirty_paths()]
 
-    def checkpoint_at(self, end: int, index_files: list[str]) -> None:
-        """Fsync ``index_files`` and record ``end`` as indexed (safe to run off the loop)."""
+    def checkpoint_at(self, end: int, index_files: list[str],
+                      dedup_chunk: PendingChunk | None = None) -> None:
+        """Fsync ``index_files`` and record ``end`` as indexed, then append ``dedup_chunk``
+        to the dedup window's journal (safe to run off the loop)."""
         fsync_paths(self.files, index_files)
         # every entry counted here was written before: after a crash the index holds at
         # least as many (a power cut losing unsynced entries costs a full rebuild)
         ends = {f"{t}/{q}": cq.max_offset for (t, q), cq in list(self.queues.items())}
         write_atomic(self._checkpoint_path, encode_checkpoint(end, ends), self.files)
+        if dedup_chunk is not None:
+            d = self.dedup
+            self.dedup_journal.append(dedup_chunk, d.window_ms, d.max_keys,
+                                      int(self.clock() * 1000))
 
     def write_offsets_file(self, data: bytes, covered: int) -> None:
         """Write an offsets snapshot (safe to run off the loop)."""
@@ -843,36 +855,32 @@ class MessageStore:
         except OSError:
             return False
 
-    def _save_dedup(self) -> None:
-        """At a clean close: the dedup window, for a fast start from this checkpoint."""
-        if self.write_failure is not None or not self.dedup.entries():
-            return
-        topics = {n: t.created_position for n, t in self.topics.items()}
-        try:
-            write_atomic(self._dedup_path, self.dedup.snapshot(self.log.end, topics),
-                         self.files)
-        except OSError as exc:
-            log.error("store: cannot save the dedup window at close: %s", exc)
-
     def _restore_dedup(self, checkpoint: int | None) -> None:
-        """Fill the dedup window from the snapshot of the last clean close, if it was taken
-        at ``checkpoint`` and no damage is known; the snapshot is used once, then removed
-        (a later crash rebuilds the window from the log)."""
-        usable = (checkpoint is not None and self.dedup.enabled and not self.damage.log_ranges
-                  and self.log.end >= checkpoint)
+        """Fill the dedup window from its journal, when no damage is known (the log after
+        the journal's end is read by the recovery)."""
         try:
-            data = self.files.read_file(self._dedup_path) if usable else b""
-            self.files.unlink(self._dedup_path)
+            self.files.unlink(self._legacy_dedup_path)
         except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.error("store: cannot remove %s: %s", self._legacy_dedup_path, exc)
+        self.dedup_restored_to = None
+        if (checkpoint is None or not self.dedup.enabled or self.damage.log_ranges
+                or self.log.end < checkpoint):
             return
-        except OSError as exc:  # never trust it at a later start: the window is rebuilt
-            log.error("store: cannot read or remove the dedup window snapshot: %s", exc)
-            return
-        if not usable:
-            return
-        topics = {n: t.created_position for n, t in self.topics.items()}
-        if self.dedup.restore(data, checkpoint, topics):
-            log.info("store: dedup window of %d keys restored", len(self.dedup))
+        self.dedup_restored_to = self.dedup_journal.load(self.dedup, checkpoint, self.log.end,
+                                                   self._topic_positions())
+        if self.dedup_restored_to is not None:
+            log.info("store: dedup window of %d keys restored from its journal (log read "
+                     "from position %d)", len(self.dedup), self.dedup_restored_to)
+
+    def _topic_positions(self) -> dict[str, int]:
+        return {n: t.created_position for n, t in self.topics.items()}
+
+    def dedup_chunk(self, end: int) -> PendingChunk | None:
+        """The dedup window's entries for its journal, up to log position ``end`` (take it
+        on the loop with ``end``; ``checkpoint_at`` writes it)."""
+        return self.dedup_journal.take(self.dedup, end, self._topic_positions())
 
     def close(self) -> None:
         # on a full or failing disk each step may fail: the files written atomically keep
@@ -886,7 +894,6 @@ class MessageStore:
             self.save_offsets()
         except OSError as exc:
             log.error("store: cannot save the consumer offsets at close: %s", exc)
-        self._save_dedup()
         self.log.close()
         for cq in self.queues.values():
             cq.close()
