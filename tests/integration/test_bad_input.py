@@ -146,8 +146,11 @@ def test_error_codes_are_stable():
         "FRAME_TOO_LARGE": 4, "UNSUPPORTED_VERSION": 5, "TOPIC_NOT_EXIST": 10,
         "TOPIC_EXISTS": 11, "INVALID_NAME": 12, "INVALID_QUEUE": 13, "MESSAGE_TOO_LARGE": 14,
         "INVALID_ARGUMENT": 15, "GROUP_NOT_EXIST": 16, "NOT_HOLDER": 17, "GROUP_ACTIVE": 18,
+        "MESSAGE_NOT_FOUND": 49,
         "SERVICE_UNAVAILABLE": 30, "SYSTEM_BUSY": 31, "FLUSH_TIMEOUT": 32, "SHUTTING_DOWN": 33,
         "DISK_FULL": 34, "STORAGE_ERROR": 35, "TOO_MANY_CONNECTIONS": 36,
+        "OUT_OF_ORDER_SEQUENCE": 40, "INVALID_SEQUENCE": 41,
+        "NOT_MEMBER": 43,
     }
 
 
@@ -276,7 +279,14 @@ BAD_FIELDS: list[tuple[int, dict[str, Any], ErrorCode]] = [
     (RequestCode.SEND, {"topic": 5, "queue": 0}, ErrorCode.INVALID_ARGUMENT),
     (RequestCode.SEND, {"topic": KEEP.encode(), "queue": 0}, ErrorCode.INVALID_ARGUMENT),
     (RequestCode.SEND, {"topic": None, "queue": 0}, ErrorCode.INVALID_ARGUMENT),
-    (RequestCode.PULL, {"topic": KEEP, "queue": 0}, ErrorCode.INVALID_ARGUMENT),
+    (RequestCode.SEND_SEQUENCED, {"queue": 0}, ErrorCode.INVALID_ARGUMENT),
+    (RequestCode.SEND_SEQUENCED, {"topic": KEEP, "queue": 0}, ErrorCode.INVALID_SEQUENCE),
+    (RequestCode.SEND_SEQUENCED, {"topic": KEEP, "queue": 0, "writer": "w", "epoch": "0",
+                                  "seq": 0}, ErrorCode.INVALID_SEQUENCE),
+    (RequestCode.SEND_SEQUENCED, {"topic": KEEP, "queue": 0, "writer": "w", "epoch": 0,
+                                  "seq": -1}, ErrorCode.INVALID_SEQUENCE),
+    (RequestCode.SEND_SEQUENCED, {"topic": KEEP, "queue": 0, "writer": "w", "epoch": 0,
+                                  "seq": 0}, ErrorCode.INVALID_SEQUENCE),  # no marker
     (RequestCode.PULL, {"topic": KEEP, "queue": 0, "offset": "0"}, ErrorCode.INVALID_ARGUMENT),
     (RequestCode.PULL, {"topic": KEEP, "queue": 0, "offset": 0, "max": None},
      ErrorCode.INVALID_ARGUMENT),

@@ -17,15 +17,21 @@ from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.frame import REQUEST, decode_header, max_frame_for_body
 from ..storage.failures import storage_error
 from ..storage.files import OS_FILES, FileOps
+from ..storage.sequences import SequenceStore
 from ..storage.store import MessageStore, check_name
+from .admin_ops import AdminOps
 from .config import BrokerConfig
 from .connection import Connection
 from .flush import Flusher
 from .groups import BROADCASTING, CLUSTERING, GroupRegistry
+from .idempotent import refuse_sequenced, send_sequenced
 from .limits import ConnectionGuard
 from .longpoll import HeldPull, PullHold
+from .metrics import BrokerMetrics, start_metrics
 from .offset_reset import FENCE_MAX_AGE_S, ResetFence, parse_targets, reset_offsets
+from .queue_lock import QueueLocks
 from .retry import RetryService, parse_delay_levels
+from .trace import DeliveryTrace
 from .transition import TransitionLock
 
 log = logging.getLogger("onceq.broker")
@@ -109,6 +115,7 @@ class Broker:
         self.config = config
         self.clock = clock
         self.store = MessageStore(config.store, clock, files)
+        self.sequences = SequenceStore(self.store, config.writer_expiry_s)  # idempotent writers
         self.connections: set[Connection] = set()
         self.guard = ConnectionGuard(config.max_connections, config.fd_reserve,
                                      config.read_timeout_s, config.idle_timeout_s,
@@ -121,6 +128,7 @@ class Broker:
             self.store, self.groups, config.access_lock, config.access_lock_hold_s,
             config.access_lock_stable_checks, clock, config.access_lock_restore_hold_s, files,
             self._locks_changed)
+        self.queue_locks = QueueLocks(self)  # orderly consumption (queue_lock.py)
         self._locks_dirty: asyncio.Event | None = None
         self._started = clock()
         self._hold_timer: asyncio.TimerHandle | None = None
@@ -132,10 +140,12 @@ class Broker:
         self._offsets_lock = asyncio.Lock()  # one offsets snapshot write at a time
         self._closing = False
         self.port = config.port
+        self.metrics: BrokerMetrics | None = None  # counters, when metrics_port is set
         self.handlers: dict[int, Callable[[Connection, int, dict[str, Any], bytes], Response]] = {
             RequestCode.PING: self.h_ping,
             RequestCode.SEND: self.h_send,
             RequestCode.SEND_BATCH: self.h_send,
+            RequestCode.SEND_SEQUENCED: self.h_send_sequenced,
             RequestCode.PULL: self.h_pull,
             RequestCode.QUERY_OFFSETS: self.h_query_offsets,
             RequestCode.SEARCH_OFFSET: self.h_search_offset,
@@ -154,7 +164,11 @@ class Broker:
             RequestCode.RESET_OFFSETS: self.h_reset_offsets,
             RequestCode.QUERY_ACCESS_LOCKS: self.h_query_access_locks,
             RequestCode.BROKER_STATUS: self.h_broker_status,
+            RequestCode.LOCK_QUEUES: self.queue_locks.h_lock,
+            RequestCode.UNLOCK_QUEUES: self.queue_locks.h_unlock,
         }
+        self.trace = DeliveryTrace(self.store, clock, self._on_internal_put)
+        self.handlers.update(AdminOps(self).handlers())
 
     # ================================================================ lifecycle
     async def start(self) -> None:
@@ -162,7 +176,9 @@ class Broker:
         self.store.open()
         log.info("store opened in %.2fs (%d records)", time.perf_counter() - t0,
                  self.store.recovered_records)
+        self.sequences.open()
         self._started = self.clock()
+        self.trace.load()
         if self.transition.load():  # when the restore hold ends, the groups rebalance
             self._hold_timer = asyncio.get_running_loop().call_later(
                 self.config.access_lock_restore_hold_s, self._restore_hold_ended)
@@ -190,6 +206,7 @@ class Broker:
             loop.create_task(self._every(cfg.store.checkpoint_interval_ms / 1000,
                                          self._checkpoint)),
             loop.create_task(self._every(cfg.offsets_save_s, self._save_offsets)),
+            loop.create_task(self._every(cfg.offsets_save_s, self._save_sequences)),
             loop.create_task(self._every(cfg.offsets_journal_ms / 1000,
                                          self.store.offset_table.flush_pending)),
             loop.create_task(self._every(cfg.expiry_check_s, self._expire_members)),
@@ -198,6 +215,11 @@ class Broker:
             loop.create_task(self._every(self.guard.interval, self._sweep_connections)),
         ]
         log.info("broker listening on %s:%d (flush=%s)", cfg.host, self.port, cfg.store.flush)
+        try:
+            self.metrics = await start_metrics(self)
+        except BaseException:  # e.g. the metrics port is in use
+            await self.stop()
+            raise
 
     async def _every(self, seconds: float, fn: Callable[[], Any]) -> None:
         while True:
@@ -222,9 +244,10 @@ class Broker:
         if store.write_failure is not None:  # the log after the last checkpoint is suspect
             return
         end = store.log.end
+        chunk = store.dedup_chunk(end)
         if self.flusher is not None:
             await self.flusher.flush_now()
-        await self._off_loop(store.checkpoint_at, end, store.dirty_index_files())
+        await self._off_loop(store.checkpoint_at, end, store.dirty_index_files(), chunk)
 
     async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run blocking file work in a thread. A cancelled caller does not stop the thread,
@@ -246,6 +269,13 @@ class Broker:
             except OSError:
                 self.store.offsets_changed()  # written again on the next round and at close
                 raise
+
+    async def _save_sequences(self) -> None:
+        """Expire idle writers; snapshot the sequence table when it changed."""
+        self.sequences.expire()
+        data = self.sequences.snapshot()
+        if data is not None:
+            await self._off_loop(self.sequences.write, data)
 
     def _restore_hold_ended(self) -> None:
         """Members that did not come back drop out of the member lists now: tell the groups."""
@@ -292,6 +322,7 @@ class Broker:
         # a fresh offsets snapshot first: segments holding offset commits that no written
         # snapshot covers are kept
         await self._save_offsets()
+        await self._save_sequences()  # segments a written snapshot covers may go
         deleted = self.store.run_retention()
         if deleted:
             log.info("retention deleted %d segment(s)", deleted)
@@ -302,6 +333,8 @@ class Broker:
         self._closing = True
         if self._server is not None:
             self._server.close()
+        if self.metrics is not None:
+            await self.metrics.stop()
         self.holds.release_all()
         if self._hold_timer is not None:
             self._hold_timer.cancel()
@@ -323,6 +356,11 @@ class Broker:
             log.error("cannot save the access locks: %s", exc)
         for conn in list(self.connections):
             conn.close()
+        try:
+            self.sequences.save()
+        except OSError as exc:  # rebuilt from the log at the next start
+            log.error("cannot save the writers' sequences: %s", exc)
+        self.trace.close()  # the members' disconnects at shutdown are not traced
         self.store.close()
         log.info("broker stopped")
 
@@ -379,15 +417,26 @@ class Broker:
         qid = _int(h, "queue")
         self._topic_for_write(topic)
         parts = split_parts(p)
+        refuse_sequenced(topic, parts)
         res = self.store.put(topic, qid, parts)
         if len(res.duplicates) < len(parts):
             self.holds.notify((topic, qid))
+        if self.metrics is not None:
+            self.metrics.on_send(topic, len(parts), len(p), len(res.duplicates))
         if res.duplicates:
             header = {"queue": qid, "offsets": res.offsets, "dups": res.duplicates,
                       "dupq": res.duplicate_queues}
         else:
             header = {"queue": qid, "base": res.offsets[0], "n": len(res.offsets)}
         return self._durable_reply(conn, corr, header, res.end_position)
+
+    def h_send_sequenced(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                         ) -> Response:
+        """An idempotent writer's numbered batch (``idempotent.py``)."""
+        topic = _str(h, "topic")
+        qid = _int(h, "queue")
+        self._topic_for_write(topic)
+        return send_sequenced(self, conn, corr, h, split_parts(p), topic, qid)
 
     def _pull_request(self, h: dict[str, Any]) -> dict[str, Any]:
         req = {
@@ -423,7 +472,12 @@ class Broker:
             self.fence.seen(group, client, h.get("reset_gen"))
             if self.fence.blocks(group, client, topic, queue):  # before it saw the reset:
                 return 0, self._locked(topic, queue, req["offset"]), b""  # nor its commit
+        if group is not None and self.queue_locks.refuses(group, client, topic, queue):
+            return 0, self._locked(topic, queue, req["offset"]), b""  # orderly lock
+        traced = group is not None and group in self.trace.groups  # delivery trace (trace.py)
+        acquired = False  # this pull made the client the queue's lock holder
         if isinstance(client, str) and self.transition.applies(group, client):
+            acquired = traced and self.transition.table.holder(group, topic, queue) != client
             grant = self.transition.check(group, client, topic, queue, req["offset"])
             if not grant.granted:  # a refused client's commit must not move the offset
                 return 0, self._locked(topic, queue, req["offset"]), b""
@@ -434,6 +488,8 @@ class Broker:
         elif group is not None and commit >= 0 and not self._may_commit(
                 group, client if isinstance(client, str) else None, topic, queue):
             commit = -1  # another client holds the queue: its commits count
+        if traced:
+            req["trace"] = (group, client if isinstance(client, str) else "", acquired)
         if group is not None and commit >= 0:
             # journaled with the next batch, not waited for: a consumer sends its finished
             # offsets again after a reconnect (and with its next pull)
@@ -455,8 +511,14 @@ class Broker:
             if r.next_offset != req["offset"]:
                 req["offset"] = r.next_offset  # filtered entries skipped: wait from there
             return None
-        if r.status == PullStatus.FOUND and req["client"] is not None:
-            self.transition.delivered(req["group"], req["topic"], req["queue"], r.next_offset)
+        if r.status == PullStatus.FOUND:
+            if req["client"] is not None:
+                self.transition.delivered(req["group"], req["topic"], req["queue"],
+                                          r.next_offset)
+            if "trace" in req:
+                self.trace.delivered(*req["trace"], req["topic"], req["queue"], r.payload)
+            if self.metrics is not None:
+                self.metrics.on_pull(req["topic"], r.count, len(r.payload))
         hdr = {"st": int(r.status), "next": r.next_offset, "min": r.min_offset,
                "max": r.max_offset, "n": r.count}
         if r.status == PullStatus.DAMAGED:  # offsets [damaged[0], damaged[1]) are lost
@@ -531,6 +593,8 @@ class Broker:
 
         A member the access lock applies to must hold the queue; any other committer (a
         pull consumer, a group without the lock) only while no other client holds it."""
+        if self.queue_locks.refuses(group, client, topic, queue):
+            return False  # another client holds the queue's orderly lock
         holder = self.transition.table.holder(group, topic, queue)
         if client is not None and self.transition.applies(group, client):
             return holder == client
@@ -556,7 +620,9 @@ class Broker:
                        ) -> Response:
         name = _user_topic(_str(h, "topic"))
         self.store.delete_topic(name)
+        self.sequences.table.drop_topic(name)
         self.transition.drop_topic(name)
+        self.queue_locks.table.drop_topic(name)
         self.fence.drop_topic(name)
         for key in [k for k in self.holds.held if k[0] == name]:
             self.holds.notify(key)
@@ -668,8 +734,11 @@ class Broker:
         max_reconsume = _int(h, "max_reconsume", 16)
         if not 0 <= max_reconsume <= 10_000:
             raise OnceqError(ErrorCode.INVALID_ARGUMENT, "max_reconsume must be 0..10000")
+        reason = h.get("dlq_reason", "")
+        if not isinstance(reason, str):
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "field 'dlq_reason' must be a string")
         res = self.retry.send_back(group, _str(h, "topic"), _int(h, "queue"), _int(h, "offset"),
-                                   _int(h, "delay_level", 0), max_reconsume)
+                                   _int(h, "delay_level", 0), max_reconsume, reason)
         return self._durable_reply(conn, corr, res)
 
     def _durable_reply(self, conn: Connection, corr: int, header: dict[str, Any],
@@ -727,7 +796,8 @@ class Broker:
                              ) -> Response:
         group = check_name("group", _str(h, "group"))
         return 0, {"group": group, "enabled": self.config.access_lock,
-                   "queues": self.transition.status(group)}, b""
+                   "queues": self.transition.status(group),
+                   "orderly": self.queue_locks.status(group)}, b""
 
     def h_broker_status(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
                         ) -> Response:
@@ -747,8 +817,10 @@ class Broker:
     # ================================================================ notifications
     def _on_group_change(self, group: str, client_id: str, reason: str) -> None:
         log.info("group %s: %s %s", group, client_id, reason)
+        self.trace.member(group, client_id, reason)
         if reason in ("leave", "disconnect", "expired"):
             self.transition.member_gone(group, client_id, reason)
+            self.queue_locks.member_gone(group, client_id, reason)
         for m in self.groups.members(group):
             m.conn.push(PushCode.GROUP_CHANGED, {"group": group, "client": client_id,
                                                  "reason": reason})

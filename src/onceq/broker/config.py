@@ -39,6 +39,7 @@ class BrokerConfig:
     # after a restart, a saved holder keeps its queue this long (from broker start) unless
     # it re-asserts or gives it up first; covers the clients' reconnect and first heartbeat
     access_lock_restore_hold_s: float = 20.0
+    queue_lock_expiry_s: float = 60.0  # orderly queue locks not renewed this long are free
     # per-connection limits (broker/connection.py, broker/limits.py; docs/broker.md)
     max_output_bytes: int = 64 * 1024 * 1024  # queued for one client: above, it is dropped
     read_timeout_s: float = 30.0  # a frame started must be complete within this (0: off)
@@ -47,6 +48,12 @@ class BrokerConfig:
     fd_reserve: int = 128  # file descriptors always left free for the broker's own files
     # partial frames of all connections together (0: the larger of 256 MiB and 4 frames)
     max_input_buffer_bytes: int = 0
+    # an idempotent writer's sequences are forgotten after this long without a send
+    # (Kafka's producer id expiry: 7 days); see log/sequence.py
+    writer_expiry_s: float = 7 * 24 * 3600.0
+    # Prometheus endpoint (broker/metrics.py): -1 off, 0 any free port
+    metrics_port: int = -1
+    metrics_host: str = "127.0.0.1"
     extra: dict = field(default_factory=dict)
 
     def input_budget(self) -> int:
@@ -71,6 +78,8 @@ class BrokerConfig:
                              "pull is suspended must not look idle")
         if not self.access_lock_restore_hold_s > 0:
             raise ValueError("access_lock_restore_hold_s must be > 0")
+        if not self.queue_lock_expiry_s > 0:
+            raise ValueError("queue_lock_expiry_s must be > 0")
         if self.max_output_bytes <= min_output_bytes(self.max_pull_bytes):
             raise ValueError(f"max_output_bytes must exceed "
                              f"{min_output_bytes(self.max_pull_bytes)} (the write high-water "
@@ -83,5 +92,10 @@ class BrokerConfig:
                              "of the largest size (2 x (max_body + 64 KiB))")
         if self.max_connections < 0 or self.fd_reserve < 16:
             raise ValueError("max_connections must be >= 0 (0: auto) and fd_reserve >= 16")
+        if not self.writer_expiry_s > 0:
+            raise ValueError("writer_expiry_s must be > 0")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be -1 (off), 0 (any free port) or a port "
+                             f"1..65535, not {self.metrics_port}")
         if self.access_lock_stable_checks < 1:
             raise ValueError("access_lock_stable_checks must be >= 1")

@@ -25,7 +25,9 @@ from collections.abc import Callable
 from .._aio import wait_event
 from ..log.record import Message, decode_records, encode_part
 from ..protocol.codes import (
+    MAX_DLQ_REASON,
     PROP_DELIVER_AT,
+    PROP_DLQ_REASON,
     PROP_ORIGIN_OFFSET,
     PROP_ORIGIN_QUEUE,
     PROP_ORIGIN_TOPIC,
@@ -90,8 +92,15 @@ class RetryService:
 
     # ---------------------------------------------------------------- send back
     def send_back(self, group: str, topic: str, queue: int, offset: int, delay_level: int,
-                  max_reconsume: int) -> dict:
-        """Store the retry (or dead letter) of the message at (topic, queue, offset)."""
+                  max_reconsume: int, reason: str = "") -> dict:
+        """Store the retry (or dead letter) of the message at (topic, queue, offset).
+
+        A dead letter carries why it is one in its ``DLQ_REASON`` property: ``reason`` (the
+        consumer's, e.g. its idempotency layer parking an ambiguous outcome), else the
+        retries being used up."""
+        if len(reason) > MAX_DLQ_REASON:
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT,
+                             f"dlq_reason longer than {MAX_DLQ_REASON} characters")
         r = self.store.get(topic, queue, offset, 1, 64 * 1024 * 1024)
         if r.status != PullStatus.FOUND or not r.count:
             raise OnceqError(ErrorCode.INVALID_ARGUMENT,
@@ -101,7 +110,7 @@ class RetryService:
             raise OnceqError(ErrorCode.INVALID_ARGUMENT,
                              f"no message at {topic}[{queue}]@{offset}")
         props = dict(m.properties)
-        for k in (PROP_REAL_TOPIC, PROP_REAL_QUEUE, PROP_DELIVER_AT):
+        for k in (PROP_REAL_TOPIC, PROP_REAL_QUEUE, PROP_DELIVER_AT, PROP_DLQ_REASON):
             props.pop(k, None)
         if not topic.startswith(RETRY_PREFIX):
             props[PROP_ORIGIN_TOPIC] = topic
@@ -112,6 +121,9 @@ class RetryService:
             dlq = dlq_topic(group)
             if dlq not in self.store.topics:
                 self.store.create_topic(dlq, 1)
+            props[PROP_DLQ_REASON] = reason or (
+                "sent to the DLQ by the consumer" if delay_level < 0 else
+                f"retries used up ({recons - 1} of at most {max_reconsume})")
             self._put(dlq, 0, m, props, recons)
             log.info("message %s of group %s moved to %s after %d retries", m.unique_key,
                      group, dlq, recons - 1)

@@ -108,7 +108,8 @@ class TransitionLock:
             return False
         m = self.groups.member(group, client)
         return (m is not None and m.model == CLUSTERING
-                and m.meta.get("access_lock", True) is not False)
+                and m.meta.get("access_lock", True) is not False
+                and not m.meta.get("orderly"))  # orderly members lock explicitly
 
     def deliver_offset(self, key: _Key, ack: int) -> int:
         return max(self.deliver.get(key, ack), ack)

@@ -9,6 +9,7 @@ class RequestCode(IntEnum):
     PING = 1
     SEND = 10
     SEND_BATCH = 11
+    SEND_SEQUENCED = 12  # an idempotent writer's numbered batch (log/sequence.py)
     PULL = 20
     QUERY_OFFSETS = 21  # min/max offset of a queue
     SEARCH_OFFSET = 22  # first offset stored at or after a timestamp
@@ -27,6 +28,11 @@ class RequestCode(IntEnum):
     LIST_GROUP_MEMBERS = 52
     LIST_GROUPS = 53
     QUERY_ACCESS_LOCKS = 54  # per queue: lock holder, deliver/ack offsets, pending handover
+    LOCK_QUEUES = 55  # orderly: lock (or renew) queues of a group; answers those now held
+    UNLOCK_QUEUES = 56  # orderly: commit each queue's offset, then release its lock
+    TOPIC_STATUS = 60  # admin: per queue min/max offsets and last store time
+    QUERY_MESSAGE = 61  # admin: find messages by unique key or business key (bounded scan)
+    GROUP_TRACE = 62  # admin: turn a group's delivery trace on/off, or show which are on
 
 
 class PushCode(IntEnum):
@@ -39,6 +45,7 @@ class PushCode(IntEnum):
 RETRY_PREFIX = "%RETRY%"
 DLQ_PREFIX = "%DLQ%"
 SCHEDULE_TOPIC = "%SCHEDULE%"
+TRACE_TOPIC = "%TRACE%"  # deliveries of the groups with tracing on (see broker/trace.py)
 
 # message properties set by the broker on retried messages
 PROP_ORIGIN_TOPIC = "ORIGIN_TOPIC"
@@ -48,6 +55,9 @@ PROP_DELAY_LEVEL = "DELAY"
 PROP_REAL_TOPIC = "REAL_TOPIC"
 PROP_REAL_QUEUE = "REAL_QID"
 PROP_DELIVER_AT = "DELIVER_AT_MS"
+# why a message is in a DLQ (the send-back's optional ``dlq_reason``, or the broker's own)
+PROP_DLQ_REASON = "DLQ_REASON"
+MAX_DLQ_REASON = 1024  # characters of a send-back's dlq_reason at most
 
 
 def retry_topic(group: str) -> str:

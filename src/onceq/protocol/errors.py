@@ -27,6 +27,7 @@ class ErrorCode(IntEnum):
     GROUP_NOT_EXIST = 16
     NOT_HOLDER = 17
     GROUP_ACTIVE = 18
+    MESSAGE_NOT_FOUND = 49
     SERVICE_UNAVAILABLE = 30
     SYSTEM_BUSY = 31
     FLUSH_TIMEOUT = 32
@@ -34,6 +35,9 @@ class ErrorCode(IntEnum):
     DISK_FULL = 34
     STORAGE_ERROR = 35
     TOO_MANY_CONNECTIONS = 36
+    OUT_OF_ORDER_SEQUENCE = 40
+    INVALID_SEQUENCE = 41
+    NOT_MEMBER = 43  # an orderly lock request from a client that is no member of the group
 
 
 RETRIABLE: frozenset[ErrorCode] = frozenset(
@@ -64,6 +68,7 @@ DEFAULT_MESSAGES: dict[ErrorCode, str] = {
     ErrorCode.GROUP_NOT_EXIST: "consumer group does not exist",
     ErrorCode.NOT_HOLDER: "the client does not hold this queue's access lock",
     ErrorCode.GROUP_ACTIVE: "the consumer group has live members",
+    ErrorCode.MESSAGE_NOT_FOUND: "no message with this key in the searched range",
     ErrorCode.SERVICE_UNAVAILABLE: "service unavailable",
     ErrorCode.SYSTEM_BUSY: "broker busy, try again",
     ErrorCode.FLUSH_TIMEOUT: "flush to disk timed out",
@@ -71,6 +76,10 @@ DEFAULT_MESSAGES: dict[ErrorCode, str] = {
     ErrorCode.DISK_FULL: "disk full or above the usage limit: writes refused for now",
     ErrorCode.STORAGE_ERROR: "storage I/O error: the write was rolled back",
     ErrorCode.TOO_MANY_CONNECTIONS: "the broker is at its connection limit: try again later",
+    ErrorCode.OUT_OF_ORDER_SEQUENCE: "a writer's sequence skips messages: send again from the "
+                                     "first one not acknowledged",
+    ErrorCode.INVALID_SEQUENCE: "malformed writer id, epoch or sequence",
+    ErrorCode.NOT_MEMBER: "the client is not a member of the group: send a heartbeat first",
 }
 
 

@@ -1,0 +1,204 @@
+"""Admin requests: topic status, message lookup by key, delivery-trace switch.
+
+Message lookup (``QUERY_MESSAGE``) is a bounded scan, not an index: the broker keeps no
+key index (RocketMQ keeps an index file per hour of keys; onceq's dedup window only
+remembers unique keys for its window). For each queue of the topic it finds the first
+offset stored at or after ``begin_ms`` (a binary search of the consume queue, as for an
+offset reset by time), then reads records forward until their store time passes
+``end_ms``, comparing the unique key or the business keys of each record's header. The
+scan stops after ``max_scan`` records in all (default 1,000,000; at most 10,000,000) and
+says so (``truncated``), or after ``max_results`` matches. Cost: one read of every record
+stored in the time range, about the cost of a pull of it; the scan yields to other
+requests every ``_CHUNK`` records, so it slows the broker but does not stall it.
+
+Without a time range, a unique-key lookup derives one from the key itself: onceq's
+unique keys carry the producer's clock in milliseconds (``client/message.py``), so the
+scan covers [born - 1 min, born + 1 h] (clock skew, producer retries, late re-sends).
+A business-key lookup without a range scans the last 24 hours.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from ..log.record import RecordError, decode_records
+from ..protocol.codes import PullStatus, RequestCode
+from ..protocol.errors import ErrorCode, OnceqError
+from ..storage.store import check_name
+
+if TYPE_CHECKING:
+    from .broker import Broker, Response
+    from .connection import Connection
+
+log = logging.getLogger("onceq.broker")
+
+DEFAULT_MAX_SCAN = 1_000_000
+LIMIT_MAX_SCAN = 10_000_000
+_CHUNK = 2048
+_HOUR_MS = 3_600_000
+
+
+def unique_key_time_ms(key: str) -> int | None:
+    """The producer's clock (epoch ms) inside a unique key from ``UniqueKeyGenerator``
+    (40 hex digits, time at digits 20..31); None for a key of another shape."""
+    if len(key) != 40:
+        return None
+    try:
+        return int(key[20:32], 16)
+    except ValueError:
+        return None
+
+
+def _opt_int(h: dict[str, Any], name: str, default: int, lo: int, hi: int) -> int:
+    v = h.get(name, default)
+    if v is None:
+        v = default
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise OnceqError(ErrorCode.INVALID_ARGUMENT, f"field {name!r} must be an integer in "
+                                                     f"[{lo}, {hi}]")
+    return v
+
+
+class AdminOps:
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self._scans: set[asyncio.Task[None]] = set()
+
+    def handlers(self) -> dict[int, Any]:
+        return {RequestCode.TOPIC_STATUS: self.h_topic_status,
+                RequestCode.QUERY_MESSAGE: self.h_query_message,
+                RequestCode.GROUP_TRACE: self.h_group_trace}
+
+    # ---------------------------------------------------------------- topic status
+    def h_topic_status(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                       ) -> Response:
+        """Per queue: min and max offsets, store times of the first and last message."""
+        store = self.broker.store
+        topic = h.get("topic")
+        if not isinstance(topic, str):
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "field 'topic' must be a string")
+        t = store.get_topic(topic)
+        queues = []
+        for q in range(t.queues):
+            cq = store._queue(topic, q)  # the index entries hold the store times
+            lo, hi = cq.min_offset, cq.max_offset
+            first = last = None
+            if hi > lo:
+                first, last = cq.entry(lo)[3], cq.entry(hi - 1)[3]
+            queues.append({"queue": q, "min": lo, "max": hi, "first_store_ms": first,
+                           "last_store_ms": last})
+        return 0, {"topic": topic, "queues": queues}, b""
+
+    # ---------------------------------------------------------------- message lookup
+    def h_query_message(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                        ) -> Response:
+        store = self.broker.store
+        topic, key, by = h.get("topic"), h.get("key"), h.get("by", "unique")
+        if not isinstance(topic, str) or not isinstance(key, str) or not key:
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "fields 'topic' and 'key' must be "
+                                                         "non-empty strings")
+        if by not in ("unique", "keys"):
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "field 'by' must be unique or keys")
+        queues = store.get_topic(topic).queues  # TOPIC_NOT_EXIST
+        now = int(self.broker.clock() * 1000)
+        born = unique_key_time_ms(key) if by == "unique" else None
+        if born is not None:
+            begin_default, end_default = max(0, born - 60_000), born + _HOUR_MS
+        else:
+            begin_default, end_default = now - 24 * _HOUR_MS, now + 60_000
+        begin = _opt_int(h, "begin_ms", begin_default, 0, 2 ** 62)
+        end = _opt_int(h, "end_ms", end_default, 0, 2 ** 62)
+        if end < begin:
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "end_ms is before begin_ms")
+        max_scan = _opt_int(h, "max_scan", DEFAULT_MAX_SCAN, 1, LIMIT_MAX_SCAN)
+        max_results = _opt_int(h, "max_results", 32, 1, 1000)
+        task = asyncio.get_running_loop().create_task(self._scan(
+            conn, corr, topic, queues, key, by, begin, end, max_scan, max_results))
+        self._scans.add(task)
+        task.add_done_callback(self._scans.discard)
+        return None
+
+    async def _scan(self, conn: Connection, corr: int, topic: str, queues: int, key: str,
+                    by: str, begin: int, end: int, max_scan: int, max_results: int) -> None:
+        try:
+            found, scanned, truncated = await self._scan_queues(
+                topic, queues, key, by, begin, end, max_scan, max_results)
+        except OnceqError as exc:
+            conn.respond(corr, int(exc.code), {"message": exc.message})
+            return
+        except Exception as exc:  # answer it: the client must not wait for its timeout
+            log.exception("message query failed")
+            conn.respond(corr, int(ErrorCode.SYSTEM_ERROR), {"message": f"internal: {exc}"})
+            return
+        if not found:
+            what = "unique key" if by == "unique" else "business key"
+            more = (f"; the scan stopped after {scanned} records (raise max_scan or narrow "
+                    "the time range)") if truncated else f"; {scanned} record(s) scanned"
+            conn.respond(corr, int(ErrorCode.MESSAGE_NOT_FOUND), {"message": (
+                f"no message with {what} {key!r} in topic {topic!r} stored between "
+                f"{begin} and {end} (epoch ms){more}")})
+            return
+        conn.respond(corr, 0, {"topic": topic, "messages": found, "scanned": scanned,
+                               "truncated": truncated, "begin_ms": begin, "end_ms": end})
+
+    async def _scan_queues(self, topic: str, queues: int, key: str, by: str, begin: int,
+                           end: int, max_scan: int, max_results: int
+                           ) -> tuple[list[dict[str, Any]], int, bool]:
+        store = self.broker.store
+        found: list[dict[str, Any]] = []
+        scanned = 0
+        for q in range(queues):
+            if topic not in store.topics:
+                raise OnceqError(ErrorCode.TOPIC_NOT_EXIST, "topic was deleted")
+            offset = store.search_offset(topic, q, begin)
+            while scanned < max_scan and len(found) < max_results:
+                if self.broker._closing:  # the store closes after the last answers
+                    raise OnceqError(ErrorCode.SHUTTING_DOWN)
+                r = store.get(topic, q, offset, min(_CHUNK, max_scan - scanned), 8 << 20)
+                if r.status in (PullStatus.OFFSET_MOVED, PullStatus.DAMAGED):
+                    offset = r.next_offset
+                    continue
+                if r.status != PullStatus.FOUND:
+                    break
+                past_end = False
+                try:
+                    for m in decode_records(r.payload):
+                        if m.store_ts_ms > end:
+                            past_end = True
+                            break
+                        scanned += 1
+                        if (m.unique_key == key) if by == "unique" else key in m.key_list:
+                            found.append({
+                                "queue": m.queue_id, "offset": m.queue_offset,
+                                "unique_key": m.unique_key, "keys": m.keys, "tags": m.tags,
+                                "born_ms": m.born_ts_ms, "store_ms": m.store_ts_ms,
+                                "reconsume": m.reconsume_times, "size": len(m.body),
+                                "properties": m.properties})
+                except RecordError:  # verified by the store already: skip the rest
+                    pass
+                offset = r.next_offset
+                if past_end:
+                    break
+                await asyncio.sleep(0)  # let other requests through between chunks
+            if scanned >= max_scan or len(found) >= max_results:
+                break
+        return found, scanned, scanned >= max_scan
+
+    # ---------------------------------------------------------------- trace switch
+    def h_group_trace(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                      ) -> Response:
+        """``enabled`` true/false turns the group's delivery trace on/off; without it,
+        only answers. Answers whether it is on and every traced group."""
+        trace = self.broker.trace
+        group = h.get("group")
+        enabled = h.get("enabled")
+        if enabled is not None:
+            if not isinstance(enabled, bool):
+                raise OnceqError(ErrorCode.INVALID_ARGUMENT, "enabled must be a boolean")
+            trace.set(check_name("group", group), enabled)
+        elif group is not None:
+            check_name("group", group)
+        return 0, {"group": group, "enabled": group in trace.groups,
+                   "groups": sorted(trace.groups)}, b""

@@ -1,0 +1,100 @@
+"""Sequenced sends of idempotent writers (``SEND_SEQUENCED``; see ``log/sequence.py``).
+
+Request header: ``topic``, ``queue``, ``writer`` (id), ``epoch`` and ``seq`` (the number of
+the batch's first message; the others follow). The last part must carry the ``SEQUENCED``
+flag and ``WRITER_SEQ = "epoch:last seq:writer"``; no other part may carry the flag.
+
+Answer: ``queue``, ``dup`` (how many leading messages were already stored: not stored
+again), ``base`` and ``n`` (offsets of the messages stored now; ``n`` may be 0).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+from ..log.record import PART_FIXED, PART_FIXED_SIZE
+from ..log.sequence import SEQ_PROPERTY, SEQUENCED, SequenceError, check_writer_id, marker
+from ..protocol.errors import ErrorCode, OnceqError
+
+if TYPE_CHECKING:
+    from .broker import Broker, Response
+    from .connection import Connection
+
+
+# the SEQUENCED flag is the high bit of the part's u16 flags (bytes 8-9, little endian)
+_FLAG_BYTE = 9
+_FLAG_BIT = SEQUENCED >> 8
+assert SEQUENCED == _FLAG_BIT << 8
+
+
+def _flagged(parts: list[memoryview]) -> list[int]:
+    """Indexes of the parts that carry the SEQUENCED flag (one byte read per part)."""
+    return [i for i, p in enumerate(parts) if len(p) > _FLAG_BYTE and p[_FLAG_BYTE] & _FLAG_BIT]
+
+
+def refuse_sequenced(topic: str, parts: list[memoryview]) -> None:
+    """An ordinary send to a user topic must not carry the flag that marks a writer's
+    sequence (a dead letter sent back to its retry topic keeps its flags: internal topics
+    hold no writers' sequences)."""
+    if not topic.startswith("%") and _flagged(parts):
+        raise OnceqError(ErrorCode.INVALID_SEQUENCE, "the SEQUENCED message flag is "
+                         "reserved for sequenced sends (SEND_SEQUENCED)")
+
+
+def check_marker(parts: list[memoryview], writer: str, epoch: int, last: int) -> None:
+    """The last part, and only it, carries the batch's sequence."""
+    want = marker(writer, epoch, last)
+    if _flagged(parts) != [len(parts) - 1]:
+        raise OnceqError(ErrorCode.INVALID_SEQUENCE, (
+            f"the last message of a sequenced batch, and only it, must carry the SEQUENCED "
+            f"flag and the property {SEQ_PROPERTY}={want!r}"))
+    tail = parts[-1]
+    if len(tail) < PART_FIXED_SIZE:
+        raise OnceqError(ErrorCode.BAD_REQUEST, "malformed message: message part too short")
+    _born, _flags, _rc, ulen, tlen, klen, plen, _blen = PART_FIXED.unpack_from(tail)
+    p = PART_FIXED_SIZE + ulen + tlen + klen
+    try:
+        props = msgpack.unpackb(tail[p:p + plen], raw=False) if plen else {}
+    except Exception:  # msgpack raises several types
+        props = None
+    if not isinstance(props, dict) or props.get(SEQ_PROPERTY) != want:
+        raise OnceqError(ErrorCode.INVALID_SEQUENCE, (
+            f"the last message of the batch must carry the property {SEQ_PROPERTY}={want!r}"))
+
+
+def send_sequenced(broker: Broker, conn: Connection, corr: int, h: dict[str, Any],
+                   parts: list[memoryview], topic: str, qid: int) -> Response:
+    try:
+        writer = check_writer_id(h.get("writer"))
+    except SequenceError as exc:
+        raise OnceqError(ErrorCode.INVALID_SEQUENCE, str(exc)) from None
+    epoch, seq = h.get("epoch"), h.get("seq")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2 ** 62
+               for v in (epoch, seq)):
+        raise OnceqError(ErrorCode.INVALID_SEQUENCE, "epoch and seq must be integers >= 0")
+    assert isinstance(epoch, int) and isinstance(seq, int)
+    if topic.startswith("%"):
+        raise OnceqError(ErrorCode.INVALID_ARGUMENT, f"topic {topic!r} is internal to the "
+                         "broker: sequenced sends go to user topics")
+    last = seq + len(parts) - 1
+    check_marker(parts, writer, epoch, last)
+    broker.store.get_topic(topic)  # TOPIC_NOT_EXIST before a sequence error
+    table = broker.sequences.table
+    key = (writer, topic, qid)
+    try:
+        dup = table.check(key, epoch, seq, len(parts))
+    except SequenceError as exc:
+        code = ErrorCode.OUT_OF_ORDER_SEQUENCE if exc.gap else ErrorCode.INVALID_SEQUENCE
+        raise OnceqError(code, str(exc)) from None
+    header: dict[str, Any] = {"queue": qid, "dup": dup, "base": -1, "n": 0}
+    if dup == len(parts):  # answered once the first copies are durable
+        return broker._durable_reply(conn, corr, header)
+    # no dedup window: the sequence is the stronger check (and the last part, which
+    # carries it, must be stored)
+    res = broker.store.put(topic, qid, parts[dup:], dedup=False)
+    table.record(key, epoch, last, int(broker.store.clock() * 1000), res.end_position - 1)
+    broker.holds.notify((topic, qid))
+    header["base"], header["n"] = res.offsets[0], len(res.offsets)
+    return broker._durable_reply(conn, corr, header, res.end_position)

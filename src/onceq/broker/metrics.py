@@ -1,0 +1,311 @@
+"""Prometheus metrics of a broker, served on ``metrics_port`` (off by default).
+
+Cheap on the hot path: a send or pull batch adds to a few plain dict entries
+(``on_send``/``on_pull``), and the send and pull handlers are timed into fixed-bucket
+histograms. Everything else (lag per group and queue, retries and dead letters, lock
+handovers, connections, disk usage) is read from the broker's own state when Prometheus
+scrapes. The endpoint is served on the broker's event loop, so a scrape sees consistent
+state without locks.
+
+Latencies are the broker's time to handle the request; the wait for fsync (``flush =
+"sync"``) and the time a pull is held by long polling are not included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from ..protocol.codes import DLQ_PREFIX, RETRY_PREFIX, RequestCode
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+
+    from .broker import Broker
+
+# prometheus_client (about 60 ms to import) is imported only by a broker with metrics on
+
+log = logging.getLogger("onceq.broker.metrics")
+
+# seconds: 50 us .. 2.5 s
+LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+                   0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Histogram:
+    """Fixed buckets, plain ints: one ``bisect`` and two additions per observation."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def buckets(self) -> list[tuple[str, int]]:
+        """Cumulative counts per upper bound, as Prometheus expects them."""
+        out, total = [], 0
+        for bound, c in zip((*map(repr, self.bounds), "+Inf"), self.counts, strict=True):
+            total += c
+            out.append((bound, total))
+        return out
+
+
+def _add(d: dict[str, int], key: str, n: int) -> None:
+    d[key] = d.get(key, 0) + n
+
+
+def _dir_bytes(root: str) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for f in files:
+            with contextlib.suppress(OSError):  # deleted meanwhile (retention, topic delete)
+                total += os.stat(os.path.join(dirpath, f)).st_size
+    return total
+
+
+class BrokerMetrics:
+    """The counters of one broker and the collector that exports them."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.in_msgs: dict[str, int] = {}  # per topic
+        self.in_bytes: dict[str, int] = {}
+        self.out_msgs: dict[str, int] = {}
+        self.out_bytes: dict[str, int] = {}
+        self.dedup_hits: dict[str, int] = {}  # retried sends the dedup window recognised
+        self.send_latency = Histogram()
+        self.pull_latency = Histogram()
+        self.disk_bytes = 0
+        from prometheus_client import CollectorRegistry
+
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+        self._server: asyncio.AbstractServer | None = None
+        self.port = 0
+
+    # ---------------------------------------------------------------- hot-path hooks
+    def on_send(self, topic: str, count: int, nbytes: int, duplicates: int) -> None:
+        """A send batch of ``count`` messages (``duplicates`` of them recognised as retried
+        sends, not stored), ``nbytes`` on the wire."""
+        if count > duplicates:
+            _add(self.in_msgs, topic, count - duplicates)
+        _add(self.in_bytes, topic, nbytes)
+        if duplicates:
+            _add(self.dedup_hits, topic, duplicates)
+
+    def on_pull(self, topic: str, count: int, nbytes: int) -> None:
+        """A pull answered with ``count`` messages, ``nbytes`` of them."""
+        _add(self.out_msgs, topic, count)
+        _add(self.out_bytes, topic, nbytes)
+
+    def time_handlers(self) -> None:
+        """Time the send and pull handlers into the latency histograms."""
+        handlers = self.broker.handlers
+        for code, hist in ((RequestCode.SEND, self.send_latency),
+                           (RequestCode.SEND_BATCH, self.send_latency),
+                           (RequestCode.PULL, self.pull_latency)):
+            handlers[code] = _timed(handlers[code], hist)
+
+    # ---------------------------------------------------------------- collector
+    def collect(self) -> Iterator[Metric]:
+        from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
+
+        b = self.broker
+        yield _per_topic("onceq_messages_in", "Messages stored by sends, per topic.",
+                         self.in_msgs)
+        yield _per_topic("onceq_bytes_in", "Bytes received in sends, per topic.",
+                         self.in_bytes)
+        yield _per_topic("onceq_messages_out", "Messages delivered by pulls, per topic.",
+                         self.out_msgs)
+        yield _per_topic("onceq_bytes_out", "Bytes delivered by pulls, per topic.",
+                         self.out_bytes)
+        yield _per_topic("onceq_dedup_hits",
+                         "Retried sends the dedup window answered without storing, per topic.",
+                         self.dedup_hits)
+        yield _histogram("onceq_send_latency_seconds", "Time to handle a send request.",
+                         self.send_latency)
+        yield _histogram("onceq_pull_latency_seconds", "Time to handle a pull request.",
+                         self.pull_latency)
+        yield from self._lag(b)
+        yield from self._retries(b)
+        c = CounterMetricFamily("onceq_access_lock_handovers",
+                                "Queues the transition lock handed from one member to another.")
+        c.add_metric([], b.transition.handovers)
+        yield c
+        g = GaugeMetricFamily("onceq_connections", "Open client connections.")
+        g.add_metric([], len(b.connections))
+        yield g
+        g = GaugeMetricFamily("onceq_group_members", "Live members per consumer group.",
+                              labels=["group"])
+        for group in sorted(b.groups.groups):
+            g.add_metric([group], len(b.groups.members(group)))
+        yield g
+        g = GaugeMetricFamily("onceq_disk_used_bytes",
+                              "Bytes of the broker's data directory (commit log, indexes, "
+                              "state).")
+        g.add_metric([], self.disk_bytes)
+        yield g
+        state = b.store.write_state()
+        g = GaugeMetricFamily("onceq_disk_used_ratio",
+                              "Used share of the data directory's file system.")
+        g.add_metric([], state["disk_used"])
+        yield g
+        g = GaugeMetricFamily("onceq_writes_accepted",
+                              "1 while the store accepts writes, 0 while it refuses them.")
+        g.add_metric([], 1 if state["accepted"] else 0)
+        yield g
+
+    def _lag(self, b: Broker) -> Iterator[Metric]:
+        """Messages behind per (group, topic, queue): the queue's max offset minus the
+        group's committed offset."""
+        from prometheus_client.metrics_core import GaugeMetricFamily
+
+        g = GaugeMetricFamily("onceq_consumer_lag",
+                              "Messages not yet consumed (committed) per group and queue.",
+                              labels=["group", "topic", "queue"])
+        total = GaugeMetricFamily("onceq_group_lag", "Messages behind per group and topic.",
+                                  labels=["group", "topic"])
+        store = b.store
+        for group, topics in sorted(store.offsets.items()):
+            for topic, queues in sorted(topics.items()):
+                if topic not in store.topics:
+                    continue
+                sum_lag = 0
+                for q, off in sorted(queues.items(), key=lambda x: int(x[0])):
+                    try:
+                        _lo, hi = store.min_max(topic, int(q))
+                    except Exception:  # a queue beyond a shrunken topic
+                        continue
+                    lag = max(0, hi - off) if off >= 0 else 0
+                    sum_lag += lag
+                    g.add_metric([group, topic, str(q)], lag)
+                total.add_metric([group, topic], sum_lag)
+        yield g
+        yield total
+
+    def _retries(self, b: Broker) -> Iterator[Metric]:
+        """Messages that reached each group's retry topic and dead-letter queue (the max
+        offsets of those topics, so they survive restarts)."""
+        from prometheus_client.metrics_core import CounterMetricFamily
+
+        retry = CounterMetricFamily("onceq_retry_messages",
+                                    "Messages redelivered through the group's retry topic.",
+                                    labels=["group"])
+        dlq = CounterMetricFamily("onceq_dlq_messages",
+                                  "Messages moved to the group's dead-letter queue.",
+                                  labels=["group"])
+        store = b.store
+        for name, t in sorted(store.topics.items()):
+            for prefix, fam in ((RETRY_PREFIX, retry), (DLQ_PREFIX, dlq)):
+                if name.startswith(prefix):
+                    fam.add_metric([name[len(prefix):]],
+                                   sum(store.min_max(name, q)[1] for q in range(t.queues)))
+        yield retry
+        yield dlq
+
+    # ---------------------------------------------------------------- endpoint
+    async def render(self) -> bytes:
+        from prometheus_client.exposition import generate_latest
+
+        loop = asyncio.get_running_loop()
+        try:
+            self.disk_bytes = await loop.run_in_executor(
+                None, _dir_bytes, self.broker.config.store.data_dir)
+        except OSError as exc:
+            log.warning("metrics: cannot measure the data directory: %s", exc)
+        return generate_latest(self.registry)
+
+    async def start(self, host: str, port: int) -> None:
+        self._server = await asyncio.start_server(self._serve, host, port,
+                                                  reuse_address=True)
+        self.port = self._server.sockets[0].getsockname()[1]
+        log.info("metrics on http://%s:%d/metrics", host, self.port)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+            self._server = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+                     ) -> None:
+        try:
+            request = await asyncio.wait_for(reader.readline(), 10)
+            while True:  # the headers: not needed
+                line = await asyncio.wait_for(reader.readline(), 10)
+                if line in (b"\r\n", b"\n", b""):
+                    break
+            parts = request.split()
+            method = parts[0] if parts else b""
+            path = parts[1].split(b"?")[0] if len(parts) > 1 else b""
+            if method not in (b"GET", b"HEAD"):
+                status, ctype, body = "405 Method Not Allowed", "text/plain", b"GET only\n"
+            elif path in (b"/metrics", b"/"):
+                from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+                status, ctype, body = "200 OK", CONTENT_TYPE_LATEST, await self.render()
+            else:
+                status, ctype, body = "404 Not Found", "text/plain", b"try /metrics\n"
+            head = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
+                    f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+            writer.write(head if method == b"HEAD" else head + body)
+            await writer.drain()
+        except (TimeoutError, ConnectionError, ValueError):
+            pass  # a slow, broken or oversized request: just close it
+        except Exception:
+            log.exception("metrics request failed")
+        finally:
+            writer.close()
+
+
+def _timed(handler: Callable[..., Any], hist: Histogram) -> Callable[..., Any]:
+    clock = time.perf_counter
+
+    def timed(*args: Any) -> Any:
+        t0 = clock()
+        try:
+            return handler(*args)
+        finally:
+            hist.observe(clock() - t0)
+
+    return timed
+
+
+def _per_topic(name: str, doc: str, values: dict[str, int]) -> Metric:
+    from prometheus_client.metrics_core import CounterMetricFamily
+
+    c = CounterMetricFamily(name, doc, labels=["topic"])
+    for topic, v in sorted(values.items()):
+        c.add_metric([topic], v)
+    return c
+
+
+def _histogram(name: str, doc: str, h: Histogram) -> Metric:
+    from prometheus_client.metrics_core import HistogramMetricFamily
+
+    m = HistogramMetricFamily(name, doc)
+    m.add_metric([], h.buckets(), h.sum)
+    return m
+
+
+async def start_metrics(broker: Broker) -> BrokerMetrics | None:
+    """Serve ``/metrics`` when ``metrics_port`` is set (>= 0; 0 picks a free port)."""
+    cfg = broker.config
+    if cfg.metrics_port < 0:
+        return None
+    m = BrokerMetrics(broker)
+    m.time_handlers()
+    await m.start(cfg.metrics_host, cfg.metrics_port)
+    return m

@@ -1,0 +1,117 @@
+"""Orderly queue locks as the broker serves them: ``LOCK_QUEUES``, ``UNLOCK_QUEUES``, the
+checks on pulls and commits, and the release of a member's locks when it leaves.
+
+The table itself is pure (``queue_lock_table.py``). Who may lock: a registered member of
+the group (its locks must go when it disconnects, which the broker only knows of members).
+How it coexists with the transition-state access lock (``transition.py``): one queue of a
+group has one holder at a time, of one kind or the other. Orderly members (heartbeat meta
+``orderly``) are outside the access lock; their lock is taken explicitly. A lock request
+skips queues whose access lock another client holds (a concurrent member still consuming
+or draining it), and a pull or commit by any client other than the orderly holder is
+refused (LOCKED / NOT_HOLDER), so a concurrent member cannot take a queue an orderly member
+holds either. See docs/consumer.md, "Orderly consumption".
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from ..protocol.errors import ErrorCode, OnceqError
+from ..storage.store import check_name
+from .queue_lock_table import QueueLockTable
+
+if TYPE_CHECKING:
+    from .broker import Broker, Response
+    from .connection import Connection
+
+log = logging.getLogger("onceq.broker")
+
+MAX_QUEUES = 4096  # queues in one lock or unlock request
+
+
+def _queues(h: dict[str, Any], with_offset: bool) -> list[tuple[str, int, int]]:
+    raw = h.get("queues")
+    n = 3 if with_offset else 2
+    what = "[topic, queue, offset]" if with_offset else "[topic, queue]"
+    if not isinstance(raw, list) or len(raw) > MAX_QUEUES or not all(
+            isinstance(x, list) and len(x) == n and isinstance(x[0], str)
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in x[1:])
+            for x in raw):
+        raise OnceqError(ErrorCode.INVALID_ARGUMENT,
+                         f"queues must be a list of at most {MAX_QUEUES} {what}")
+    return [(x[0], x[1], x[2] if with_offset else -1) for x in raw]
+
+
+class QueueLocks:
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+        self.table = QueueLockTable(broker.config.queue_lock_expiry_s)
+
+    def _now(self) -> float:
+        return self.broker.clock()
+
+    def _member(self, h: dict[str, Any]) -> tuple[str, str]:
+        group = check_name("group", h.get("group"))
+        client = h.get("client")
+        if not isinstance(client, str):
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "field 'client' must be a string")
+        if self.broker.groups.member(group, client) is None:
+            raise OnceqError(ErrorCode.NOT_MEMBER, f"client {client!r} is not a member of "
+                             f"group {group!r}: send a heartbeat before locking queues")
+        return group, client
+
+    def _exists(self, topic: str, queue: int) -> bool:
+        t = self.broker.store.topics.get(topic)
+        return t is not None and 0 <= queue < t.queues
+
+    def h_lock(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes) -> Response:
+        """Lock (or renew) queues; answer those the client holds now. Queues of unknown
+        topics are not granted (a deleted topic must not fail the renewal of the rest)."""
+        group, client = self._member(h)
+        wanted = [(t, q) for t, q, _ in _queues(h, False) if self._exists(t, q)]
+        access = self.broker.transition.table
+
+        def taken(topic: str, queue: int) -> str | None:
+            return access.holder(group, topic, queue)
+
+        held = self.table.lock(group, client, wanted, self._now(), taken)
+        return 0, {"locked": [[t, q] for t, q in sorted(held)]}, b""
+
+    def h_unlock(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes) -> Response:
+        """Commit each queue's offset (>= 0), then release its lock: holder only."""
+        group = check_name("group", h.get("group"))
+        client = h.get("client")
+        if not isinstance(client, str):
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "field 'client' must be a string")
+        items = _queues(h, True)
+        b = self.broker
+        b.fence.seen(group, client, h.get("reset_gen"))
+        offsets = {(t, q): off for t, q, off in items}
+        end = 0
+
+        def commit(queue: tuple[str, int]) -> None:
+            nonlocal end
+            off = offsets[queue]
+            if off >= 0 and queue[0] in b.store.topics and not b.fence.blocks(group, client,
+                                                                                *queue):
+                end = max(end, b.store.commit_offset(group, *queue, off))
+
+        released = self.table.unlock(group, client, list(offsets), self._now(), commit)
+        return b._durable_reply(conn, corr, {"unlocked": [[t, q] for t, q in sorted(released)]},
+                                end)
+
+    # ---------------------------------------------------------------- hooks
+    def refuses(self, group: str, client: str | None, topic: str, queue: int) -> bool:
+        """Whether another client holds the queue's orderly lock (pulls and commits of
+        ``client`` are refused then)."""
+        holder = self.table.holder(group, topic, queue, self._now())
+        return holder is not None and holder != client
+
+    def member_gone(self, group: str, client: str, reason: str) -> None:
+        for _g, topic, queue in self.table.release_client(client, group):
+            log.info("queue lock %s %s:%d released: holder %s %s", group, topic, queue,
+                     client, reason)
+
+    def status(self, group: str) -> list[dict[str, Any]]:
+        return self.table.snapshot(group, self._now())
