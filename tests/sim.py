@@ -3,8 +3,9 @@
 ``VirtualTimeLoop`` is an asyncio loop whose time is a ``FakeClock``: when every task waits,
 the clock jumps to the next timer, so a 10-minute scenario takes milliseconds and runs the
 same way every time. ``FakeBroker`` answers the requests a push consumer makes (heartbeat,
-members, topics, offsets, long-polled pulls, commits, releases) from memory, with the real
-``AccessLockTable`` deciding who may pull a queue; ``FakeConnection`` has the interface of
+members, topics, offsets, long-polled pulls, commits, releases, orderly queue locks) from
+memory, with the real ``AccessLockTable`` and ``QueueLockTable`` deciding who may pull a
+queue; ``FakeConnection`` has the interface of
 ``client.connection.BrokerConnection`` and is what ``PushConsumer(connect=broker.connect)``
 opens.
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from onceq.broker.access_lock import AccessLockTable
+from onceq.broker.queue_lock_table import QueueLockTable
 from onceq.client.connection import ConnectionLost
 from onceq.log.record import build_record, encode_part
 from onceq.protocol.codes import PullStatus, PushCode, RequestCode, retry_topic
@@ -80,6 +82,7 @@ def run_virtual(main: Callable[[FakeClock], Any], start: float = 1000.0) -> Any:
 class _Member:
     conn: FakeConnection
     access_lock: bool
+    orderly: bool = False
 
 
 @dataclass
@@ -106,6 +109,7 @@ class FakeBroker:
 
     def __post_init__(self) -> None:
         self.table = AccessLockTable(self.hold_timeout)
+        self.qlocks = QueueLockTable(60.0)
         self._held: dict[tuple[str, int], list[_HeldPull]] = {}
 
     # -------------------------------------------------------- test side
@@ -157,13 +161,28 @@ class FakeBroker:
             return {"min": 0, "max": len(self.log[(h["topic"], h["queue"])])}, b""
         if code == RequestCode.COMMIT_OFFSET:
             key = (h["group"], h["topic"], h["queue"])
-            if self._applies(h["group"], h["client"]) and \
-                    self.table.holder(*key) != h["client"]:
+            if (self._applies(h["group"], h["client"]) and \
+                    self.table.holder(*key) != h["client"]) or self._orderly_other(h):
                 raise OnceqError(ErrorCode.NOT_HOLDER, "not the holder")
             self._commit(key, h["offset"])
             return {}, b""
         if code == RequestCode.RELEASE_QUEUE:
             return self._release(h), b""
+        if code == RequestCode.LOCK_QUEUES:
+            group = h["group"]
+            held = self.qlocks.lock(group, h["client"], [tuple(x) for x in h["queues"]],
+                                    self.clock(), lambda t, q: self.table.holder(group, t, q))
+            return {"locked": [list(x) for x in sorted(held)]}, b""
+        if code == RequestCode.UNLOCK_QUEUES:
+            offsets = {(t, q): off for t, q, off in h["queues"]}
+
+            def commit(tq: tuple[str, int]) -> None:
+                if offsets[tq] >= 0:
+                    self._commit((h["group"], *tq), offsets[tq])
+
+            done = self.qlocks.unlock(h["group"], h["client"], list(offsets), self.clock(),
+                                      commit)
+            return {"unlocked": [list(x) for x in sorted(done)]}, b""
         if code == RequestCode.PULL:
             return self._pull(h)
         raise OnceqError(ErrorCode.BAD_REQUEST, f"the fake broker has no {code!r}")
@@ -177,7 +196,9 @@ class FakeBroker:
                 self.create_topic(retry_topic(group), 1)
             members = self.members.setdefault(group, {})
             new = client not in members
-            members[client] = _Member(conn, g.get("meta", {}).get("access_lock", True))
+            meta = g.get("meta", {})
+            members[client] = _Member(conn, meta.get("access_lock", True),
+                                      bool(meta.get("orderly")))
             if new:
                 self._changed(group)
         self.table.touch_client(client, self.clock())
@@ -186,6 +207,7 @@ class FakeBroker:
     def _leave(self, group: str, client: str) -> None:
         if self.members.get(group, {}).pop(client, None) is not None:
             self.table.release_client_group(client, group)
+            self.qlocks.release_client(client, group)
             self._changed(group)
 
     def _changed(self, group: str) -> None:
@@ -196,7 +218,12 @@ class FakeBroker:
 
     def _applies(self, group: str, client: str) -> bool:
         m = self.members.get(group, {}).get(client)
-        return self.access_lock and m is not None and m.access_lock
+        return self.access_lock and m is not None and m.access_lock and not m.orderly
+
+    def _orderly_other(self, h: dict[str, Any]) -> bool:
+        """Another client holds the queue's orderly lock (as the broker's queue_lock.py)."""
+        holder = self.qlocks.holder(h["group"], h["topic"], h["queue"], self.clock())
+        return holder is not None and holder != h.get("client")
 
     def _commit(self, key: tuple[str, str, int], offset: int) -> None:
         self.offsets[key] = offset
@@ -225,6 +252,8 @@ class FakeBroker:
             raise OnceqError(ErrorCode.TOPIC_NOT_EXIST, topic)
         key = (group, topic, queue)
         h = dict(h)
+        if self._orderly_other(h):
+            return self._locked(h)
         if self._applies(group, client):
             ack = self.offsets.get(key, -1)
             d = self.table.on_pull(group, topic, queue, client, h["offset"], ack,

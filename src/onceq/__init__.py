@@ -3,6 +3,7 @@
 from .broker.broker import Broker
 from .broker.config import BrokerConfig
 from .client.admin import Admin
+from .client.consume import orderly
 from .client.message import Message, MessageExt, SendResult
 from .client.producer import Producer
 from .client.pull import PullConsumer, PullResult
@@ -36,5 +37,6 @@ __all__ = [
     "SyncProducer",
     "SyncPullConsumer",
     "SyncPushConsumer",
+    "orderly",
 ]
 __version__ = "0.1.0"

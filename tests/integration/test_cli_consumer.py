@@ -233,7 +233,8 @@ def test_failing_handler_dead_letters_and_resend(baddr, tmp_path):
     assert sorted(row[0] for row in rows) == ["0", "1", "2"]
     assert sorted(row[1] for row in rows) == keys
     for row in rows:
-        assert row[2] == "dq" and row[4] == "2" and row[5] in ("d0", "d1", "d2")
+        assert row[2] == "dq" and row[4] == "2" and row[6] in ("d0", "d1", "d2")
+        assert row[5].startswith("retries used up")  # the DLQ_REASON property
     assert "3 of 3 dead letter(s)" in out
     assert len([row for row in table_rows(ok(run("dlq", "list", "dq-g", "--max", "2",
                                                     "-b", baddr))) if row[0].isdigit()]) == 2

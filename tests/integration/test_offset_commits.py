@@ -191,7 +191,7 @@ async def test_push_consumer_takes_a_refused_commit_quietly(broker, caplog):
     mq = MessageQueue(T, 0)
     try:
         for _ in range(200):
-            pq = c._pqs.get(mq)
+            pq = c.owned.get(mq)
             if pq is not None and pq.ack_offset == 10:
                 break
             await asyncio.sleep(0.05)
@@ -203,7 +203,7 @@ async def test_push_consumer_takes_a_refused_commit_quietly(broker, caplog):
         # while the consumer's pull is held in long polling; its last commit is still due
         assert broker.transition.table.release(G, T, 0, "push-a")
         assert (await _pull(other, "zzz"))["st"] == PullStatus.FOUND
-        c._committed.pop(mq, None)
+        c.offsets.unknown(mq)
         caplog.clear()
         with caplog.at_level(logging.DEBUG, logger="onceq"):
             await c._commit_all()  # refused with NOT_HOLDER: no exception

@@ -646,7 +646,7 @@ async def test_flow_control_pauses_pulling_of_a_slow_queue(addr):
     c: PushConsumer
 
     async def listener(msgs, ctx):
-        cached.append(len(c._pqs[ctx.queue]))  # what the process queue holds right now
+        cached.append(len(c.owned.get(ctx.queue)))  # what the process queue holds right now
         handled.update(m.unique_key for m in msgs)
         await asyncio.sleep(0.002)
 

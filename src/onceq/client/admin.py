@@ -45,6 +45,8 @@ class QueueStatus:
     lock_holder: str | None = None  # access-lock holder (None: not locked)
     deliver_offset: int | None = None  # next offset after the last pull that found messages
     handover_pending: bool = False  # another member was refused: a handover is waiting
+    orderly_holder: str | None = None  # orderly queue-lock holder (None: not locked)
+    orderly_age_s: float | None = None  # seconds since that lock was granted
 
     @property
     def lag(self) -> int:
@@ -188,7 +190,9 @@ class Admin(BrokerClient):
         ids = [m.client_id for m in members]
         broadcast = bool(members) and all(m.model == "BROADCASTING" for m in members)
         status = GroupStatus(group, members)
-        locks = {(r["topic"], r["queue"]): r for r in await self.access_locks(group)}
+        answer = await self._req(RequestCode.QUERY_ACCESS_LOCKS, {"group": group})
+        locks = {(r["topic"], r["queue"]): r for r in answer["queues"]}
+        orderly = {(r["topic"], r["queue"]): r for r in answer.get("orderly", ())}
         for topic in topics:
             try:
                 n = await self.queue_count(topic)
@@ -207,15 +211,50 @@ class Admin(BrokerClient):
                 committed = await self.group_offset(group, topic, mq.queue_id)
                 who = "(every member)" if broadcast else owner.get(mq)
                 lock = locks.get((topic, mq.queue_id), {})
+                ordered = orderly.get((topic, mq.queue_id), {})
                 status.queues.append(QueueStatus(
                     topic, mq.queue_id, lo, hi, committed, who, lock.get("holder"),
-                    lock.get("deliver"), bool(lock.get("pending_handover"))))
+                    lock.get("deliver"), bool(lock.get("pending_handover")),
+                    ordered.get("holder"), ordered.get("age_s")))
         return status
 
     async def access_locks(self, group: str) -> list[dict[str, Any]]:
         """The broker's transition-state access locks of ``group``: per locked queue the
         holder, deliver and ack offsets, and whether a handover is pending."""
         return (await self._req(RequestCode.QUERY_ACCESS_LOCKS, {"group": group}))["queues"]
+
+    async def queue_locks(self, group: str) -> list[dict[str, Any]]:
+        """The broker's orderly queue locks of ``group``: per locked queue the holder,
+        ``age_s`` (since granted) and ``renewed_s`` (since the last renewal)."""
+        answer = await self._req(RequestCode.QUERY_ACCESS_LOCKS, {"group": group})
+        return answer.get("orderly", [])
+
+    # ---------------------------------------------------------------- inspection
+    async def topic_status(self, topic: str) -> list[dict[str, Any]]:
+        """Per queue of ``topic``: ``queue``, ``min``, ``max``, ``first_store_ms`` and
+        ``last_store_ms`` (None for an empty queue)."""
+        return (await self._req(RequestCode.TOPIC_STATUS, {"topic": topic}))["queues"]
+
+    async def query_message(self, topic: str, key: str, *, by: str = "unique",
+                            begin_ms: int | None = None, end_ms: int | None = None,
+                            max_scan: int | None = None, max_results: int | None = None
+                            ) -> dict[str, Any]:
+        """Messages of ``topic`` whose unique key (``by="unique"``) or one of whose
+        business keys (``by="keys"``) is ``key``: a bounded scan on the broker (see
+        ``broker/admin_ops.py`` for its range and cost). Answers ``messages`` (queue, offset,
+        store time, ...), ``scanned`` and ``truncated``; MESSAGE_NOT_FOUND when none."""
+        h: dict[str, Any] = {"topic": topic, "key": key, "by": by, "begin_ms": begin_ms,
+                             "end_ms": end_ms, "max_scan": max_scan,
+                             "max_results": max_results}
+        return await self._req(RequestCode.QUERY_MESSAGE,
+                               {k: v for k, v in h.items() if v is not None})
+
+    async def group_trace(self, group: str, enabled: bool | None = None) -> bool:
+        """Turn ``group``'s delivery trace on or off (None: leave it); whether it is on."""
+        h: dict[str, Any] = {"group": group}
+        if enabled is not None:
+            h["enabled"] = enabled
+        return bool((await self._req(RequestCode.GROUP_TRACE, h))["enabled"])
 
     # ---------------------------------------------------------------- dead letters
     async def broker_status(self) -> dict[str, Any]:

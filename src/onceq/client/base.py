@@ -3,25 +3,43 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any, Self
 
-from .connection import BrokerConnection
+from .connection import BrokerConnection, ConnectionLost
+
+# opens a connection to ``address`` that hands server pushes to the callback
+Connect = Callable[[str, Callable[[int, dict[str, Any]], None]], Awaitable[BrokerConnection]]
 
 
 class BrokerClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, connect: Connect | None = None) -> None:
         self.address = address
+        self._connect = connect or BrokerConnection.open  # an in-memory one in tests
         self._conn: BrokerConnection | None = None
         self._connect_lock: asyncio.Lock | None = None
+        self._no_reconnect = False  # set by clients that must not reopen after closing
+
+    def _on_push(self, code: int, header: dict[str, Any]) -> None:
+        """A push from the broker (clients that care override this)."""
+
+    async def _on_connected(self, conn: BrokerConnection) -> None:
+        """A new connection, before any other request uses it (e.g. register first)."""
 
     async def _connection(self) -> BrokerConnection:
         if self._conn is not None and not self._conn.closed:
             return self._conn
+        if self._no_reconnect:
+            raise ConnectionLost("the client is closed")
         if self._connect_lock is None:
             self._connect_lock = asyncio.Lock()
-        async with self._connect_lock:  # concurrent callers share one new connection
+        # concurrent callers share one new connection: without the lock each would open its
+        # own (all but one leaked, never closed)
+        async with self._connect_lock:
             if self._conn is None or self._conn.closed:
-                self._conn = await BrokerConnection.open(self.address)
+                conn = await self._connect(self.address, self._on_push)
+                await self._on_connected(conn)
+                self._conn = conn
         return self._conn
 
     async def _request(self, code: int, header: dict[str, Any] | None = None,

@@ -16,8 +16,8 @@ class ProcessQueue:
     commit back; it only moves forward. Callers set ``next_offset`` after ``add``.
     """
 
-    __slots__ = ("_ack", "_bytes", "_msgs", "dropped", "last_pull", "max_offset", "mq",
-                 "next_offset", "released", "reset")
+    __slots__ = ("_ack", "_bytes", "_msgs", "dropped", "generation", "last_pull", "max_offset",
+                 "mq", "next_offset", "released", "reset")
 
     def __init__(self, mq: MessageQueue, next_offset: int, now: float) -> None:
         self.mq = mq
@@ -30,6 +30,7 @@ class ProcessQueue:
         self.dropped = False
         self.released = False  # revoke finished: the next owner has these messages now
         self.reset = False  # the group's offsets were reset: nothing of it is committed
+        self.generation = 0  # of the assignment that took it (see assignment.py)
 
     # ------------------------------------------------------------ contents
     def add(self, msgs: Iterable[MessageExt]) -> None:
@@ -47,6 +48,15 @@ class ProcessQueue:
             if d.pop(m.queue_offset, None) is not None:
                 self._bytes -= len(m.body)
         return self.ack_offset
+
+    def head(self, n: int) -> list[MessageExt]:
+        """The ``n`` lowest-offset messages in flight (orderly consumption takes these)."""
+        out = []
+        for m in self._msgs.values():
+            if len(out) == n:
+                break
+            out.append(m)
+        return out
 
     def rewind(self, offset: int) -> None:
         """Continue at a lower ``offset`` the broker asked for (the queue shrank, e.g. after

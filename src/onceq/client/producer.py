@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import struct
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..log.record import encode_part
 from ..protocol.codes import RequestCode
 from ..protocol.errors import ErrorCode, OnceqError
-from .base import BrokerClient
+from .base import BrokerClient, Connect
 from .connection import ConnectionLost
 from .message import Message, SendResult, UniqueKeyGenerator, encode_message
 
 log = logging.getLogger("onceq.client")
 _U32 = struct.Struct("<I")
 _REFRESH_ON = (ErrorCode.TOPIC_NOT_EXIST, ErrorCode.INVALID_QUEUE)
+RETRY_BACKOFF_S = 0.05  # the first wait after a retriable broker code, doubled each time
+
+# (number of queues of the topic, the message) -> queue id; for ordered messages
+QueueSelector = Callable[[int, Message], int]
 
 
 def _as_message(m: Message | bytes | str) -> Message:
@@ -37,13 +42,24 @@ class Producer(BrokerClient):
     ``retries`` is the number of extra attempts after a failure (3 attempts in all by
     default), all within ``send_timeout`` seconds. A retry after a transport error or a
     retriable broker code goes to the next queue unless the queue is pinned (sharding key
-    or explicit queue). A retry carries the same unique key, so the broker's dedup window
+    or explicit queue). After a retriable broker code (a full disk, a busy broker) the
+    next attempt waits 50 ms, then 100 ms, ... (at most half the time left); after a lost
+    connection it goes at once. A retry carries the same unique key, so the broker's dedup window
     stores a message at most once and answers the retry with the first result.
+
+    Ordering: messages sent one after the other (each send awaited) with the same sharding
+    key, or to the queue the same ``selector`` picks, go to one queue and are stored in
+    send order; an orderly consumer (see ``consume_orderly.py``) then handles them in that
+    order. A selector is called with the topic's queue count and the message (the first
+    one of a batch) and returns a queue id in ``range(count)``; it must be deterministic
+    for a key. Sends not awaited one after the other (concurrent tasks, ``send_oneway``
+    racing a retry) have no defined order; nor do messages of one key while the topic's
+    queue count changes.
     """
 
     def __init__(self, address: str = "127.0.0.1:9876", *, retries: int = 2,
-                 send_timeout: float = 3.0) -> None:
-        super().__init__(address)
+                 send_timeout: float = 3.0, connect: Connect | None = None) -> None:
+        super().__init__(address, connect)
         self.retries = retries
         self.send_timeout = send_timeout
         self._queues: dict[str, int] = {}
@@ -57,10 +73,16 @@ class Producer(BrokerClient):
             n = self._queues[topic] = int(hdr["queues"])
         return n
 
-    def _pick_queue(self, topic: str, n: int, sharding_key: str | None, queue: int | None
-                    ) -> int:
+    def _pick_queue(self, topic: str, n: int, sharding_key: str | None, queue: int | None,
+                    selector: QueueSelector | None = None, first: Any = None) -> int:
         if queue is not None:
             return queue
+        if selector is not None:
+            qid = selector(n, _as_message(first))
+            if not isinstance(qid, int) or isinstance(qid, bool) or not 0 <= qid < n:
+                raise ValueError(f"selector returned {qid!r}: topic {topic!r} has queues "
+                                 f"0..{n - 1}")
+            return qid
         if sharding_key is not None:
             return zlib.crc32(sharding_key.encode()) % n
         i = self._rr.get(topic, -1) + 1
@@ -68,20 +90,24 @@ class Producer(BrokerClient):
         return i % n
 
     async def send(self, topic: str, message: Message | bytes | str, *,
-                   sharding_key: str | None = None, queue: int | None = None) -> SendResult:
-        """Send one message and wait for the broker's acknowledgement."""
-        results = await self.send_batch(topic, [message], sharding_key=sharding_key, queue=queue)
+                   sharding_key: str | None = None, queue: int | None = None,
+                   selector: QueueSelector | None = None) -> SendResult:
+        """Send one message and wait for the broker's acknowledgement. The queue: ``queue``
+        if given, else the one ``selector`` picks, else the hash of ``sharding_key``, else
+        round-robin."""
+        results = await self.send_batch(topic, [message], sharding_key=sharding_key,
+                                        queue=queue, selector=selector)
         return results[0]
 
     async def send_batch(self, topic: str, messages: Sequence[Message | bytes | str], *,
-                         sharding_key: str | None = None, queue: int | None = None
-                         ) -> list[SendResult]:
+                         sharding_key: str | None = None, queue: int | None = None,
+                         selector: QueueSelector | None = None) -> list[SendResult]:
         """Send messages to one queue in one request; one result per message."""
         if not messages:
             return []
         payload, keys = self._encode(messages)
         code = RequestCode.SEND if len(messages) == 1 else RequestCode.SEND_BATCH
-        pinned = sharding_key is not None or queue is not None
+        pinned = sharding_key is not None or queue is not None or selector is not None
         deadline = time.monotonic() + self.send_timeout
         attempt = 0
         qid: int | None = None
@@ -89,8 +115,8 @@ class Producer(BrokerClient):
             attempt += 1
             try:
                 n = await self.queue_count(topic, refresh=attempt > 1 and not pinned)
-                qid = self._pick_queue(topic, n, sharding_key, queue) if (
-                    qid is None or not pinned) else qid
+                qid = self._pick_queue(topic, n, sharding_key, queue, selector,
+                                       messages[0]) if qid is None or not pinned else qid
                 conn = await self._connection()
                 left = max(deadline - time.monotonic(), 0.05)
                 hdr, _ = await conn.request(code, {"topic": topic, "queue": qid}, payload, left)
@@ -100,8 +126,12 @@ class Producer(BrokerClient):
                 if not retriable or attempt > self.retries or time.monotonic() >= deadline:
                     raise
                 log.debug("send attempt %d to %s failed: %s; retrying", attempt, topic, exc)
-                if isinstance(exc, ConnectionLost) and self._conn is not None:
-                    self._conn.close()
+                if isinstance(exc, ConnectionLost):
+                    if self._conn is not None:
+                        self._conn.close()
+                elif exc.retriable:  # a broker under pressure (disk full, busy): back off
+                    await asyncio.sleep(min(RETRY_BACKOFF_S * 2 ** (attempt - 1),
+                                            max(deadline - time.monotonic(), 0) / 2))
 
     def _encode(self, messages: Sequence[Message | bytes | str]) -> tuple[bytes, list[str]]:
         """Batch payload ([u32 length][part] per message) and the messages' unique keys."""
@@ -122,11 +152,12 @@ class Producer(BrokerClient):
         return b"".join(chunks), keys
 
     async def send_oneway(self, topic: str, message: Message | bytes | str, *,
-                          sharding_key: str | None = None, queue: int | None = None) -> None:
+                          sharding_key: str | None = None, queue: int | None = None,
+                          selector: QueueSelector | None = None) -> None:
         """Fire-and-forget: write the message and do not wait for any reply."""
         payload, _ = self._encode([message])
         n = await self.queue_count(topic)
-        qid = self._pick_queue(topic, n, sharding_key, queue)
+        qid = self._pick_queue(topic, n, sharding_key, queue, selector, message)
         conn = await self._connection()
         conn.write_oneway(RequestCode.SEND, {"topic": topic, "queue": qid}, payload)
 

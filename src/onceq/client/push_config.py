@@ -43,6 +43,14 @@ class PushConsumerConfig:
     access_lock: bool = True  # use the broker's transition-state queue lock (CLUSTERING)
     locked_backoff_s: float = 0.1  # pause after a pull refused by the access lock
     send_back_retry_s: float = 5.0  # when the broker cannot take a retry, retry locally
+    # orderly consumption (see consume_orderly.py); an ``orderly`` listener also selects it
+    orderly: bool = False
+    suspend_s: float = 1.0  # after SUSPEND: pause the queue this long (10 ms..30 s)
+    orderly_max_retries: int | None = None  # None: retry in place forever; else then DLQ
+    lock_renew_s: float = 20.0  # renew the broker queue locks this often
+    lock_max_age_s: float = 30.0  # a queue whose lock is older stops until relocked
+    lock_retry_s: float = 0.5  # a queue whose lock was refused is tried again after this
+    orderly_yield_s: float = 60.0  # one consume run of a queue yields after this long
     offset_dir: str | None = None  # BROADCASTING: where local offsets live
     instance_name: str = "DEFAULT"
     extra: dict = field(default_factory=dict)
@@ -52,7 +60,14 @@ class PushConsumerConfig:
             raise ValueError("batch_size, pull_batch_size and concurrency must be >= 1")
         if self.max_reconsume < 0:
             raise ValueError("max_reconsume must be >= 0")
-        for name in ("consume_timeout_s", "rebalance_interval_s", "heartbeat_interval_s",
+        if not 0.01 <= self.suspend_s <= 30:
+            raise ValueError("suspend_s must be between 0.01 and 30 seconds")
+        if self.orderly_max_retries is not None and self.orderly_max_retries < 0:
+            raise ValueError("orderly_max_retries must be >= 0 (or None: unlimited)")
+        if self.lock_max_age_s <= self.lock_renew_s:
+            raise ValueError("lock_max_age_s must be above lock_renew_s")
+        for name in ("lock_renew_s", "lock_retry_s", "orderly_yield_s",
+                     "consume_timeout_s", "rebalance_interval_s", "heartbeat_interval_s",
                      "pull_expire_s", "commit_interval_s", "drain_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")

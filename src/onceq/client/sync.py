@@ -172,6 +172,11 @@ class SyncPushConsumer:
         return self._c.config
 
     @property
+    def idempotent_listener(self) -> Any:
+        """The idempotency guard (``idempotency=`` option) once started: its ``stats``."""
+        return self._c.idempotent_listener
+
+    @property
     def running(self) -> bool:
         return self._lt is not None
 

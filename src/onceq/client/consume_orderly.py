@@ -1,0 +1,283 @@
+"""Orderly consumption: each queue is consumed strictly in offset order, one batch at a
+time (RocketMQ's ``ConsumeMessageOrderlyService``, with its known defects fixed).
+
+CLUSTERING: a newly assigned queue is taken only after the broker's queue lock is granted
+(``LOCK_QUEUES``); the locks are renewed every ``lock_renew_s`` (20 s); a queue whose lock
+was last confirmed more than ``lock_max_age_s`` (30 s) ago stops pulling and consuming until
+it is locked again, and a lock the broker refused on renewal makes the consumer drop the
+queue and take it afresh (lock, then read the group's offset). On revoke the running batch
+finishes (bounded by the drain timeout), then one ``UNLOCK_QUEUES`` call commits the offset
+and releases the lock, in that order on the broker: the next holder starts exactly after
+the last success (RocketMQ unlocked before committing, issue #4086). A batch still running
+after the drain timeout keeps the lock until it ends; its queue is not taken again
+meanwhile.
+
+BROADCASTING: no broker lock (every member consumes every queue); order is kept locally.
+
+The listener returns SUCCESS or SUSPEND (an exception or a timeout counts as SUSPEND):
+the queue pauses for ``ctx.suspend_ms`` (default ``suspend_s``, 1 s; bounded to 10 ms..30 s)
+and the same messages are given again, in place. With ``orderly_max_retries`` set, messages
+that still fail after that many retries go to the group's DLQ and the queue moves on.
+A run of one queue yields after ``orderly_yield_s`` (60 s) of continuous consumption.
+The offset to commit moves only after a success.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from ..log.record import Message as MessageExt
+from ..protocol.codes import RequestCode
+from ..protocol.errors import OnceqError
+from .allocation import MessageQueue
+from .connection import BrokerConnection
+from .consume import ConsumeContext, ConsumeService, ConsumeStatus
+from .consume_concurrent import restore_origin_topic, send_back
+from .process_queue import ProcessQueue
+
+if TYPE_CHECKING:
+    from .push import PushConsumer
+
+log = logging.getLogger("onceq.consumer")
+
+SUSPEND_MIN_S = 0.01
+SUSPEND_MAX_S = 30.0
+
+
+def suspend_seconds(ctx_ms: int, default_s: float) -> float:
+    """How long SUSPEND pauses a queue: the listener's ``suspend_ms``, else the setting."""
+    s = ctx_ms / 1000 if ctx_ms > 0 else default_s
+    return min(max(s, SUSPEND_MIN_S), SUSPEND_MAX_S)
+
+
+class OrderlyConsumeService(ConsumeService):
+    failure = ConsumeStatus.SUSPEND
+    def __init__(self, consumer: PushConsumer) -> None:
+        super().__init__(consumer)
+        self.locking = consumer.clustering  # broadcasting: no broker lock
+        self._sem = asyncio.Semaphore(consumer.config.concurrency)
+        self._runs: dict[ProcessQueue, asyncio.Task[None]] = {}  # one per queue at a time
+        self._locked_at: dict[MessageQueue, float] = {}  # last grant or renewal
+        self._late: dict[MessageQueue, asyncio.Task[None]] = {}  # runs past the drain
+        self._later: set[asyncio.Task[None]] = set()  # their unlocks (a reference each)
+        self._renewer: asyncio.Task[None] | None = None
+
+    # ---------------------------------------------------------------- locks
+    def start(self) -> None:
+        if self.locking:
+            self._renewer = asyncio.get_running_loop().create_task(
+                self._renew_loop(), name="onceq-lock-renew")
+
+    async def stop(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            await asyncio.gather(self._renewer, return_exceptions=True)
+
+    async def _lock(self, mqs: list[MessageQueue], conn: BrokerConnection | None = None
+                    ) -> set[MessageQueue]:
+        c = self.consumer
+        request = c._req if conn is None else conn.request
+        hdr, _ = await request(RequestCode.LOCK_QUEUES, {
+            "group": c.group, "client": c.client_id,
+            "queues": [[mq.topic, mq.queue_id] for mq in mqs]})
+        held = {MessageQueue(t, q) for t, q in hdr["locked"]}
+        now = c.clock()
+        for mq in held:
+            self._locked_at[mq] = now
+        return held
+
+    async def acquire(self, mqs: list[MessageQueue]) -> set[MessageQueue]:
+        c = self.consumer
+        free = [mq for mq in mqs if mq not in self._late]  # an old run still going
+        held = set(free)
+        if self.locking and free:
+            try:
+                held = await self._lock(free)
+            except OnceqError as exc:
+                log.warning("%s: lock of %d queue(s) failed: %s", c.client_id, len(free), exc)
+                held = set()
+        if len(held) < len(mqs):
+            c.stats["lock_refused"] += len(mqs) - len(held)
+            asyncio.get_running_loop().call_later(c.config.lock_retry_s, c.rebalance_soon)
+        return held
+
+    def locked(self, mq: MessageQueue) -> bool:
+        """Whether ``mq`` may be pulled and consumed now (its lock is fresh enough)."""
+        if not self.locking:
+            return True
+        at = self._locked_at.get(mq)
+        return at is not None and self.consumer.clock() - at <= self.consumer.config.lock_max_age_s
+
+    def may_pull(self, pq: ProcessQueue) -> bool:
+        return self.locked(pq.mq)
+
+    async def _renew_loop(self) -> None:
+        c = self.consumer
+        while True:
+            await asyncio.sleep(c.config.lock_renew_s)
+            try:
+                await self.renew()
+            except OnceqError as exc:  # the locks age; consumption stops at the max age
+                log.warning("%s: lock renewal failed: %s", c.client_id, exc)
+
+    async def reconnected(self, conn: BrokerConnection) -> None:
+        """Lock the owned queues again at once (a restarted broker has no locks), rather
+        than at the next renewal; queues another member locked meanwhile are dropped."""
+        if self.locking:
+            try:
+                await self.renew(conn)
+            except OnceqError as exc:  # the renewal loop tries again
+                log.debug("relock after reconnect failed: %s", exc)
+
+    async def renew(self, conn: BrokerConnection | None = None) -> None:
+        """Renew the locks of every owned queue; drop the queues whose lock was refused."""
+        c = self.consumer
+        owned = [(mq, pq) for mq, pq in c.owned.items() if c.owned.active(pq)]
+        if not owned:
+            return
+        held = await self._lock([mq for mq, _ in owned], conn)
+        for mq, pq in owned:
+            if mq in held:
+                if len(pq) and pq not in self._runs:
+                    self._kick(pq)  # stopped for an old lock: go on
+                continue
+            # another member holds it now (ours expired): what we cached is stale. Drop the
+            # queue; the rebalance takes it afresh (lock, then the group's offset)
+            self._locked_at.pop(mq, None)
+            c.stats["lock_lost"] += 1
+            log.warning("%s: lock of %s lost; dropping the queue", c.client_id, mq)
+            c._stale.add(mq)
+            c.rebalance_soon()
+
+    # ---------------------------------------------------------------- consuming
+    def dispatch(self, pq: ProcessQueue, msgs: list[MessageExt]) -> None:
+        if pq not in self._runs:
+            self._kick(pq)
+
+    def _kick(self, pq: ProcessQueue) -> None:
+        if not self.consumer.owned.active(pq) or pq in self._runs:
+            return
+        self._runs[pq] = asyncio.get_running_loop().create_task(self._run(pq))
+
+    async def _run(self, pq: ProcessQueue) -> None:
+        try:
+            await self._run_batches(pq)
+        finally:
+            # at once, not in a done callback: messages dispatched between this run's last
+            # look at the queue and a callback would find the run still listed and wait
+            # for the next lock renewal to be consumed
+            if self._runs.get(pq) is asyncio.current_task():
+                del self._runs[pq]
+
+    async def _run_batches(self, pq: ProcessQueue) -> None:
+        """Consume ``pq`` batch after batch, in order, until it is empty or must stop."""
+        c = self.consumer
+        cfg = c.config
+        started = c.clock()
+        while c.owned.active(pq) and self.locked(pq.mq):
+            if c.clock() - started > cfg.orderly_yield_s:
+                c.stats["yielded"] += 1  # let the other queues' runs have the loop
+                asyncio.get_running_loop().call_soon(self._kick, pq)
+                return
+            batch = pq.head(cfg.batch_size)
+            if not batch:
+                return
+            if not await self._consume(pq, batch):
+                return  # revoked or lock too old while suspended: messages stay in place
+
+    async def _consume(self, pq: ProcessQueue, batch: list[MessageExt]) -> bool:
+        """Run the listener on ``batch`` until it succeeds (or goes to the DLQ), removing
+        what is done from ``pq``; False when the queue must stop first.
+
+        SUCCESS with an ``ack_index`` before the batch's end (partial success, as the
+        idempotency layer answers) consumes the messages up to it; the rest are suspended
+        and retried in place, in order."""
+        c = self.consumer
+        cfg = c.config
+        restore_origin_topic(batch)
+        attempt = 1
+        while True:
+            ctx = ConsumeContext(pq.mq, len(batch) - 1, group=c.group, attempt=attempt)
+            async with self._sem:
+                status = await self.call_listener(batch, ctx)
+            if status == ConsumeStatus.SUCCESS:
+                acked = min(max(ctx.ack_index, -1), len(batch) - 1) + 1
+                if acked:
+                    pq.remove(batch[:acked])
+                    c.stats["consumed"] += acked
+                    batch = batch[acked:]
+                    attempt = 0  # the first message not done is tried again afresh
+                if not batch:
+                    return True
+            c.stats["suspended"] += 1
+            limit = cfg.orderly_max_retries
+            if limit is not None and attempt > limit and await self._to_dlq(pq, batch):
+                pq.remove(batch)
+                return True
+            attempt += 1
+            await asyncio.sleep(suspend_seconds(ctx.suspend_ms, cfg.suspend_s))
+            if not (c.owned.active(pq) and self.locked(pq.mq)):
+                return False
+
+    async def _to_dlq(self, pq: ProcessQueue, batch: list[MessageExt]) -> bool:
+        """Out of retries: the messages go to the group's DLQ (broadcasting: skipped)."""
+        c = self.consumer
+        if not c.clustering:
+            log.warning("broadcasting: %d message(s) on %s failed %d times; skipped",
+                        len(batch), pq.mq, c.config.orderly_max_retries)
+            return True
+        try:
+            for m in batch:
+                await send_back(c, pq, m, -1)
+        except OnceqError as exc:  # suspend again and retry the whole batch later
+            log.warning("%s: dead-lettering on %s failed: %s", c.client_id, pq.mq, exc)
+            return False
+        c.stats["dlq"] += len(batch)
+        return True
+
+    # ---------------------------------------------------------------- revoke
+    async def drain(self, pq: ProcessQueue) -> None:
+        task = self._runs.get(pq)
+        if task is None:
+            return
+        done, _ = await asyncio.wait([task], timeout=self.consumer.config.drain_timeout_s)
+        if not done:
+            log.warning("%s: a listener call on %s still runs after the drain timeout; "
+                        "the queue stays locked until it ends", self.consumer.client_id,
+                        pq.mq)
+            self._late[pq.mq] = task
+
+    def forget(self, pq: ProcessQueue) -> None:
+        self._runs.pop(pq, None)
+
+    async def release(self, pq: ProcessQueue) -> None:
+        mq = pq.mq
+        late = self._late.get(mq)
+        if late is not None:  # commit and unlock when the last batch ends
+            late.add_done_callback(lambda _t: self._later.add(
+                asyncio.get_running_loop().create_task(self._release_late(pq))))
+            return
+        await self._unlock(pq)
+
+    async def _release_late(self, pq: ProcessQueue) -> None:
+        try:
+            await self._unlock(pq)
+        except OnceqError as exc:  # the lock expires on the broker after 60 s
+            log.warning("%s: late unlock of %s failed: %s", self.consumer.client_id, pq.mq,
+                        exc)
+        finally:
+            self._late.pop(pq.mq, None)
+            self._later.discard(asyncio.current_task())  # type: ignore[arg-type]
+
+    async def _unlock(self, pq: ProcessQueue) -> None:
+        """Commit the offset of ``pq``, then release its lock: one call, in that order."""
+        c = self.consumer
+        self._locked_at.pop(pq.mq, None)
+        if not self.locking:
+            await c.offsets.release(pq)
+            return
+        item: list[Any] = [pq.mq.topic, pq.mq.queue_id, -1 if pq.reset else pq.ack_offset]
+        await c._req(RequestCode.UNLOCK_QUEUES, {"group": c.group, "client": c.client_id,
+                                                 "queues": [item], **c._gen()})

@@ -1,0 +1,99 @@
+"""The orderly consume service's pure decisions, with the suite's fake clock."""
+
+from __future__ import annotations
+
+import asyncio
+
+from onceq.client.allocation import MessageQueue
+from onceq.client.consume import ConsumeStatus, is_orderly, orderly
+from onceq.client.consume_orderly import OrderlyConsumeService, suspend_seconds
+from onceq.client.process_queue import ProcessQueue
+from onceq.client.push import PushConsumer
+from onceq.log.record import Message as MessageExt
+from tests.clock import FakeClock
+
+MQ = MessageQueue("T", 0)
+
+
+def test_a_queue_stops_when_its_lock_is_older_than_the_max_age():
+    clock = FakeClock()
+    c = PushConsumer("127.0.0.1:1", "g", lambda m, c: None, clock=clock, orderly=True)
+    s = OrderlyConsumeService(c)
+    assert not s.locked(MQ)  # never locked
+    s._locked_at[MQ] = clock()
+    clock.advance(30.0)
+    assert s.locked(MQ)
+    clock.advance(0.001)
+    assert not s.locked(MQ)
+    s._locked_at[MQ] = clock()  # relocked (a renewal)
+    assert s.locked(MQ)
+
+
+def test_broadcasting_takes_no_lock():
+    c = PushConsumer("127.0.0.1:1", "g", lambda m, c: None, model="BROADCASTING",
+                     orderly=True)
+    assert OrderlyConsumeService(c).locked(MQ)
+
+
+def test_suspend_time_is_bounded():
+    assert suspend_seconds(0, 1.0) == 1.0
+    assert suspend_seconds(500, 1.0) == 0.5
+    assert suspend_seconds(1, 1.0) == 0.01
+    assert suspend_seconds(60_000, 1.0) == 30.0
+
+
+def test_listener_kind_or_setting_chooses_orderly():
+    def plain(msgs, ctx):
+        return ConsumeStatus.SUCCESS
+
+    assert not PushConsumer("127.0.0.1:1", "g", plain).orderly
+    assert PushConsumer("127.0.0.1:1", "g", plain, orderly=True).orderly
+    marked = orderly(lambda msgs, ctx: None)
+    assert is_orderly(marked) and PushConsumer("127.0.0.1:1", "g", marked).orderly
+
+
+class _EndsThenArrives(ProcessQueue):
+    """When the run finds the queue empty, a message arrives in the same loop pass (after
+    the run's last step, before anything the run's end schedules)."""
+
+    def __init__(self, *a, arrive) -> None:
+        super().__init__(*a)
+        self.arrive = arrive
+
+    def head(self, n):
+        out = super().head(n)
+        if not out and self.arrive is not None:
+            asyncio.get_running_loop().call_soon(self.arrive)
+            self.arrive = None
+        return out
+
+
+def _msg(offset: int) -> MessageExt:
+    return MessageExt("T", 0, offset, b"x", f"k{offset}")
+
+
+def test_a_message_arriving_as_the_run_ends_starts_a_new_run_at_once():
+    handled: list[int] = []
+
+    async def listener(msgs, ctx):
+        handled.extend(m.queue_offset for m in msgs)
+
+    async def main():
+        c = PushConsumer("127.0.0.1:1", "g", listener, orderly=True)
+        s = OrderlyConsumeService(c)
+
+        def arrive():
+            pq.add([_msg(1)])
+            s.dispatch(pq, [_msg(1)])
+
+        pq = _EndsThenArrives(MQ, 0, c.clock(), arrive=arrive)
+        c.owned.take(pq)
+        s._locked_at[MQ] = c.clock()
+        pq.add([_msg(0)])
+        s.dispatch(pq, [_msg(0)])
+        for _ in range(100):  # loop passes, far less than the next lock renewal
+            await asyncio.sleep(0)
+        return pq
+
+    pq = asyncio.run(main())
+    assert handled == [0, 1] and len(pq) == 0
