@@ -30,6 +30,7 @@ import uuid
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from _progress import Count, Steps, note  # noqa: E402
 from throughput import start_broker  # noqa: E402
 
 from onceq import Admin, Producer  # noqa: E402
@@ -51,6 +52,7 @@ async def run_once(addr: str, store_kind: str, batch: int, n: int, tmp: str) -> 
     topic = f"bench_{store_kind}_{batch}_{uuid.uuid4().hex[:6]}"
     async with Admin(addr) as admin:
         await admin.create_topic(topic, QUEUES)
+    note(f"  producing {n} messages")
     async with Producer(addr) as p:
         for i in range(0, n, 100):
             await p.send_batch(topic, [b"x" * 100] * min(100, n - i))
@@ -89,10 +91,21 @@ async def run_once(addr: str, store_kind: str, batch: int, n: int, tmp: str) -> 
     consumer = PushConsumer(addr, f"g_{topic}", listener, consume_from="FIRST",
                             batch_size=batch)
     consumer.subscribe(topic)
+    progress = Count("consumed", n)
+
+    async def report() -> None:  # reads the count: nothing added to the handler
+        while True:
+            await asyncio.sleep(1.0)
+            progress.add(count - progress.n)
+
+    reporter = asyncio.get_running_loop().create_task(report())
     t0 = time.perf_counter()
     await consumer.start()
     await asyncio.wait_for(done.wait(), 600)
     elapsed = time.perf_counter() - t0
+    reporter.cancel()
+    progress.add(count - progress.n)
+    progress.done()
     await consumer.shutdown()
     if os.environ.get("ONCEQ_BENCH_DEBUG"):
         print(store_kind, batch, dict(getattr(listener, "stats", {})), dict(consumer.stats),
@@ -112,10 +125,13 @@ async def main_async(a: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="onceq-idem-bench-") as d:
         broker, addr = start_broker(os.path.join(d, "data"), "async")
         try:
-            for _ in range(a.runs):  # rounds: every configuration once per round
+            steps = Steps(a.runs * 2 * len(stores))
+            for r in range(a.runs):  # rounds: every configuration once per round
                 for batch in (1, 32):
                     for kind in stores:
                         n = a.n if batch == 32 else max(1000, a.n // 4)
+                        steps.next(f"store {kind}, listener batch {batch}, n={n}, "
+                                   f"round {r + 1}/{a.runs}")
                         rate = await run_once(addr, kind, batch, n, d)
                         runs.setdefault(f"batch_{batch}", {}).setdefault(kind, []).append(rate)
         finally:

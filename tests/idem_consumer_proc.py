@@ -34,6 +34,7 @@ class Effects:
         self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False,
                                      timeout=30)
         self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=NORMAL")  # survives a SIGKILL, not a power cut
         self._conn.execute("CREATE TABLE IF NOT EXISTS effects (key TEXT NOT NULL, "
                            "pid INTEGER NOT NULL)")
         self._lock = threading.Lock()
@@ -64,6 +65,7 @@ async def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pull-suspend", type=float, default=60.0)
     ap.add_argument("--rebalance-interval", type=float, default=20.0)
     ap.add_argument("--max-reconsume", type=int, default=16)
+    ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--hang-after-effect", action="store_true")
     ap.add_argument("--reconcile", action="store_true",
                     help="ambiguous outcomes: ask the effects table whether it was done")
@@ -101,7 +103,7 @@ async def main(argv: list[str] | None = None) -> int:
                             commit_interval_s=args.commit_interval,
                             pull_suspend_s=args.pull_suspend, consume_timeout_s=7200,
                             rebalance_interval_s=args.rebalance_interval,
-                            max_reconsume=args.max_reconsume)
+                            max_reconsume=args.max_reconsume, batch_size=args.batch_size)
     consumer.subscribe(args.topic, "*")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

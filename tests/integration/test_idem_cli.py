@@ -44,9 +44,25 @@ def test_dedup_show_stats_purge(tmp_path):
     assert r.exit_code == 0 and "CONSUMING" in r.output and "attempt       1" in r.output
     r = run(main, ["dedup", "show", "--store", url, "-g", "billing", "-t", "orders", "NOPE"])
     assert r.exit_code == 2 and "no record" in r.output
+    assert [(h["event"], h["attempt"], h["owner"]) for h in rec["history"]] == [
+        ("claimed", 1, "host:1:ab:1"), ("completed", 1, "host:1:ab:1")]
+    r = run(main, ["dedup", "show", "--store", url, "-g", "billing", "-t", "orders", "A-1"])
+    lines = r.output.splitlines()
+    hist = lines[lines.index("history") + 1:]
+    assert len(hist) == 2 and "claimed" in hist[0] and "completed" in hist[1], r.output
+    assert hist[1].split()[1:] == ["completed", "attempt", "1", "host:1:ab:1"]
     r = run(main, ["dedup", "stats", "--store", url])
-    assert json.loads(r.output) == {"consuming": 1, "consumed": 1}
+    assert json.loads(r.output) == {"consuming": 1, "consumed": 1, "released": 0}
     r = run(main, ["dedup", "purge", "--store", url, "--batch", "1"])
     assert r.exit_code == 0 and "purged 1 expired record(s)" in r.output, r.output
+    r = run(main, ["dedup", "purge", "--store", url, "--older-than", "1h"])
+    assert r.exit_code == 0 and "purged 0 expired or older than 1h" in r.output, r.output
+    r = run(main, ["dedup", "purge", "--store", url, "--older-than", "soon"])
+    assert r.exit_code == 2 and "invalid duration 'soon'" in r.output, r.output
+    time.sleep(0.05)
+    r = run(main, ["dedup", "purge", "--store", url, "--older-than", "0.01s", "--batch", "1"])
+    assert r.exit_code == 0 and "purged 2 expired or older than" in r.output, r.output
+    r = run(main, ["dedup", "stats", "--store", url])
+    assert json.loads(r.output) == {"consuming": 0, "consumed": 0, "released": 0}
     r = run(main, ["dedup", "stats", "--store", "redis://127.0.0.1:1/0"])
     assert r.exit_code == 2 and "dedup store" in r.output

@@ -208,6 +208,14 @@ async def test_consumer_killed_between_effect_and_consumed_policy_decides(tmp_pa
             async with Admin(addr) as admin:
                 lo, hi = await admin.dead_letter_offsets(group)
             assert hi - lo == taken
+            from tests.integration.test_idem_option import dead_letters
+
+            parked = await dead_letters(addr, group)
+            assert len(parked) == taken and set(before) <= {m.unique_key for m in parked}
+            for m in parked:  # whoever reads the DLQ sees why each message is there
+                why = m.properties["DLQ_REASON"]
+                assert why.startswith("idempotency: ambiguous outcome: attempt 1 by "), why
+                assert why.endswith("parked for reconciliation"), why
         else:
             assert sorted(after) == sorted(sent) and set(after.values()) == {1}
             assert wrapped.stats["reconciled_done"] == len(before)

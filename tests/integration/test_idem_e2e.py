@@ -1,7 +1,10 @@
 """End to end over a real broker: idempotent consumers join and leave, one is SIGKILLed,
 handlers fail now and then; every order's effect happens exactly once.
 
-Members B, C and D run in this process, A in a child process that is killed mid-stream.
+50,000 orders (``ONCEQ_E2E_ORDERS``), listener batches of 32: a failing order ends its
+batch's handler, which acknowledges the orders before it (``ack_index``), as a batch
+handler with partial effects must. Members B, C and D run in this process, A in a child
+process that is killed mid-stream.
 Effects are rows (one per handling) counted after the run; nothing is asserted inside a
 listener. Non-transactional stores use the reconcile callback (the effects table answers
 "was it done?"), which is how the window between an effect and its CONSUMED record is
@@ -11,13 +14,14 @@ closed without a transaction; the transactional mode needs no callback.
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
 import uuid
 
 import pytest
 
 from onceq import Admin, Producer
-from onceq.client.push import PushConsumer
+from onceq.client.push import ConsumeStatus, PushConsumer
 from onceq.idempotency import idempotent, open_store, transactional
 from tests.helpers import running_broker
 from tests.idem_consumer_proc import Effects
@@ -26,7 +30,8 @@ from tests.integration.test_idem_stores import require_server
 from tests.integration.test_idem_transactional import Db
 from tests.integration.test_push_consumer import wait_until
 
-N = 3000
+N = int(os.environ.get("ONCEQ_E2E_ORDERS", "50000"))
+BATCH = 32  # messages per listener call
 LEVELS = " ".join(["200ms"] * 18)
 
 
@@ -53,6 +58,9 @@ async def test_members_join_leave_one_killed_failures_injected_effects_exactly_o
         def count() -> dict[str, int]:
             return db.counts()
 
+        def progress() -> int:
+            return db.sql(f"SELECT COUNT(DISTINCT k) FROM {db.effects}")[0][0]
+
         def by_pid(pid: int) -> int:
             return db.sql(f"SELECT COUNT(*) FROM {db.effects} WHERE pid = {pid}")[0][0]
 
@@ -78,6 +86,15 @@ async def test_members_join_leave_one_killed_failures_injected_effects_exactly_o
         def count() -> dict[str, int]:
             return effect_counts(effects_db)
 
+        def progress() -> int:
+            if not effects_db.exists():
+                return 0
+            with sqlite3.connect(effects_db, timeout=30) as conn:
+                try:
+                    return conn.execute("SELECT COUNT(DISTINCT key) FROM effects").fetchone()[0]
+                except sqlite3.OperationalError:  # the child has not created the table yet
+                    return 0
+
         def by_pid(pid: int) -> int:
             with sqlite3.connect(effects_db) as conn:
                 return conn.execute("SELECT COUNT(*) FROM effects WHERE pid = ?",
@@ -85,11 +102,13 @@ async def test_members_join_leave_one_killed_failures_injected_effects_exactly_o
 
         def make_listener():
             def handle(msgs, ctx):
-                for m in msgs:
-                    if injected_failure(m):
+                for i, m in enumerate(msgs):
+                    if injected_failure(m):  # the effects before it are done: say so
                         failures["n"] += 1
-                        raise RuntimeError("injected failure")
+                        ctx.ack_index = i - 1
+                        return ConsumeStatus.RECONSUME_LATER if i == 0 else None
                     effects.apply(m.unique_key)
+                return None
             store = open_store(url, **opts)
             closers.append(store.close)
             lst = idempotent(handle, store=store, lease_s=2,
@@ -99,7 +118,7 @@ async def test_members_join_leave_one_killed_failures_injected_effects_exactly_o
 
     def member() -> PushConsumer:
         c = PushConsumer(addr, group, make_listener(), consume_from="FIRST",
-                         rebalance_interval_s=1.0, max_reconsume=1000)
+                         rebalance_interval_s=1.0, max_reconsume=1000, batch_size=BATCH)
         c.subscribe("T")
         return c
 
@@ -112,29 +131,29 @@ async def test_members_join_leave_one_killed_failures_injected_effects_exactly_o
 
         async def produce() -> None:
             async with Producer(addr) as p:
-                for i in range(0, N, 50):
+                for i in range(0, N, 100):
                     res = await p.send_batch("T", [f"order {j}".encode()
-                                                   for j in range(i, i + 50)])
+                                                   for j in range(i, min(i + 100, N))])
                     sent.extend(r.unique_key for r in res)
-                    await asyncio.sleep(0.02)
+                    await asyncio.sleep(0.001)  # orders keep arriving while members change
 
         child = await start_child(addr, group, url, child_table, child_effects,
                                   *child_args, "--rebalance-interval", "1",
                                   "--commit-interval", "1", "--pull-suspend", "2",
-                                  "--max-reconsume", "1000")
+                                  "--max-reconsume", "1000", "--batch-size", str(BATCH))
         try:
             members.append(await member().start())  # B
             producer = asyncio.create_task(produce())
-            await wait_until(lambda: len(count()) >= N // 4, 60, "a quarter")
+            await wait_until(lambda: progress() >= N // 4, 120, "a quarter", 0.2)
             members.append(await member().start())  # C joins
-            await wait_until(lambda: len(count()) >= N // 2, 60, "half")
+            await wait_until(lambda: progress() >= N // 2, 120, "half", 0.2)
             child.kill()  # A dies without a word
             await child.wait()
-            await wait_until(lambda: len(count()) >= 3 * N // 4, 60, "three quarters")
+            await wait_until(lambda: progress() >= 3 * N // 4, 120, "three quarters", 0.2)
             await members.pop(0).shutdown()  # B leaves
             members.append(await member().start())  # D joins
             await producer
-            await wait_until(lambda: len(count()) >= N, 120, "every order")
+            await wait_until(lambda: progress() >= N, 240, "every order", 0.2)
             await asyncio.sleep(1.0)  # let retries still under way settle
         finally:
             if child.returncode is None:

@@ -9,6 +9,7 @@ removed afterwards.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import socket
 import uuid
@@ -18,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from onceq.idempotency import Claim, Outcome, Status, Ticket, payload_hash
+from onceq.idempotency.record import HISTORY_CHARS, events
 from onceq.idempotency.store import MemoryStore, StoreError, open_store
 from tests.clock import FakeClock
 
@@ -128,12 +130,64 @@ async def test_batch_in_one_call_keeps_order_and_sees_its_own_duplicates(store):
     assert [r.outcome for r in again] == [Outcome.DUPLICATE, Outcome.CLAIMED]
 
 
-async def test_release_lets_the_redelivery_run(store):
+async def test_release_lets_the_redelivery_run(store, clock):
     await store.claim_many([claim("a")])
+    clock.advance(1)
     assert await store.release_many([ticket("a")]) == [True]
-    assert await store.get("g", "t", "k1") is None
+    rec = await store.get("g", "t", "k1")
+    assert (rec.status, rec.owner, rec.lease_until) == (Status.RELEASED, "a", clock())
+    assert (await store.stats()).released == 1
     [r] = await store.claim_many([claim("b")])
-    assert r.outcome is Outcome.CLAIMED and r.record.attempt == 1
+    assert r.outcome is Outcome.CLAIMED and (r.record.owner, r.record.attempt) == ("b", 2)
+    assert await store.complete_many([ticket("a")], RETENTION) == [False]
+
+
+async def test_history_tells_who_claimed_when_and_what_happened(store, clock):
+    """The operator's view of one key: every transition with its time, attempt and owner,
+    including the late calls of a stale owner (fenced off)."""
+    t0 = clock()
+    await store.claim_many([claim("a")])
+    clock.advance(1)
+    await store.release_many([ticket("a")])  # the handler failed
+    clock.advance(1)
+    await store.claim_many([claim("b")])  # the redelivery
+    clock.advance(LEASE / 3)
+    await store.extend_many([ticket("b")], LEASE, RETENTION)
+    clock.advance(LEASE + 1)  # b hangs past its lease
+    await store.claim_many([claim("c")])
+    clock.advance(1)
+    assert await store.complete_many([ticket("b")], RETENTION) == [False]  # b is too late
+    assert await store.complete_many([ticket("c")], RETENTION) == [True]
+    rec = await store.get("g", "t", "k1")
+    got = [(round(e.at - t0, 3), e.event, e.attempt, e.owner) for e in events(rec)]
+    want = [(0, "claimed", 1, "a"), (1, "released", 1, "a"), (2, "claimed", 2, "b"),
+            (2 + LEASE / 3, "extended", 2, "b"), (3 + LEASE / 3 + LEASE, "taken-over", 3, "c"),
+            (4 + LEASE / 3 + LEASE, "fenced-off", 3, "b"),
+            (4 + LEASE / 3 + LEASE, "completed", 3, "c")]
+    assert got == [(round(at, 3), *rest) for at, *rest in want]
+
+
+async def test_operator_purge_of_records_older_than_a_time(store, clock):
+    await store.claim_many([claim("a", "k1"), claim("b", "k2"), claim("c", "k3")])
+    await store.complete_many([ticket("a", "k1")], RETENTION)
+    clock.advance(100)
+    await store.extend_many([ticket("c", "k3")], LEASE, RETENTION)
+    assert await store.purge_expired(10, clock() - 50) == 2  # k1 (CONSUMED) and k2
+    assert [await store.get("g", "t", k) is None for k in ("k1", "k2", "k3")] == [
+        True, True, False]
+    assert await store.purge_expired(10, clock() - 50) == 0
+
+
+async def test_history_is_bounded(store, clock):
+    await store.claim_many([claim("a")])
+    for _ in range(HISTORY_CHARS // 20):
+        clock.advance(1)
+        await store.extend_many([ticket("a")], LEASE, RETENTION)
+    rec = await store.get("g", "t", "k1")
+    assert len(rec.history) == HISTORY_CHARS
+    evs = events(rec)
+    assert 10 < len(evs) < HISTORY_CHARS // 20 and {e.event for e in evs} == {"extended"}
+    assert evs[-1].at == clock()
 
 
 async def test_fencing_a_stale_owner_learns_it_lost_and_changes_nothing(store, clock):
@@ -149,7 +203,9 @@ async def test_fencing_a_stale_owner_learns_it_lost_and_changes_nothing(store, c
     assert await store.complete_many([ticket("first")], RETENTION) == [False]
     assert await store.extend_many([ticket("first")], LEASE, RETENTION) == [False]
     assert await store.release_many([ticket("first")]) == [False]
-    assert await store.get("g", "t", "k1") == before
+    fenced = await store.get("g", "t", "k1")
+    assert [e.event for e in events(fenced)][-3:] == ["fenced-off"] * 3
+    assert dataclasses.replace(fenced, history=before.history) == before
     assert await store.complete_many([ticket("second")], RETENTION) == [True]
     after = await store.get("g", "t", "k1")
     assert (after.status, after.owner, after.attempt) == (Status.CONSUMED, "second", 2)

@@ -118,7 +118,7 @@ async def test_partial_success_completes_the_acked_part_and_releases_the_rest():
     assert await call(wrapped, [msg(1), msg(2), msg(3)]) == (ConsumeStatus.SUCCESS, 0, 0)
     assert store.calls == ["claim", "complete", "release"]
     assert (await store.get("g", "orders", "UNIQ0001")).status is Status.CONSUMED
-    assert await store.get("g", "orders", "UNIQ0002") is None
+    assert (await store.get("g", "orders", "UNIQ0002")).status is Status.RELEASED
     inner.ack_index = None
     assert await call(wrapped, [msg(2), msg(3)]) == (ConsumeStatus.SUCCESS, 1, 0)
     assert inner.seen == ["UNIQ0001", "UNIQ0002", "UNIQ0003", "UNIQ0002", "UNIQ0003"]
@@ -129,7 +129,7 @@ async def test_handler_failure_releases_and_the_retry_runs_again():
     inner = Recorder(fail=True)
     wrapped = idempotent(inner, store=store)
     assert await call(wrapped, [msg(1)]) == (ConsumeStatus.SUCCESS, -1, 0)
-    assert await store.get("g", "orders", "UNIQ0001") is None
+    assert (await store.get("g", "orders", "UNIQ0001")).status is Status.RELEASED
     inner.fail = False
     assert await call(wrapped, [msg(1)]) == (ConsumeStatus.SUCCESS, 0, 0)
     assert inner.seen == ["UNIQ0001", "UNIQ0001"]

@@ -5,13 +5,17 @@ per (group, topic, dedup key) with owner-fenced claims (``record``, pure), the p
 ambiguous outcomes (``policy``, pure), stores behind one small protocol (``store``:
 in-memory; ``sql``: SQLite, MariaDB/MySQL, PostgreSQL; ``redis_store``).
 ``transactional(handler, db=URL)`` commits the dedup row with the business writes.
+``PushConsumer(..., idempotency=URL or Idempotency(...))`` is the same guard as an option.
 """
 
 from .listener import IdempotentListener, idempotent
+from .option import Idempotency
 from .policy import Action, Ambiguous, Decision, Verdict, batch_reply, decide_action
 from .record import (
+    HISTORY_CHARS,
     Claim,
     ClaimResult,
+    Event,
     Outcome,
     Record,
     Status,
@@ -20,18 +24,22 @@ from .record import (
     decide_complete,
     decide_extend,
     decide_release,
+    events,
     payload_hash,
 )
 from .store import DedupStore, MemoryStore, StoreError, StoreStats, open_store
 from .transactional import TransactionalListener, transactional
 
 __all__ = [
+    "HISTORY_CHARS",
     "Action",
     "Ambiguous",
     "Claim",
     "ClaimResult",
     "Decision",
     "DedupStore",
+    "Event",
+    "Idempotency",
     "IdempotentListener",
     "MemoryStore",
     "Outcome",
@@ -48,6 +56,7 @@ __all__ = [
     "decide_complete",
     "decide_extend",
     "decide_release",
+    "events",
     "idempotent",
     "open_store",
     "payload_hash",

@@ -6,14 +6,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import SplitResult, unquote
+from urllib.parse import SplitResult, unquote, urlsplit
 
+from .record import HISTORY_CHARS
 from .store import StoreError
 
-__all__ = ["COLS", "ROW", "Dialect", "mysql_dialect", "postgres_dialect", "sqlite_dialect"]
+__all__ = ["COLS", "ROW", "Dialect", "dialect_for_url", "mysql_dialect", "postgres_dialect",
+           "sqlite_dialect"]
 
 COLS = ("grp, topic, dkey, status, owner, attempt, lease_until, payload_hash, created_at, "
-        "updated_at, expires_at")
+        "updated_at, expires_at, history")
 
 
 @dataclass
@@ -36,6 +38,10 @@ class Dialect:
     counts_inserts: bool = False
     # ``(a, b) IN (VALUES (?, ?), ...)`` works and uses the index of the other condition
     row_values_in: bool = False
+    # ``history = <history with a line appended>``; the line is the SQL expressions given
+    history_set: Callable[[list[str]], str] = lambda parts: (
+        f"history = substr(COALESCE(history, '') || {' || '.join(parts)}, -{HISTORY_CHARS})")
+    int_text: str = "CAST(attempt AS TEXT)"
 
 
 
@@ -48,7 +54,8 @@ def _schema(double: str, key: str, text: str, extra: str = "", inline_index: boo
                  f"dkey {text} NOT NULL, status VARCHAR(10) NOT NULL, owner VARCHAR(100) NOT "
                  f"NULL, attempt INTEGER NOT NULL, lease_until {double} NOT NULL, payload_hash "
                  f"VARCHAR(64) NOT NULL, created_at {double} NOT NULL, updated_at {double} NOT "
-                 f"NULL, expires_at {double} NOT NULL, PRIMARY KEY (grp, topic, dkey){idx})"
+                 f"NULL, expires_at {double} NOT NULL, history TEXT, "
+                 f"PRIMARY KEY (grp, topic, dkey){idx})"
                  f"{extra}"]
         if not inline_index:
             stmts += [f"CREATE INDEX IF NOT EXISTS {t}_owner ON {t} (owner)",
@@ -57,7 +64,7 @@ def _schema(double: str, key: str, text: str, extra: str = "", inline_index: boo
     return make
 
 
-ROW = "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+ROW = "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 _INSERT = f"INSERT INTO {{t}} ({COLS}) VALUES {ROW}"
 
 
@@ -122,7 +129,11 @@ def mysql_dialect(url: SplitResult) -> Dialect:
                            inline_index=True),
                    _INSERT + " ON DUPLICATE KEY UPDATE grp = grp",
                    "DELETE FROM {t} WHERE expires_at <= ? LIMIT ?",
-                   is_transient=transient, errors=(pymysql.Error,))
+                   is_transient=transient, errors=(pymysql.Error,),
+                   history_set=lambda parts: (
+                       f"history = RIGHT(CONCAT(COALESCE(history, ''), {', '.join(parts)}), "
+                       f"{HISTORY_CHARS})"),
+                   int_text="CAST(attempt AS CHAR)")
 
 
 def postgres_dialect(url: SplitResult) -> Dialect:
@@ -150,4 +161,29 @@ def postgres_dialect(url: SplitResult) -> Dialect:
                    _INSERT + " ON CONFLICT DO NOTHING",
                    "DELETE FROM {t} WHERE ctid IN (SELECT ctid FROM {t} WHERE expires_at <= ? "
                    "LIMIT ?)", is_transient=transient, errors=(psycopg.Error,),
-                   array_in=True, counts_inserts=True, row_values_in=True)
+                   array_in=True, counts_inserts=True, row_values_in=True,
+                   history_set=lambda parts: (
+                       f"history = right(COALESCE(history, '') || {' || '.join(parts)}, "
+                       f"{HISTORY_CHARS})"))
+
+
+def dialect_for_url(url: str, *, memory_ok: bool = True) -> Dialect:
+    """The dialect of a database URL: ``sqlite:///relative.db``, ``sqlite:////abs.db``
+    (``sqlite://`` or ``sqlite:///:memory:`` when ``memory_ok``),
+    ``mysql://user@host:port/db`` (or ``mariadb://``), ``postgresql://user@host:port/db``.
+    ValueError for another scheme, or an in-memory SQLite database where it is refused."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme == "sqlite":
+        path = url.split("://", 1)[1].split("?", 1)[0]
+        path = (path[1:] if path.startswith("/") else path) or ":memory:"
+        if path == ":memory:" and not memory_ok:
+            raise ValueError(f"{url!r}: a database file is needed (sqlite:///name.db), not "
+                             "an in-memory database")
+        return sqlite_dialect(path)
+    if scheme in ("mysql", "mariadb", "mysql+pymysql"):
+        return mysql_dialect(parts)
+    if scheme in ("postgresql", "postgres"):
+        return postgres_dialect(parts)
+    raise ValueError(f"unknown database URL scheme {scheme!r} in {url!r}: use sqlite, "
+                     "postgresql or mysql")

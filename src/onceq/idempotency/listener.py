@@ -26,11 +26,11 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from ..client.push import ConsumeContext, ConsumeStatus, Listener, PushConsumer
+from ..client.push import ConsumeContext, ConsumeStatus, Listener
 from ..log.record import Message as MessageExt
 from .policy import Action, Ambiguous, Verdict, batch_reply, decide_action
 from .record import Claim, ClaimResult, Outcome, Ticket, payload_hash
-from .retention import check_against_broker
+from .retention import RetentionChecked
 from .store import MAX_KEY_LEN, DedupStore, Purger, StoreError, open_store
 
 __all__ = ["IdempotentListener", "KeySpec", "idempotent"]
@@ -77,7 +77,7 @@ def _stored_key(key: str) -> str:
     return "h:" + hashlib.blake2b(key.encode(), digest_size=32).hexdigest()
 
 
-class IdempotentListener:
+class IdempotentListener(RetentionChecked):
     """A listener wrapped by ``idempotent``; ``stats`` counts what happened."""
 
     def __init__(self, listener: Listener, *, store: DedupStore | str,
@@ -107,7 +107,6 @@ class IdempotentListener:
         self.fail_open = fail_open
         self.extend_leases = extend_leases
         self.strict_retention = strict_retention
-        self.horizon_s: float | None = None  # the broker's redelivery horizon, once known
         self.stats: Counter[str] = Counter()
         # records past retention are removed in bounded batches from here (0: never)
         self._purger = Purger(self.store.purge_expired, purge_interval_s, purge_limit,
@@ -115,15 +114,11 @@ class IdempotentListener:
         host = socket.gethostname()[:40]
         self._owner_prefix = f"{host}:{os.getpid()}:{os.urandom(3).hex()}:"
         self._serial = itertools.count(1)
+        self._live: dict[str, Ticket] = {}  # owner -> claim whose handler is running
+        self._tick: asyncio.TimerHandle | None = None
+        self._extending: asyncio.Task[None] | None = None
         self._sync = not (inspect.iscoroutinefunction(listener)
                           or inspect.iscoroutinefunction(type(listener).__call__))
-
-    async def on_consumer_start(self, consumer: PushConsumer) -> None:
-        """Called by ``PushConsumer.start()``: refuse to start (``strict_retention``) or warn
-        loudly when the retention is shorter than the broker's redelivery horizon."""
-        self.horizon_s = await check_against_broker(
-            consumer.address, self.retention_s, consumer.config.max_reconsume,
-            strict=self.strict_retention)
 
     # ------------------------------------------------------------------ the call
     async def __call__(self, msgs: list[MessageExt], ctx: ConsumeContext) -> ConsumeStatus:
@@ -141,6 +136,7 @@ class IdempotentListener:
                             m.queue_offset, exc)
                 self.stats["no_key"] += 1
                 verdicts[i] = Verdict.DLQ
+                ctx.dlq_reasons[i] = f"idempotency: no dedup key ({exc})"
                 continue
             claims.append((i, Claim(group, m.topic, key, self._new_owner(),
                                     payload_hash(m.body), self.lease_s, self.retention_s,
@@ -161,7 +157,7 @@ class IdempotentListener:
                 claimed += 1
                 to_run.append((i, c))
                 continue
-            verdict = await self._verdict(msgs[i], c, res)
+            verdict = await self._verdict(msgs[i], c, res, ctx.dlq_reasons, i)
             if verdict is None:
                 to_run.append((i, c))
             else:
@@ -180,8 +176,10 @@ class IdempotentListener:
     def _new_owner(self) -> str:
         return f"{self._owner_prefix}{next(self._serial)}"
 
-    async def _verdict(self, m: MessageExt, c: Claim, res: ClaimResult) -> Verdict | None:
-        """The verdict on one claimed message, or None: run the handler on it."""
+    async def _verdict(self, m: MessageExt, c: Claim, res: ClaimResult,
+                       dlq_reasons: dict[int, str], index: int) -> Verdict | None:
+        """The verdict on one claimed message, or None: run the handler on it. A message
+        bound for the DLQ gets its reason in ``dlq_reasons[index]``."""
         d = decide_action(res, self.ambiguous)
         self.stats[res.outcome.value.lower()] += 1
         if d.action is Action.RUN:
@@ -195,6 +193,7 @@ class IdempotentListener:
         if d.action is Action.DLQ:
             self.stats["dlq"] += 1
             log.error("%s@%d key %s to the DLQ: %s", m.topic, m.queue_offset, c.key, d.reason)
+            dlq_reasons[index] = f"idempotency: {d.reason}"
             return Verdict.DLQ
         # RECONCILE: the user checks the business system; the claim stays ours meanwhile
         try:
@@ -223,19 +222,20 @@ class IdempotentListener:
         batch = [msgs[i] for i, _ in to_run]
         sub = ConsumeContext(ctx.queue, len(batch) - 1, ctx.delay_level, ctx.group)
         tickets = [c.ticket for _, c in to_run]
-        extender = (asyncio.get_running_loop().create_task(self._extend(tickets))
-                    if self.extend_leases else None)
+        self._hold(tickets)
         try:
             status = await self._call(batch, sub)
         finally:
-            if extender is not None:
-                extender.cancel()
-                await asyncio.gather(extender, return_exceptions=True)
+            for t in tickets:
+                self._live.pop(t.owner, None)
         acked = 0
         if status == ConsumeStatus.SUCCESS:
             acked = min(max(sub.ack_index, -1), len(batch) - 1) + 1
         if sub.delay_level and acked < len(batch):
             ctx.delay_level = sub.delay_level
+        for j, why in sub.dlq_reasons.items():  # the handler's own reasons, if it gives any
+            if 0 <= j < len(to_run):
+                ctx.dlq_reasons[to_run[j][0]] = why
         self.stats["handled"] += acked
         out: list[tuple[int, Verdict]] = []
         if acked:
@@ -287,22 +287,40 @@ class IdempotentListener:
             log.exception("listener failed on %s; claims released, batch retried", ctx.queue)
             return ConsumeStatus.RECONSUME_LATER
 
-    async def _extend(self, tickets: Sequence[Ticket]) -> None:
-        live = list(tickets)
-        while live:
-            await asyncio.sleep(self.lease_s / 3)
-            try:
-                ok = await self.store.extend_many(live, self.lease_s, self.retention_s)
-            except StoreError as exc:
-                self.stats["store_errors"] += 1
-                log.warning("lease extension failed: %s", exc)
-                continue
-            lost = [t for t, won in zip(live, ok, strict=True) if not won]
-            for t in lost:
+    def _hold(self, tickets: Sequence[Ticket]) -> None:
+        """Keep the leases of ``tickets`` alive while the handler runs: one timer per
+        listener extends every live claim every ``lease_s / 3`` (one store call for all of
+        them, however many batches run at once; no task per batch)."""
+        if not self.extend_leases:
+            return
+        for t in tickets:
+            self._live[t.owner] = t
+        if self._tick is None:
+            self._tick = asyncio.get_running_loop().call_later(self.lease_s / 3, self._on_tick)
+
+    def _on_tick(self) -> None:
+        self._tick = None
+        if not self._live:  # nothing running: the next batch sets the timer again
+            return
+        loop = asyncio.get_running_loop()
+        if self._extending is None or self._extending.done():
+            self._extending = loop.create_task(self._extend(list(self._live.values())))
+        self._tick = loop.call_later(self.lease_s / 3, self._on_tick)
+
+    async def _extend(self, live: list[Ticket]) -> None:
+        try:
+            ok = await self.store.extend_many(live, self.lease_s, self.retention_s)
+        except StoreError as exc:
+            self.stats["store_errors"] += 1
+            log.warning("lease extension failed: %s", exc)
+            return
+        for t, won in zip(live, ok, strict=True):
+            if won:
+                self.stats["extended"] += 1
+            elif self._live.pop(t.owner, None) is not None:  # not finished meanwhile
                 self.stats["lease_lost"] += 1
-                log.warning("%s: lease lost to another consumer while the handler runs", t.key)
-            live = [t for t, won in zip(live, ok, strict=True) if won]
-            self.stats["extended"] += len(live)
+                log.warning("%s: lease lost to another consumer while the handler runs",
+                            t.key)
 
     async def _unguarded(self, msgs: list[MessageExt], ctx: ConsumeContext,
                          exc: StoreError) -> ConsumeStatus:
@@ -314,6 +332,11 @@ class IdempotentListener:
 
     async def close(self) -> None:
         """Close the store if it was given as a URL (a store object stays its owner's)."""
+        if self._tick is not None:
+            self._tick.cancel()
+            self._tick = None
+        if self._extending is not None:
+            await asyncio.gather(self._extending, return_exceptions=True)
         await self._purger.wait()
         if self._own_store:
             await self.store.close()

@@ -6,8 +6,10 @@ A *record* exists per (group, topic, dedup key). Its life:
   attempt 1 and a lease: the claimer runs the handler.
 * ``complete`` by the owner turns it ``CONSUMED``, kept for the retention time: a later
   copy of the message is acknowledged without running the handler.
-* ``release`` by the owner (the handler failed) deletes it: the redelivery runs again.
 * ``extend`` by the owner pushes the lease forward while a slow handler is alive.
+
+* ``release`` by the owner (the handler failed) marks it ``RELEASED``: the redelivery
+  claims it again (attempt + 1) and runs the handler.
 
 A claim that finds the key ``CONSUMING`` under a live lease is ``BUSY``: the copy must be
 consumed later, never acknowledged (the first attempt may still fail). A claim that finds
@@ -26,6 +28,12 @@ have run yet).
 ``expires_at`` is the completion time plus the retention for ``CONSUMED`` records, and the
 lease end plus the retention for ``CONSUMING`` ones (a crashed claim stays visible long
 enough to be recognised as an ambiguous outcome, not mistaken for a first delivery).
+
+Each record keeps its recent *history* (``history``, the last ``HISTORY_CHARS`` characters
+of one line per event: ``<time> <event> <attempt> <owner>``): ``claimed``, ``taken-over``,
+``extended``, ``completed``, ``released``, and ``fenced-off`` when a stale owner's late
+complete, release or extend is refused (the line names the stale owner and the record's
+current attempt). ``events(record)`` reads it.
 """
 
 from __future__ import annotations
@@ -33,10 +41,13 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import NamedTuple
 
 __all__ = [
+    "HISTORY_CHARS",
     "Claim",
     "ClaimResult",
+    "Event",
     "Outcome",
     "Record",
     "Status",
@@ -45,13 +56,18 @@ __all__ = [
     "decide_complete",
     "decide_extend",
     "decide_release",
+    "events",
+    "history_line",
     "payload_hash",
 ]
+
+HISTORY_CHARS = 2000  # characters of history kept per record (about 25 events)
 
 
 class Status(StrEnum):
     CONSUMING = "CONSUMING"
     CONSUMED = "CONSUMED"
+    RELEASED = "RELEASED"  # the handler failed and gave its claim back
 
 
 class Outcome(StrEnum):
@@ -75,6 +91,7 @@ class Record:
     created_at: float
     updated_at: float
     expires_at: float
+    history: str = ""
 
     def alive(self, now: float) -> bool:
         """Not past retention (a record that is not alive counts as absent)."""
@@ -85,8 +102,7 @@ class Record:
         return self.status is Status.CONSUMING and self.lease_until > now
 
 
-@dataclass(frozen=True, slots=True)
-class Ticket:
+class Ticket(NamedTuple):  # a tuple: one per message on the hot path, cheap to build
     """What an owner holds after a successful claim: the record's identity and its token."""
 
     group: str
@@ -95,7 +111,7 @@ class Ticket:
     owner: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per message, built on the hot path
 class Claim:
     """A request to claim one key. ``payload_hash`` empty: no payload check for this one."""
 
@@ -127,6 +143,43 @@ class ClaimResult:
         return self.outcome in (Outcome.CLAIMED, Outcome.TAKEN_OVER)
 
 
+class Event(NamedTuple):
+    at: float
+    event: str  # claimed, taken-over, extended, completed, released, fenced-off
+    attempt: int
+    owner: str
+
+
+def history_line(now: float, event: str, attempt: int, owner: str) -> str:
+    return f"{now:.3f} {event} {attempt} {owner}\n"
+
+
+def _append(history: str, line: str) -> str:
+    return (history + line)[-HISTORY_CHARS:]
+
+
+def events(rec: Record) -> list[Event]:
+    """The record's history, oldest first (the oldest events beyond ``HISTORY_CHARS`` are
+    gone; a line cut by that bound is skipped)."""
+    lines = rec.history.split("\n")
+    if len(rec.history) >= HISTORY_CHARS:
+        lines = lines[1:]  # may have lost its beginning
+    out = []
+    for line in lines:
+        parts = line.split(" ", 3)
+        if len(parts) == 4:
+            try:
+                out.append(Event(float(parts[0]), parts[1], int(parts[2]), parts[3]))
+            except ValueError:
+                continue
+    return out
+
+
+def _with_event(rec: Record, now: float, event: str, owner: str | None = None) -> Record:
+    return replace(rec, history=_append(rec.history, history_line(
+        now, event, rec.attempt, rec.owner if owner is None else owner)))
+
+
 def payload_hash(body: bytes) -> str:
     """The hash stored with a claim to tell a re-sent message from another one that reuses
     its key (128-bit BLAKE2b, hex)."""
@@ -140,7 +193,14 @@ def decide_claim(existing: Record | None, claim: Claim, now: float
     lease_until = now + claim.lease_s
     if existing is None or not existing.alive(now):
         rec = Record(claim.group, claim.topic, claim.key, Status.CONSUMING, claim.owner, 1,
-                     lease_until, claim.payload_hash, now, now, lease_until + claim.retention_s)
+                     lease_until, claim.payload_hash, now, now, lease_until + claim.retention_s,
+                     history_line(now, "claimed", 1, claim.owner))
+        return ClaimResult(Outcome.CLAIMED, rec), rec
+    if existing.status is Status.RELEASED:  # the redelivery of a failed attempt
+        rec = _with_event(replace(
+            existing, status=Status.CONSUMING, owner=claim.owner, attempt=existing.attempt + 1,
+            lease_until=lease_until, payload_hash=claim.payload_hash or existing.payload_hash,
+            updated_at=now, expires_at=lease_until + claim.retention_s), now, "claimed")
         return ClaimResult(Outcome.CLAIMED, rec), rec
     if existing.owner == claim.owner and existing.status is Status.CONSUMING:
         return ClaimResult(Outcome.CLAIMED, existing), None  # a claim retried by its owner
@@ -151,10 +211,10 @@ def decide_claim(existing: Record | None, claim: Claim, now: float
         return ClaimResult(Outcome.DUPLICATE, existing), None
     if existing.leased(now):
         return ClaimResult(Outcome.BUSY, existing), None
-    rec = replace(existing, owner=claim.owner, attempt=existing.attempt + 1,
-                  lease_until=lease_until, payload_hash=claim.payload_hash or
-                  existing.payload_hash, updated_at=now,
-                  expires_at=lease_until + claim.retention_s)
+    rec = _with_event(replace(existing, owner=claim.owner, attempt=existing.attempt + 1,
+                              lease_until=lease_until, payload_hash=claim.payload_hash or
+                              existing.payload_hash, updated_at=now,
+                              expires_at=lease_until + claim.retention_s), now, "taken-over")
     return ClaimResult(Outcome.TAKEN_OVER, rec, previous=existing), rec
 
 
@@ -162,29 +222,48 @@ def _owned(existing: Record | None, owner: str, now: float) -> bool:
     return existing is not None and existing.owner == owner and existing.alive(now)
 
 
+def _refused(existing: Record | None, owner: str, now: float) -> tuple[bool, Record | None]:
+    """A compare-and-set that ``owner`` lost: a record of another owner notes the stale
+    owner's attempt as ``fenced-off`` (nothing else changes)."""
+    if existing is None or not existing.alive(now) or existing.owner == owner:
+        return False, None
+    return False, _with_event(existing, now, "fenced-off", owner)
+
+
 def decide_complete(existing: Record | None, owner: str, now: float, retention_s: float
                     ) -> tuple[bool, Record | None]:
     """Mark ``CONSUMED`` if ``owner`` still owns the record: (won, record to store)."""
     if not _owned(existing, owner, now):
-        return False, None
+        return _refused(existing, owner, now)
     assert existing is not None
     if existing.status is Status.CONSUMED:  # completed twice by its owner: nothing changes
         return True, None
-    return True, replace(existing, status=Status.CONSUMED, updated_at=now,
-                         expires_at=now + retention_s)
+    if existing.status is Status.RELEASED:
+        return False, None
+    return True, _with_event(replace(existing, status=Status.CONSUMED, updated_at=now,
+                                     expires_at=now + retention_s), now, "completed")
 
 
-def decide_release(existing: Record | None, owner: str, now: float) -> bool:
-    """Whether ``owner`` may delete the record (its claim, still ``CONSUMING``)."""
-    return _owned(existing, owner, now) and existing.status is Status.CONSUMING  # type: ignore[union-attr]
+def decide_release(existing: Record | None, owner: str, now: float
+                   ) -> tuple[bool, Record | None]:
+    """Give ``owner``'s ``CONSUMING`` claim back (``RELEASED``): (won, record to store)."""
+    if not _owned(existing, owner, now):
+        return _refused(existing, owner, now)
+    assert existing is not None
+    if existing.status is not Status.CONSUMING:
+        return False, None
+    return True, _with_event(replace(existing, status=Status.RELEASED, lease_until=now,
+                                     updated_at=now), now, "released")
 
 
 def decide_extend(existing: Record | None, owner: str, now: float, lease_s: float,
                   retention_s: float) -> tuple[bool, Record | None]:
     """Push the lease of ``owner``'s ``CONSUMING`` claim to ``now + lease_s``."""
-    if not _owned(existing, owner, now) or existing.status is not Status.CONSUMING:  # type: ignore[union-attr]
-        return False, None
+    if not _owned(existing, owner, now):
+        return _refused(existing, owner, now)
     assert existing is not None
+    if existing.status is not Status.CONSUMING:
+        return False, None
     lease_until = now + lease_s
-    return True, replace(existing, lease_until=lease_until, updated_at=now,
-                         expires_at=lease_until + retention_s)
+    return True, _with_event(replace(existing, lease_until=lease_until, updated_at=now,
+                                     expires_at=lease_until + retention_s), now, "extended")

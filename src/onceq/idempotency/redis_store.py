@@ -21,18 +21,38 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from .record import Claim, ClaimResult, Outcome, Record, Status, Ticket, decide_claim
+from .record import (
+    HISTORY_CHARS,
+    Claim,
+    ClaimResult,
+    Outcome,
+    Record,
+    Status,
+    Ticket,
+    decide_claim,
+    history_line,
+)
 from .store import MAX_KEY_LEN, Clock, StoreError, StoreStats
 
 __all__ = ["RedisStore"]
 
-_FIELDS = ("st", "own", "att", "lu", "ph", "ca", "ua", "ex")
+_FIELDS = ("st", "own", "att", "lu", "ph", "ca", "ua", "ex", "hi")
+
+# appends an event line to a record's history, keeping its last HISTORY_CHARS characters
+_HISTORY = """
+local function hist(old, at, event, att, owner)
+  local h = (old or '') .. at .. ' ' .. event .. ' ' .. att .. ' ' .. owner .. '\\n'
+  if #h > CAP then h = string.sub(h, -CAP) end
+  return h
+end
+""".replace("CAP", str(HISTORY_CHARS))
 
 # ARGV: now, then one string holding, per key, six fields each ended by a newline: owner,
 # payload hash, check ("1"/"0"), lease end, expiry, ttl ms (one argument instead of six per
-# key: the client encodes and the server parses far fewer arguments)
-_CLAIM = """
-local now = tonumber(ARGV[1])
+# key: the client encodes and the server parses far fewer arguments); now as the history
+# shows it
+_CLAIM = _HISTORY + """
+local now, at = tonumber(ARGV[1]), ARGV[3]
 local f = {}
 for v in string.gmatch(ARGV[2], '([^\\n]*)\\n') do f[#f + 1] = v end
 if #f ~= 6 * #KEYS then return redis.error_reply('onceq: bad claim arguments') end
@@ -41,15 +61,22 @@ for i, k in ipairs(KEYS) do
   local b = (i - 1) * 6
   local owner, ph, check = f[b + 1], f[b + 2], f[b + 3]
   local lu, ex, ttl = f[b + 4], f[b + 5], f[b + 6]
-  local r = redis.call('HMGET', k, 'st', 'own', 'att', 'lu', 'ph', 'ca', 'ua', 'ex')
+  local r = redis.call('HMGET', k, 'st', 'own', 'att', 'lu', 'ph', 'ca', 'ua', 'ex', 'hi')
   local outcome
   if (not r[1]) or tonumber(r[8]) <= now then
     redis.call('DEL', k)
     redis.call('HSET', k, 'st', 'CONSUMING', 'own', owner, 'att', '1', 'lu', lu, 'ph', ph,
-               'ca', ARGV[1], 'ua', ARGV[1], 'ex', ex)
+               'ca', ARGV[1], 'ua', ARGV[1], 'ex', ex, 'hi', hist('', at, 'claimed', 1, owner))
     redis.call('PEXPIRE', k, ttl)
     outcome = 'CLAIMED'
     r = {false}
+  elseif r[1] == 'RELEASED' then
+    local nph, att = ph, tonumber(r[3]) + 1
+    if nph == '' then nph = r[5] end
+    redis.call('HSET', k, 'st', 'CONSUMING', 'own', owner, 'att', tostring(att), 'lu', lu,
+               'ph', nph, 'ua', ARGV[1], 'ex', ex, 'hi', hist(r[9], at, 'claimed', att, owner))
+    redis.call('PEXPIRE', k, ttl)
+    outcome = 'CLAIMED'
   elseif r[2] == owner and r[1] == 'CONSUMING' then
     outcome = 'CLAIMED'
   elseif check == '1' and ph ~= '' and r[5] ~= '' and ph ~= r[5] then
@@ -59,15 +86,15 @@ for i, k in ipairs(KEYS) do
   elseif tonumber(r[4]) > now then
     outcome = 'BUSY'
   else
-    local nph = ph
+    local nph, att = ph, tonumber(r[3]) + 1
     if nph == '' then nph = r[5] end
-    redis.call('HSET', k, 'own', owner, 'att', tostring(tonumber(r[3]) + 1), 'lu', lu,
-               'ph', nph, 'ua', ARGV[1], 'ex', ex)
+    redis.call('HSET', k, 'own', owner, 'att', tostring(att), 'lu', lu, 'ph', nph,
+               'ua', ARGV[1], 'ex', ex, 'hi', hist(r[9], at, 'taken-over', att, owner))
     redis.call('PEXPIRE', k, ttl)
     outcome = 'TAKEN_OVER'
   end
   if r[1] then
-    out[i] = {outcome, r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8]}
+    out[i] = {outcome, r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9] or ''}
   else
     out[i] = outcome  -- no record before: the outcome alone (a smaller reply)
   end
@@ -76,33 +103,39 @@ return out
 """
 
 # ARGV: now, mode, new lease end, new expiry, ttl ms, then the owners (one per key, each
-# ended by a newline, in one argument).
+# ended by a newline, in one argument), now as the history shows it.
 # mode "complete": CONSUMING -> CONSUMED (already CONSUMED by the owner: ok, unchanged);
-# "release": delete a CONSUMING claim; "extend": push a CONSUMING claim's lease.
-_CAS = """
-local now, mode = tonumber(ARGV[1]), ARGV[2]
+# "release": CONSUMING -> RELEASED; "extend": push a CONSUMING claim's lease. A live record
+# of another owner notes the stale owner as fenced off.
+_CAS = _HISTORY + """
+local now, mode, at = tonumber(ARGV[1]), ARGV[2], ARGV[7]
+local event = ({complete = 'completed', release = 'released', extend = 'extended'})[mode]
 local owners = {}
 for v in string.gmatch(ARGV[6], '([^\\n]*)\\n') do owners[#owners + 1] = v end
 if #owners ~= #KEYS then return redis.error_reply('onceq: bad owner arguments') end
 local out = {}
 for i, k in ipairs(KEYS) do
-  local r = redis.call('HMGET', k, 'st', 'own', 'ex')
+  local r = redis.call('HMGET', k, 'st', 'own', 'ex', 'att', 'hi')
   local ok = 0
-  if r[2] == owners[i] and r[3] and tonumber(r[3]) > now then
+  local alive = r[3] and tonumber(r[3]) > now
+  if alive and r[2] == owners[i] then
     if r[1] == 'CONSUMING' then
       ok = 1
+      local h = hist(r[5], at, event, r[4], r[2])
       if mode == 'complete' then
-        redis.call('HSET', k, 'st', 'CONSUMED', 'ua', ARGV[1], 'ex', ARGV[4])
+        redis.call('HSET', k, 'st', 'CONSUMED', 'ua', ARGV[1], 'ex', ARGV[4], 'hi', h)
         redis.call('PEXPIRE', k, ARGV[5])
       elseif mode == 'release' then
-        redis.call('DEL', k)
+        redis.call('HSET', k, 'st', 'RELEASED', 'lu', ARGV[1], 'ua', ARGV[1], 'hi', h)
       else
-        redis.call('HSET', k, 'lu', ARGV[3], 'ua', ARGV[1], 'ex', ARGV[4])
+        redis.call('HSET', k, 'lu', ARGV[3], 'ua', ARGV[1], 'ex', ARGV[4], 'hi', h)
         redis.call('PEXPIRE', k, ARGV[5])
       end
-    elseif mode == 'complete' then
+    elseif mode == 'complete' and r[1] == 'CONSUMED' then
       ok = 1
     end
+  elseif alive then
+    redis.call('HSET', k, 'hi', hist(r[5], at, 'fenced-off', r[4], owners[i]))
   end
   out[i] = ok
 end
@@ -110,6 +143,7 @@ return out
 """
 
 
+_OUTCOMES = {o.value: o for o in Outcome}
 _LANES = 2  # script calls of one kind in flight at once; more batches wait and merge
 _MERGE_MAX = 512  # keys per merged script call at most (a script blocks Redis while it runs)
 
@@ -194,20 +228,25 @@ class RedisStore:
                            repr(lease_until), repr(expires_at), _ttl_ms(expires_at, now)]
                 keys.append(self._key(c.group, c.topic, c.key))
         replies = iter(await self._call(self._claim, keys,
-                                        [repr(now), "\n".join(fields) + "\n"]))
+                                        [repr(now), "\n".join(fields) + "\n", f"{now:.3f}"]))
         outs: list[list[ClaimResult] | BaseException] = []
+        claimed = history_line(now, "claimed", 1, "")[:-1]  # + owner + newline
         for batch in batches:
             out: list[ClaimResult] = []
             error: BaseException | None = None
             for c in batch:
                 reply = next(replies)
-                if isinstance(reply, str):
-                    outcome, found = reply, None
-                else:
-                    outcome, *rec = reply
-                    found = self._record(c.group, c.topic, c.key, rec)
+                if isinstance(reply, str):  # no record before: a fresh claim
+                    lease_until = now + c.lease_s
+                    out.append(ClaimResult(Outcome.CLAIMED, Record(
+                        c.group, c.topic, c.key, Status.CONSUMING, c.owner, 1, lease_until,
+                        c.payload_hash, now, now, lease_until + c.retention_s,
+                        f"{claimed}{c.owner}\n")))
+                    continue
+                outcome, *rec = reply
+                found = self._record(c.group, c.topic, c.key, rec)
                 res, _ = decide_claim(found, c, now)
-                if res.outcome is not Outcome(outcome) and error is None:
+                if res.outcome is not _OUTCOMES.get(outcome) and error is None:
                     error = StoreError(f"redis dedup store: the script said {outcome} where "
                                        f"the rules say {res.outcome} for {c.key!r}")
                 out.append(res)
@@ -219,7 +258,7 @@ class RedisStore:
         if not f or f[0] is None:
             return None
         return Record(group, topic, key, Status(f[0]), f[1], int(f[2]), float(f[3]), f[4],
-                      float(f[5]), float(f[6]), float(f[7]))
+                      float(f[5]), float(f[6]), float(f[7]), f[8] or "" if len(f) > 8 else "")
 
     async def _cas(self, mode: str, tickets: Sequence[Ticket], lease_s: float = 0.0,
                    retention_s: float = 0.0) -> list[bool]:
@@ -238,7 +277,8 @@ class RedisStore:
         expires_at = (lease_until if mode == "extend" else now) + retention_s
         tickets = [t for batch in batches for t in batch]
         args = [repr(now), mode, repr(lease_until), repr(expires_at),
-                _ttl_ms(expires_at, now), "".join([t.owner + "\n" for t in tickets])]
+                _ttl_ms(expires_at, now), "".join([t.owner + "\n" for t in tickets]),
+                f"{now:.3f}"]
         res = iter(await self._call(self._cas_script,
                                     [self._key(t.group, t.topic, t.key) for t in tickets], args))
         return [[bool(next(res)) for _ in batch] for batch in batches]
@@ -311,15 +351,15 @@ class RedisStore:
         rec = self._record(group, topic, key, f)
         return rec if rec is not None and rec.alive(self.clock()) else None
 
-    async def purge_expired(self, limit: int = 1000) -> int:
+    async def purge_expired(self, limit: int = 1000, updated_before: float = 0.0) -> int:
         """Redis removes records itself when their TTL ends; records whose expiry passed on
         the store clock but not on the server's are removed here (bounded by ``limit``)."""
         now = self.clock()
         dead = []
         try:
             async for k in self._redis.scan_iter(match=self._pattern(), count=500):
-                ex = await self._redis.hget(k, "ex")
-                if ex is not None and float(ex) <= now:
+                ex, ua = await self._redis.hmget(k, ["ex", "ua"])
+                if ex is not None and (float(ex) <= now or float(ua or 0) < updated_before):
                     dead.append(k)
                     if len(dead) >= limit:
                         break
@@ -334,7 +374,7 @@ class RedisStore:
 
     async def stats(self) -> StoreStats:
         now = self.clock()
-        counts = {Status.CONSUMING: 0, Status.CONSUMED: 0}
+        counts = dict.fromkeys(Status, 0)
         try:
             async for k in self._redis.scan_iter(match=self._pattern(), count=500):
                 st, ex = await self._redis.hmget(k, ["st", "ex"])
@@ -342,7 +382,7 @@ class RedisStore:
                     counts[Status(st)] += 1
         except self._errors as exc:
             raise StoreError(f"redis dedup store: {type(exc).__name__}: {exc}") from exc
-        return StoreStats(counts[Status.CONSUMING], counts[Status.CONSUMED])
+        return StoreStats(*counts.values())
 
     async def drop_all(self) -> None:
         """Delete every record under this store's prefix (tests and the operator's reset)."""

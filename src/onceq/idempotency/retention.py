@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 from ..client.admin import Admin
 from ..protocol.errors import OnceqError
 
-__all__ = ["DEFAULT_DELAY_LEVELS_S", "RetentionTooShort", "check_against_broker",
-           "check_retention", "redelivery_horizon"]
+__all__ = ["DEFAULT_DELAY_LEVELS_S", "RetentionChecked", "RetentionTooShort",
+           "check_against_broker", "check_retention", "redelivery_horizon"]
 
 log = logging.getLogger("onceq.idempotency")
 
@@ -66,3 +67,24 @@ async def check_against_broker(address: str, retention_s: float, max_reconsume: 
         log.warning("could not ask the broker for its delay levels (%s); checking the "
                     "retention against the default levels", exc)
     return check_retention(retention_s, levels, max_reconsume, strict=strict)
+
+
+class RetentionChecked:
+    """A listener whose records must outlive every redelivery: ``PushConsumer.start()``
+    calls ``on_consumer_start``, which refuses to start (``strict_retention``) or warns
+    loudly when ``retention_s`` is shorter than the broker's redelivery horizon."""
+
+    retention_s: float
+    strict_retention: bool
+    horizon_s: float | None = None  # the broker's redelivery horizon, once known
+
+    @property
+    def onceq_orderly(self) -> bool:
+        """An ``@orderly`` handler stays orderly once wrapped."""
+        inner = getattr(self, "listener", None) or getattr(self, "handler", None)
+        return getattr(inner, "onceq_orderly", False) is True
+
+    async def on_consumer_start(self, consumer: Any) -> None:
+        self.horizon_s = await check_against_broker(
+            consumer.address, self.retention_s, consumer.config.max_reconsume,
+            strict=self.strict_retention)

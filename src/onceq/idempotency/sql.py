@@ -30,7 +30,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .dialects import COLS, ROW, Dialect, mysql_dialect, postgres_dialect, sqlite_dialect
-from .record import Claim, ClaimResult, Record, Status, Ticket, decide_claim
+from .record import (
+    Claim,
+    ClaimResult,
+    Outcome,
+    Record,
+    Status,
+    Ticket,
+    decide_claim,
+    history_line,
+)
 from .store import MAX_KEY_LEN, Clock, StoreError, StoreStats, check_name
 
 __all__ = ["Dialect", "SqlStore", "mysql_dialect", "postgres_dialect", "sqlite_dialect"]
@@ -41,12 +50,12 @@ _GROUP_MAX = 64  # operations committed together at most
 
 def _row_record(row: Sequence[Any]) -> Record:
     return Record(row[0], row[1], row[2], Status(row[3]), row[4], int(row[5]), float(row[6]),
-                  row[7], float(row[8]), float(row[9]), float(row[10]))
+                  row[7], float(row[8]), float(row[9]), float(row[10]), row[11] or "")
 
 
 def _row_values(r: Record) -> tuple[Any, ...]:
     return (r.group, r.topic, r.key, r.status.value, r.owner, r.attempt, r.lease_until,
-            r.payload_hash, r.created_at, r.updated_at, r.expires_at)
+            r.payload_hash, r.created_at, r.updated_at, r.expires_at, r.history)
 
 
 class SqlStore:
@@ -119,6 +128,7 @@ class SqlStore:
                 for stmt in self.dialect.schema(self.table):
                     cur.execute(stmt)
                 conn.commit()
+                self._add_history_column(conn)
                 break
             except self.dialect.errors:
                 # another process created the table at the same instant: look again
@@ -127,6 +137,19 @@ class SqlStore:
                     raise
                 time.sleep(0.05)
         self._schema_ready = True
+
+    def _add_history_column(self, conn: Any) -> None:
+        """A table made before records kept their history gets the column."""
+        cur = conn.cursor()
+        try:
+            cur.execute(self._sql("SELECT history FROM {t} WHERE 1 = 0"))
+            cur.fetchall()
+            conn.commit()
+        except self.dialect.errors:
+            conn.rollback()
+            cur = conn.cursor()
+            cur.execute(self._sql("ALTER TABLE {t} ADD COLUMN history TEXT"))
+            conn.commit()
 
     def _tx(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(cursor, now, *args)`` in one transaction on this thread's connection."""
@@ -244,28 +267,32 @@ class SqlStore:
         for c in claims:
             first.setdefault((c.group, c.topic, c.key), c)
         fresh = []
+        claimed = history_line(now, "claimed", 1, "")[:-1]  # + owner + newline
+        consuming = Status.CONSUMING.value
         for k in sorted(first):
             c = first[k]
             lease_until = now + c.lease_s
-            fresh.append((*k, Status.CONSUMING.value, c.owner, 1, lease_until, c.payload_hash,
-                          now, now, lease_until + c.retention_s))
+            fresh.append((*k, consuming, c.owner, 1, lease_until, c.payload_hash, now, now,
+                          lease_until + c.retention_s, f"{claimed}{c.owner}\n"))
         inserted = 0
         for i in range(0, len(fresh), 500):  # one statement per 500 rows: one round trip
             chunk = fresh[i:i + 500]
             cur.execute(self._sql(self.dialect.insert_absent.replace(
                 ROW, ", ".join([ROW] * len(chunk)))), [v for row in chunk for v in row])
             inserted += cur.rowcount
+        if (self.dialect.counts_inserts and inserted == len(fresh)
+                and len(first) == len(claims)):
+            # every row was inserted by this claim (none existed, alive or not), one per
+            # claim: each claim got the row just written (``decide_claim`` of an absent
+            # record), no need to read them back (the common case)
+            recs = {row[:3]: Record(row[0], row[1], row[2], Status.CONSUMING, *row[4:])
+                    for row in fresh}
+            return [ClaimResult(Outcome.CLAIMED, recs[(c.group, c.topic, c.key)])
+                    for c in claims]
         current: dict[tuple[str, str, str], Record] = {}
-        if self.dialect.counts_inserts and inserted == len(fresh):
-            # every row was inserted by this claim (none existed, alive or not): the rows
-            # are the ones just written, no need to read them back (the common case)
-            for row in fresh:
-                current[row[:3]] = Record(row[0], row[1], row[2], Status.CONSUMING, *row[4:])
-            by_gt: dict[tuple[str, str], list[str]] = {}
-        else:
-            by_gt = defaultdict(list)
-            for g, t, k in sorted(first):
-                by_gt[(g, t)].append(k)
+        by_gt: dict[tuple[str, str], list[str]] = defaultdict(list)
+        for g, t, k in sorted(first):
+            by_gt[(g, t)].append(k)
         for (g, t), keys in by_gt.items():
             cond, params = self._in("dkey", keys)
             cur.execute(self._sql(f"SELECT {COLS} FROM {{t}} WHERE grp = ? AND topic = ? AND "
@@ -284,8 +311,8 @@ class SqlStore:
                 else:
                     cur.execute(self._sql(
                         "UPDATE {t} SET status = ?, owner = ?, attempt = ?, lease_until = ?, "
-                        "payload_hash = ?, created_at = ?, updated_at = ?, expires_at = ? "
-                        "WHERE grp = ? AND topic = ? AND dkey = ? AND owner = ?"),
+                        "payload_hash = ?, created_at = ?, updated_at = ?, expires_at = ?, "
+                        "history = ? WHERE grp = ? AND topic = ? AND dkey = ? AND owner = ?"),
                         (*_row_values(new)[3:], *k, existing.owner))
                     if cur.rowcount != 1:
                         raise StoreError(f"claim of {k} lost its row lock")
@@ -294,19 +321,50 @@ class SqlStore:
         return out
 
     # ------------------------------------------------------------------ compare-and-set
-    def _owned(self, cur: Any, now: float, tickets: Sequence[Ticket]
-               ) -> tuple[list[bool], list[str]]:
-        """Which tickets still own their record, and the owners whose record is
-        ``CONSUMING`` (locked until the end of the transaction)."""
+    def _owned(self, cur: Any, now: float, tickets: Sequence[Ticket]) -> list[str | None]:
+        """Per ticket, the status of its record if the ticket still owns it (else None);
+        the rows read are locked until the end of the transaction."""
         cond, params = self._in("owner", sorted({t.owner for t in tickets}))
         cur.execute(self._sql(f"SELECT grp, topic, dkey, owner, status FROM {{t}} WHERE {cond} "
                               f"AND expires_at > ?{self.dialect.lock}"), (*params, now))
         rows = {r[3]: (r[0], r[1], r[2], r[4]) for r in cur.fetchall()}
-        owned = [rows.get(t.owner, ("",) * 4)[:3] == (t.group, t.topic, t.key)
-                 for t in tickets]
-        consuming = sorted({t.owner for t, ok in zip(tickets, owned, strict=True)
-                            if ok and rows[t.owner][3] == Status.CONSUMING.value})
-        return owned, consuming
+        out: list[str | None] = []
+        for t in tickets:
+            row = rows.get(t.owner)
+            out.append(row[3] if row is not None and row[:3] == (t.group, t.topic, t.key)
+                       else None)
+        return out
+
+    def _event(self, event: str, now: float) -> tuple[str, list[Any]]:
+        """``history = ...`` appending ``event`` by each updated row's own owner."""
+        return (self.dialect.history_set(["?", self.dialect.int_text, "' '", "owner", "?"]),
+                [f"{now:.3f} {event} ", "\n"])
+
+    def _fence(self, cur: Any, now: float, tickets: Sequence[Ticket],
+               statuses: Sequence[str | None]) -> None:
+        """Note ``fenced-off`` in the history of the records that stale tickets lost."""
+        hist = self.dialect.history_set(["?", self.dialect.int_text, "?"])
+        for t, st in zip(tickets, statuses, strict=True):
+            if st is None:
+                cur.execute(self._sql(f"UPDATE {{t}} SET {hist} WHERE grp = ? AND topic = ? "
+                                      "AND dkey = ? AND owner <> ? AND expires_at > ?"),
+                            (f"{now:.3f} fenced-off ", f" {t.owner}\n", t.group, t.topic,
+                             t.key, t.owner, now))
+
+    def _cas_update(self, cur: Any, now: float, tickets: list[Ticket], event: str,
+                    sets: str, values: Sequence[Any]) -> list[str | None]:
+        """``UPDATE SET <sets>`` (and the event in the history) on the ``CONSUMING`` records
+        the tickets still own; fence off the others; the statuses ``_owned`` found."""
+        statuses = self._owned(cur, now, tickets)
+        won = sorted({t.owner for t, st in zip(tickets, statuses, strict=True)
+                      if st == Status.CONSUMING.value})
+        if won:
+            cond, params = self._in("owner", won)
+            hist, hparams = self._event(event, now)
+            cur.execute(self._sql(f"UPDATE {{t}} SET {hist}, {sets} WHERE {cond}"),
+                        (*hparams, *values, *params))
+        self._fence(cur, now, tickets, statuses)
+        return statuses
 
     async def complete_many(self, tickets: Sequence[Ticket], retention_s: float) -> list[bool]:
         if not tickets:
@@ -315,6 +373,7 @@ class SqlStore:
 
     def _complete_tx(self, cur: Any, now: float, tickets: list[Ticket], retention_s: float
                      ) -> list[bool]:
+        done = Status.CONSUMED.value
         if self.dialect.row_values_in:
             # one statement in the common case: mark CONSUMED every row that is still
             # CONSUMING under exactly (group, topic, key, owner) of a ticket; when it
@@ -322,27 +381,27 @@ class SqlStore:
             # completed already: read which (the rows just marked are owned and alive).
             distinct = sorted(set(tickets), key=lambda t: (t.group, t.topic, t.key, t.owner))
             owners, oparams = self._in("owner", sorted({t.owner for t in distinct}))
+            hist, hparams = self._event("completed", now)
             cur.execute(self._sql(
-                f"UPDATE {{t}} SET status = ?, updated_at = ?, expires_at = ? WHERE {owners} "
-                f"AND (grp, topic, dkey, owner) IN (VALUES "
+                f"UPDATE {{t}} SET {hist}, status = ?, updated_at = ?, expires_at = ? WHERE "
+                f"{owners} AND (grp, topic, dkey, owner) IN (VALUES "
                 f"{', '.join(['(?, ?, ?, ?)'] * len(distinct))}) AND status = ? "
                 f"AND expires_at > ?"),
-                (Status.CONSUMED.value, now, now + retention_s, *oparams,
+                (*hparams, done, now, now + retention_s, *oparams,
                  *(v for t in distinct for v in (t.group, t.topic, t.key, t.owner)),
                  Status.CONSUMING.value, now))
             if cur.rowcount == len(distinct):
                 return [True] * len(tickets)
-            owned, consuming = self._owned(cur, now, tickets)
-            if consuming:  # cannot be: the update took every one of them
+            statuses = self._owned(cur, now, tickets)
+            if Status.CONSUMING.value in statuses:  # cannot be: the update took them all
                 raise StoreError("complete: a claim escaped its update")
-            return owned
-        owned, consuming = self._owned(cur, now, tickets)
-        if consuming:
-            cond, params = self._in("owner", consuming)
-            cur.execute(self._sql(f"UPDATE {{t}} SET status = ?, updated_at = ?, expires_at = ? "
-                                  f"WHERE {cond}"),
-                        (Status.CONSUMED.value, now, now + retention_s, *params))
-        return owned
+            self._fence(cur, now, tickets, statuses)
+            return [st == done for st in statuses]
+        statuses = self._cas_update(cur, now, tickets, "completed",
+                                    "status = ?, updated_at = ?, expires_at = ?",
+                                    (done, now, now + retention_s))
+        # completed twice by its owner: won, nothing changes
+        return [st in (Status.CONSUMING.value, done) for st in statuses]
 
     async def release_many(self, tickets: Sequence[Ticket]) -> list[bool]:
         if not tickets:
@@ -350,12 +409,9 @@ class SqlStore:
         return await self._run(self._release_tx, list(tickets))
 
     def _release_tx(self, cur: Any, now: float, tickets: list[Ticket]) -> list[bool]:
-        _, consuming = self._owned(cur, now, tickets)
-        if consuming:
-            cond, params = self._in("owner", consuming)
-            cur.execute(self._sql(f"DELETE FROM {{t}} WHERE {cond}"), params)
-        released = set(consuming)
-        return [t.owner in released for t in tickets]
+        return [st == Status.CONSUMING.value for st in self._cas_update(
+            cur, now, tickets, "released", "status = ?, lease_until = ?, updated_at = ?",
+            (Status.RELEASED.value, now, now))]
 
     async def extend_many(self, tickets: Sequence[Ticket], lease_s: float,
                           retention_s: float) -> list[bool]:
@@ -365,14 +421,9 @@ class SqlStore:
 
     def _extend_tx(self, cur: Any, now: float, tickets: list[Ticket], lease_s: float,
                    retention_s: float) -> list[bool]:
-        _, consuming = self._owned(cur, now, tickets)
-        if consuming:
-            cond, params = self._in("owner", consuming)
-            cur.execute(self._sql(f"UPDATE {{t}} SET lease_until = ?, updated_at = ?, "
-                                  f"expires_at = ? WHERE {cond}"),
-                        (now + lease_s, now, now + lease_s + retention_s, *params))
-        extended = set(consuming)
-        return [t.owner in extended for t in tickets]
+        return [st == Status.CONSUMING.value for st in self._cas_update(
+            cur, now, tickets, "extended", "lease_until = ?, updated_at = ?, expires_at = ?",
+            (now + lease_s, now, now + lease_s + retention_s))]
 
     # ------------------------------------------------------------------ operator view
     async def get(self, group: str, topic: str, key: str) -> Record | None:
@@ -384,10 +435,16 @@ class SqlStore:
 
         return await self._run(tx)
 
-    async def purge_expired(self, limit: int = 1000) -> int:
+    async def purge_expired(self, limit: int = 1000, updated_before: float = 0.0) -> int:
         def tx(cur: Any, now: float) -> int:
             cur.execute(self._sql(self.dialect.purge), (now, int(limit)))
-            return max(cur.rowcount, 0)
+            n = max(cur.rowcount, 0)
+            if updated_before > 0 and n < limit:  # the operator's purge (a table scan)
+                cur.execute(self._sql(self.dialect.purge.replace("expires_at <= ?",
+                                                                 "updated_at < ?")),
+                            (updated_before, int(limit) - n))
+                n += max(cur.rowcount, 0)
+            return n
 
         return await self._run(tx)
 
@@ -396,7 +453,7 @@ class SqlStore:
             cur.execute(self._sql("SELECT status, COUNT(*) FROM {t} WHERE expires_at > ? "
                                   "GROUP BY status"), (now,))
             counts = {s: int(n) for s, n in cur.fetchall()}
-            return StoreStats(counts.get("CONSUMING", 0), counts.get("CONSUMED", 0))
+            return StoreStats(*(counts.get(st.value, 0) for st in Status))
 
         return await self._run(tx)
 

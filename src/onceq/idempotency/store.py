@@ -48,6 +48,7 @@ class StoreError(Exception):
 class StoreStats:
     consuming: int  # records CONSUMING (live or expired, not past retention)
     consumed: int  # records CONSUMED within retention
+    released: int = 0  # records RELEASED (a failed attempt; the redelivery claims again)
 
 
 @runtime_checkable
@@ -66,7 +67,10 @@ class DedupStore(Protocol):
 
     async def get(self, group: str, topic: str, key: str) -> Record | None: ...
 
-    async def purge_expired(self, limit: int = 1000) -> int: ...
+    async def purge_expired(self, limit: int = 1000, updated_before: float = 0.0) -> int:
+        """Remove up to ``limit`` records past their retention, and (an operator's choice)
+        those last changed before ``updated_before``, whatever their status."""
+        ...
 
     async def stats(self) -> StoreStats: ...
 
@@ -148,15 +152,7 @@ class MemoryStore:
         return self._cas(tickets, lambda r, o, now: decide_complete(r, o, now, retention_s))
 
     async def release_many(self, tickets: Sequence[Ticket]) -> list[bool]:
-        now = self.clock()
-        out = []
-        for t in tickets:
-            k = (t.group, t.topic, t.key)
-            ok = decide_release(self._recs.get(k), t.owner, now)
-            if ok:
-                del self._recs[k]
-            out.append(ok)
-        return out
+        return self._cas(tickets, decide_release)
 
     async def extend_many(self, tickets: Sequence[Ticket], lease_s: float,
                           retention_s: float) -> list[bool]:
@@ -167,9 +163,10 @@ class MemoryStore:
         rec = self._recs.get((group, topic, key))
         return rec if rec is not None and rec.alive(self.clock()) else None
 
-    async def purge_expired(self, limit: int = 1000) -> int:
+    async def purge_expired(self, limit: int = 1000, updated_before: float = 0.0) -> int:
         now = self.clock()
-        dead = [k for k, r in self._recs.items() if not r.alive(now)][:limit]
+        dead = [k for k, r in self._recs.items()
+                if not r.alive(now) or r.updated_at < updated_before][:limit]
         for k in dead:
             del self._recs[k]
         return len(dead)
@@ -177,8 +174,7 @@ class MemoryStore:
     async def stats(self) -> StoreStats:
         now = self.clock()
         live = [r for r in self._recs.values() if r.alive(now)]
-        return StoreStats(sum(r.status is Status.CONSUMING for r in live),
-                          sum(r.status is Status.CONSUMED for r in live))
+        return StoreStats(*(sum(r.status is s for r in live) for s in Status))
 
     async def close(self) -> None:
         pass

@@ -21,6 +21,7 @@ then finds it. No lease and no ambiguous outcome: the database decides.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -29,13 +30,14 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from ..client.push import ConsumeContext, ConsumeStatus, PushConsumer
+from ..client.push import ConsumeContext, ConsumeStatus
 from ..log.record import Message as MessageExt
-from .dialects import Dialect, mysql_dialect, postgres_dialect, sqlite_dialect
+from . import sa
+from .dialects import Dialect, dialect_for_url
 from .listener import DEFAULT_RETENTION_S, KeySpec, _stored_key, key_function
 from .policy import Verdict, batch_reply
 from .record import payload_hash
-from .retention import check_against_broker
+from .retention import RetentionChecked
 from .sql import SqlStore
 from .store import Purger, StoreError, check_name
 
@@ -65,47 +67,43 @@ def _done_schema(dialect: str) -> Callable[[str], list[str]]:
 
 
 def _dialect(url: str) -> Dialect:
-    parts = urlsplit(url)
-    scheme = parts.scheme.lower()
-    if scheme == "sqlite":
-        path = url.split("://", 1)[1].split("?", 1)[0]
-        path = path[1:] if path.startswith("/") else path
-        if not path or path == ":memory:":
-            raise ValueError("transactional mode needs a database file, not :memory:")
-        d = sqlite_dialect(path)
+    d = dialect_for_url(url, memory_ok=False)
+    if d.name == "sqlite":
         insert = "INSERT INTO {t} (grp, topic, dkey, payload_hash, created_at) VALUES " \
                  "(?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
         purge = ("DELETE FROM {t} WHERE rowid IN (SELECT rowid FROM {t} WHERE created_at < ? "
                  "LIMIT ?)")
-    elif scheme in ("mysql", "mariadb"):
-        d = mysql_dialect(parts)
+    elif d.name == "mysql":
         # rowcount 0 on a duplicate (ON DUPLICATE KEY UPDATE counts found rows here)
         insert = "INSERT IGNORE INTO {t} (grp, topic, dkey, payload_hash, created_at) " \
                  "VALUES (?, ?, ?, ?, ?)"
         purge = "DELETE FROM {t} WHERE created_at < ? LIMIT ?"
-    elif scheme in ("postgresql", "postgres"):
-        d = postgres_dialect(parts)
+    else:
         insert = "INSERT INTO {t} (grp, topic, dkey, payload_hash, created_at) VALUES " \
                  "(?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
         purge = ("DELETE FROM {t} WHERE ctid IN (SELECT ctid FROM {t} WHERE created_at < ? "
                  "LIMIT ?)")
-    else:
-        raise ValueError(f"transactional mode needs sqlite, mysql or postgresql, not {scheme!r}")
     return dataclasses.replace(d, schema=_done_schema(d.name), insert_absent=insert,
                                purge=purge)
 
 
-class TransactionalListener:
+class TransactionalListener(RetentionChecked):
     """A listener wrapped by ``transactional``; ``stats`` counts what happened."""
 
-    def __init__(self, handler: Handler, *, db: str, key: KeySpec = None,
+    def __init__(self, handler: Handler, *, db: Any, key: KeySpec = None,
                  group: str | None = None, table: str = "onceq_done",
                  retention_s: float = DEFAULT_RETENTION_S, check_payload: bool = True,
                  pool_size: int | None = None, strict_retention: bool = True,
                  purge_interval_s: float = 60.0, purge_limit: int = 1000,
-                 clock: Callable[[], float] = time.time) -> None:
-        query = {k: v[-1] for k, v in parse_qs(urlsplit(db).query).items()}
+                 session: bool = False, clock: Callable[[], float] = time.time) -> None:
         self.handler = handler
+        self.sa_engine: Any = None  # a SQLAlchemy Engine the batches run on
+        if sa.is_engine(db):
+            self.sa_engine, db = db, sa.engine_url(db)
+        elif session:
+            raise ValueError("session=True needs a SQLAlchemy Engine as db")
+        self.session = session
+        query = {k: v[-1] for k, v in parse_qs(urlsplit(db).query).items()}
         self.table = check_name(query.get("table", table))
         self.engine = SqlStore(_dialect(db), clock=clock, table=self.table,
                                pool_size=pool_size)
@@ -114,15 +112,9 @@ class TransactionalListener:
         self.retention_s = retention_s
         self.check_payload = check_payload
         self.strict_retention = strict_retention
-        self.horizon_s: float | None = None
         self.stats: Counter[str] = Counter()
         self._purger = Purger(self.purge_expired, purge_interval_s, purge_limit, self.stats)
-
-    async def on_consumer_start(self, consumer: PushConsumer) -> None:
-        """Called by ``PushConsumer.start()``: the rows must outlive every redelivery."""
-        self.horizon_s = await check_against_broker(
-            consumer.address, self.retention_s, consumer.config.max_reconsume,
-            strict=self.strict_retention)
+        self._sa_ready = False
 
     async def __call__(self, msgs: list[MessageExt], ctx: ConsumeContext) -> ConsumeStatus:
         group = self.group or ctx.group
@@ -138,18 +130,36 @@ class TransactionalListener:
                             m.queue_offset, exc)
                 items.append((m, None))
         try:
-            # not grouped with other batches: a failed group would run handlers twice
-            verdicts, counts = await self.engine._run(self._batch_tx, group, items,
-                                                      coalesce=False)
+            if self.sa_engine is not None:
+                verdicts, counts = await self._sa_run(group, items)
+            else:  # not grouped with other batches: a failed group would run handlers twice
+                verdicts, counts = await self.engine._run(self._batch_tx, group, items,
+                                                          coalesce=False)
         except StoreError as exc:
             self.stats["store_errors"] += 1
             log.warning("transaction failed, batch of %d consumed later: %s", len(msgs), exc)
             return ConsumeStatus.RECONSUME_LATER
         self.stats.update(counts)  # here, on the event loop: counted once, after the commit
+        for i, (v, (_, key)) in enumerate(zip(verdicts, items, strict=True)):
+            if v is Verdict.DLQ:
+                ctx.dlq_reasons[i] = (
+                    "idempotency: no dedup key" if key is None else
+                    f"idempotency: dedup key {key!r} already done with another payload; "
+                    "not acknowledged as a duplicate")
         ack_index, delay = batch_reply(verdicts)
         ctx.ack_index = ack_index
         ctx.delay_level = delay
         return ConsumeStatus.SUCCESS
+
+    async def _sa_run(self, group: str, items: list[tuple[MessageExt, str | None]]
+                      ) -> tuple[list[Verdict], Counter[str]]:
+        """The batch on a connection of the SQLAlchemy engine (in a worker thread)."""
+        if not self._sa_ready:  # the table, through the store's own connection, once
+            await self.engine._run(lambda cur, now: None, coalesce=False)
+            self._sa_ready = True
+        return await asyncio.get_running_loop().run_in_executor(
+            self.engine._executor, sa.run_in_sa_transaction, self.sa_engine,
+            self.engine.dialect.begin, self._batch_tx, self.engine.clock(), group, items)
 
     def _batch_tx(self, cur: Any, now: float, group: str,
                   items: list[tuple[MessageExt, str | None]]
@@ -247,7 +257,10 @@ class TransactionalListener:
         """Run the handler inside the open savepoint ``onceq_msg``; on failure roll its
         writes back, release the savepoint and return False (the message is retried)."""
         try:
-            self.handler(m, conn)
+            if self.session:
+                sa.in_session(self.handler, m, conn)
+            else:
+                self.handler(m, conn)
         except Exception:
             log.exception("handler failed on %s@%d; its writes are rolled back, the "
                           "message is retried", m.topic, m.queue_offset)
@@ -273,7 +286,7 @@ class TransactionalListener:
         await self.engine.close()
 
 
-def transactional(handler: Handler, *, db: str, key: KeySpec = None,
+def transactional(handler: Handler, *, db: Any, key: KeySpec = None,
                   **options: Any) -> TransactionalListener:
     """Wrap ``handler(message, connection)`` so that its database writes and the message's
     dedup row commit in one transaction (exactly-once for effects inside that database)::
@@ -286,8 +299,18 @@ def transactional(handler: Handler, *, db: str, key: KeySpec = None,
                                 transactional(handle, db="postgresql://app@db/shop"))
 
     ``db``: ``sqlite:///path``, ``mysql://...``, ``postgresql://...`` (``?table=NAME``,
-    default ``onceq_done``). ``handler`` runs in a worker thread; it must not commit or
-    roll back. Options: ``key``, ``group``, ``retention_s`` (1 day), ``check_payload``,
+    default ``onceq_done``), or a SQLAlchemy ``Engine``: the handler then gets a SQLAlchemy
+    ``Connection`` in the batch's transaction, or with ``session=True`` a ``Session``
+    joined to it (its changes are flushed and committed with the dedup rows)::
+
+        def handle(m, session):
+            session.add(Payment(order=m.properties["order"], amount=...))
+
+        transactional(handle, db=create_engine("postgresql+psycopg://app@db/shop"),
+                      session=True)
+
+    ``handler`` runs in a worker thread; it must not commit or roll back. Options: ``key``,
+    ``group``, ``retention_s`` (1 day), ``check_payload``,
     ``pool_size`` (connections, 4; 1 for SQLite), ``strict_retention``,
     ``purge_interval_s`` (60; 0: off) and ``purge_limit`` (1000): rows past retention are
     removed in bounded batches.
