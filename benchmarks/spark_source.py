@@ -24,6 +24,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from _progress import Steps, note  # noqa: E402
 from throughput import start_broker  # noqa: E402
 
 TOPIC = "spark_bench"
@@ -100,7 +101,8 @@ def _run(spark, fmt: str, options: dict[str, str], ckpt: str) -> float:
     t0 = time.perf_counter()
     q = (r.load().writeStream.format("noop").option("checkpointLocation", ckpt)
          .trigger(availableNow=True).start())
-    q.awaitTermination()
+    while not q.awaitTermination(2):  # a line every 2 s while the query runs
+        note(f"  {fmt}: query running for {time.perf_counter() - t0:.0f}s")
     elapsed = time.perf_counter() - t0
     if q.exception() is not None:
         raise RuntimeError(str(q.exception()))
@@ -113,28 +115,35 @@ def main() -> None:
     ap.add_argument("--queues", type=int, default=4)
     args = ap.parse_args()
     os.environ["PYSPARK_PYTHON"] = sys.executable
+    steps = Steps(5)
     with tempfile.TemporaryDirectory() as tmp:
         proc, addr = start_broker(os.path.join(tmp, "data"), "async")
         try:
+            steps.next(f"producing {args.n} messages to {args.queues} queues")
             t0 = time.perf_counter()
             asyncio.run(_produce(addr, args.n, args.queues))
             produce_s = time.perf_counter() - t0
 
+            steps.next("starting Spark (local[2])")
             from pyspark.sql import SparkSession
 
             import onceq.spark
             spark = (SparkSession.builder.master("local[2]")
                      .config("spark.sql.shuffle.partitions", "2")
-                     .config("spark.ui.enabled", "false").getOrCreate())
+                     .config("spark.ui.enabled", "false")
+                     .config("spark.ui.showConsoleProgress", "false").getOrCreate())
             spark.sparkContext.setLogLevel("ERROR")
             onceq.spark.register(spark)
             spark.dataSource.register(_synthetic_source(args.n, args.queues))
             onceq_opts = {"servers": addr, "topic": TOPIC, "startingOffsets": "earliest"}
+            steps.next("warm-up read (Python workers start)")
             # warm-up: Python workers start with the first read
             (spark.read.format("onceq").options(**onceq_opts, queues="0",
                                                  endingOffsets=f'{{"{TOPIC}": {{"0": 1000}}}}')
              .load().count())
+            steps.next(f"synthetic source: {args.n} rows")
             synthetic_s = _run(spark, "synthetic", {}, os.path.join(tmp, "c1"))
+            steps.next(f"onceq source: {args.n} rows")
             onceq_s = _run(spark, "onceq", onceq_opts, os.path.join(tmp, "c2"))
             spark.stop()
         finally:

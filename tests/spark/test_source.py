@@ -45,8 +45,10 @@ def as_sent(rows) -> dict:
                                         dict(r["properties"]), r["unique_key"]) for r in rows}
 
 
-def reader(spark, addr: str, topic: str, **options):
-    r = spark.read.format("onceq").option("servers", addr).option("topic", topic)
+def reader(spark, addr: str, topic: str | None, **options):
+    """A batch read of ``topic`` (None: the options name the topics)."""
+    r = spark.read.format("onceq").option("servers", addr)
+    r = r if topic is None else r.option("topic", topic)
     for k, v in options.items():
         r = r.option(k, v)
     return r.load()
@@ -99,7 +101,8 @@ def test_batch_offset_ranges_queues_and_timestamp(spark, broker_addr):
 
 
 def _run_available_now(spark, addr, topic, out, checkpoint, **options):
-    r = (spark.readStream.format("onceq").option("servers", addr).option("topic", topic))
+    r = spark.readStream.format("onceq").option("servers", addr)
+    r = r if topic is None else r.option("topic", topic)
     for k, v in options.items():
         r = r.option(k, v)
     q = (r.load().writeStream.format("parquet").option("path", str(out))
@@ -178,14 +181,19 @@ def test_stream_starts_latest_by_default(spark, broker_addr, tmp_path):
 
 
 def _wait_for_retention(addr: str, topic: str, above: int) -> int:
+    """The queue's first offset once retention moved it past ``above`` and then left it
+    alone for a second (five retention passes): it deletes a segment per pass."""
     deadline = time.monotonic() + 20
+    last, since = -1, time.monotonic()
     with SyncPullConsumer(addr) as c:
         while time.monotonic() < deadline:
             lo, _hi = c.queue_offsets(topic, 0)
-            if lo > above:
+            if lo != last:
+                last, since = lo, time.monotonic()
+            elif lo > above and time.monotonic() - since >= 1.0:
                 return lo
             time.sleep(0.1)
-    raise AssertionError("retention deleted nothing")
+    raise AssertionError(f"retention did not settle above offset {above} (at {last})")
 
 
 def test_stream_data_loss_fails_clearly_or_skips(spark, retention_broker, tmp_path):

@@ -42,17 +42,26 @@ def test_options_are_case_insensitive_and_parsed():
                              "failOnDataLoss": "false", "group": "g1",
                              "startingTimestamp": "1700000000000"}, streaming=True)
     assert o.queues == (0, 2)
-    assert o.starting == {0: 5, 2: -2}
+    assert o.starting == {"t": {0: 5, 2: -2}}
     assert o.max_messages_per_trigger == 9
     assert not o.fail_on_data_loss and o.group == "g1"
     assert o.starting_timestamp == 1_700_000_000_000
 
 
 @pytest.mark.parametrize("options, message", [
-    ({}, "'topic' is required"),
+    ({}, "give exactly one of the options 'topic', 'topics'"),
+    ({"topic": "t", "topics": "a,b"}, "'topicPattern' (a regular expression), not 2"),
+    ({"topicPattern": "(a"}, "'topicPattern' is not a regular expression"),
+    ({"topics": " , "}, "names no topic"),
+    ({"topics": "a,b", "queues": "0"}, "'queues' needs a single 'topic'"),
+    ({"topic": "t", "bodyFormat": "avro"}, "must be binary or json"),
+    ({"topic": "t", "bodyFormat": "json"}, "needs 'bodySchema'"),
+    ({"topic": "t", "bodySchema": "a INT"}, "'bodySchema' needs bodyFormat=json"),
+    ({"topic": "t", "includeBody": "false"}, "'includeBody' false needs bodyFormat=json"),
     ({"topic": "t", "queues": "a,b"}, "'queues' must be queue numbers"),
     ({"topic": "t", "startingOffsets": "first"}, "'startingOffsets' must be 'earliest'"),
-    ({"topic": "t", "startingOffsets": '{"u": {"0": 1}}'}, "must map the topic 't'"),
+    ({"topic": "t", "startingOffsets": '{"u": {"0": 1}}'}, "topics the query does not read"),
+    ({"topic": "t", "startingOffsets": '{"t": 1}'}, "must map topics to positions per queue"),
     ({"topic": "t", "startingOffsets": '{"t": {"0": -3}}'}, "offsets are >= 0"),
     ({"topic": "t", "maxMessagesPerTrigger": "0"}, "must be >= 1"),
     ({"topic": "t", "failOnDataLoss": "maybe"}, "must be true or false"),
@@ -65,10 +74,34 @@ def test_bad_options_name_the_option(options, message):
 
 def test_positions_resolve_per_queue():
     bounds = (10, 50)
-    assert resolve("earliest", 0, bounds) == 10
-    assert resolve("latest", 0, bounds) == 50
-    spec = {0: 20, 1: -1, 2: -2}
-    assert [resolve(spec, q, bounds) for q in (0, 1, 2, 3)] == [20, 50, 10, 10]
+    assert resolve("earliest", ("t", 0), bounds) == 10
+    assert resolve("latest", ("t", 0), bounds) == 50
+    spec = {"t": {0: 20, 1: -1, 2: -2}}
+    assert [resolve(spec, ("t", q), bounds) for q in (0, 1, 2, 3)] == [20, 50, 10, 10]
+    assert resolve(spec, ("u", 0), bounds) == 10  # a topic the JSON does not name
+
+
+def test_topics_and_pattern_subscriptions():
+    o = SourceOptions.parse({"topics": "b, a,b", "startingOffsets":
+                             '{"a": {"0": 3}, "b": {"1": -1}}'}, streaming=True)
+    assert o.topics == ("b", "a") and o.topic_pattern is None
+    assert o.starting == {"a": {0: 3}, "b": {1: -1}}
+    assert o.subscribes("a") and not o.subscribes("c")
+    assert re.fullmatch(r"spark-topics-[0-9a-f]{10}", o.group)
+    p = SourceOptions.parse({"topicPattern": r"orders\.\w+"}, streaming=True)
+    assert p.topics == () and p.subscribes("orders.eu") and not p.subscribes("xorders.eu")
+    assert not p.subscribes("orders.eu.old")  # the whole name matches
+    assert re.fullmatch(r"spark-pattern-[0-9a-f]{10}", p.group)
+    with pytest.raises(OptionError, match="does not read"):
+        SourceOptions.parse({"topicPattern": "orders.*", "startingOffsets":
+                             '{"refunds": {"0": 1}}'}, streaming=True)
+
+
+def test_body_options():
+    o = SourceOptions.parse({"topic": "t", "bodyFormat": "JSON", "bodySchema": "a INT",
+                             "includeBody": "false"}, streaming=False)
+    assert (o.body_format, o.body_schema, o.include_body) == ("json", "a INT", False)
+    assert SourceOptions.parse({"topic": "t"}, streaming=False).body_format == "binary"
 
 
 def test_data_loss_fails_with_the_range_or_skips():
@@ -79,11 +112,14 @@ def test_data_loss_fails_with_the_range_or_skips():
 
 
 def test_checkpoint_offsets_round_trip_and_refuse_another_topic():
-    offsets = to_offsets("a.b", {1: 5, 0: 7})
-    assert offsets == {"a.b/0": 7, "a.b/1": 5}
-    assert from_offsets("a.b", offsets) == {0: 7, 1: 5}
+    offsets = to_offsets({("a.b", 1): 5, ("a.b", 0): 7, ("a", 0): 1})
+    assert offsets == {"a": {"0": 1}, "a.b": {"0": 7, "1": 5}}
+    both = SourceOptions.parse({"topics": "a,a.b"}, streaming=True)
+    assert from_offsets(both, offsets) == {("a", 0): 1, ("a.b", 0): 7, ("a.b", 1): 5}
+    # checkpoints of earlier versions: {"topic/queue": offset}
+    assert from_offsets(both, {"a/0": 1, "a.b/1": 5}) == {("a", 0): 1, ("a.b", 1): 5}
     with pytest.raises(OptionError, match="new checkpoint"):
-        from_offsets("other", offsets)
+        from_offsets(SourceOptions.parse({"topic": "a.b"}, streaming=True), offsets)
 
 
 def test_split_range():

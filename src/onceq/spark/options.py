@@ -1,22 +1,30 @@
 """The source's options and offsets, as plain data (no pyspark, no sockets).
 
-Offsets name queues as ``"topic/queue"``; a start or end position is ``"earliest"``,
-``"latest"`` or a JSON object per queue in the style of Spark's Kafka source
-(``{"orders": {"0": 23, "1": -2}}``, -2 for earliest, -1 for latest).
+A query reads one ``topic``, a list of ``topics`` or every topic matching ``topicPattern``
+(as the Kafka source's assign/subscribe/subscribePattern). Queues are named
+``(topic, queue)``. The checkpoint's offsets and a start or end position given as JSON are
+keyed by topic, then queue (``{"orders": {"0": 23, "1": -2}}``; in a position -2 is the
+earliest offset, -1 the latest; a position may also be ``"earliest"`` or ``"latest"``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 EARLIEST = -2
 LATEST = -1
 
-# A position per queue: EARLIEST, LATEST or an offset.
-Positions = Mapping[int, int]
+# A queue of a topic.
+TopicQueue = tuple[str, int]
+# Positions per topic, then per queue: EARLIEST, LATEST or an offset.
+Positions = Mapping[str, Mapping[int, int]]
+
+BODY_FORMATS = ("binary", "json")
 
 
 class OptionError(ValueError):
@@ -30,8 +38,9 @@ class DataLossError(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class SourceOptions:
     servers: str
-    topic: str
-    queues: tuple[int, ...] | None  # None: all queues of the topic
+    topics: tuple[str, ...]  # the topics named (empty with a pattern)
+    topic_pattern: str | None  # a regular expression the whole topic name matches
+    queues: tuple[int, ...] | None  # None: all queues (one topic only)
     starting: str | Positions  # "earliest", "latest" or positions per queue
     ending: str | Positions
     starting_timestamp: int | None  # epoch ms; wins over ``starting``
@@ -41,16 +50,27 @@ class SourceOptions:
     group: str
     pull_batch: int
     verify_checksums: bool
+    body_format: str = "binary"  # or "json": decoded with body_schema
+    body_schema: str | None = None  # Spark DDL of the decoded columns
+    include_body: bool = True  # keep the body column beside the decoded ones
+
+    def subscribes(self, topic: str) -> bool:
+        return _reads(self.topics, self.topic_pattern, topic)
+
+    @property
+    def label(self) -> str:
+        """The topics, for messages."""
+        return ",".join(self.topics) or f"/{self.topic_pattern}/"
 
     @classmethod
     def parse(cls, options: Mapping[str, str], *, streaming: bool) -> SourceOptions:
         """Options as Spark passes them (strings, keys in any case)."""
         opts = {k.lower(): v for k, v in options.items()}
-        topic = opts.get("topic", "").strip()
-        if not topic:
-            raise OptionError("option 'topic' is required")
+        topics, pattern = _subscription(opts)
         queues = None
         if opts.get("queues", "").strip():
+            if len(topics) != 1:
+                raise OptionError("option 'queues' needs a single 'topic'")
             try:
                 queues = tuple(sorted({int(q) for q in opts["queues"].split(",") if q.strip()}))
             except ValueError:
@@ -58,9 +78,12 @@ class SourceOptions:
                                   f" not {opts['queues']!r}") from None
             if not queues or min(queues) < 0:
                 raise OptionError(f"option 'queues' has no valid queue: {opts['queues']!r}")
+        def reads(topic: str) -> bool:
+            return _reads(topics, pattern, topic)
+
         starting = _positions(opts.get("startingoffsets", "latest" if streaming else "earliest"),
-                              topic, "startingOffsets")
-        ending = _positions(opts.get("endingoffsets", "latest"), topic, "endingOffsets")
+                              reads, "startingOffsets")
+        ending = _positions(opts.get("endingoffsets", "latest"), reads, "endingOffsets")
         if streaming and "endingoffsets" in opts:
             raise OptionError("option 'endingOffsets' is for batch reads only")
         ts = _int_option(opts, "startingtimestamp", None, "startingTimestamp", minimum=0)
@@ -69,9 +92,11 @@ class SourceOptions:
         if max_trigger is None:  # the name users know from the Kafka source
             max_trigger = _int_option(opts, "maxoffsetspertrigger", None,
                                       "maxOffsetsPerTrigger", minimum=1)
+        body_format, body_schema, include_body = _body_options(opts)
         return cls(
             servers=opts.get("servers", "127.0.0.1:9876"),
-            topic=topic,
+            topics=topics,
+            topic_pattern=pattern,
             queues=queues,
             starting=starting,
             ending=ending,
@@ -80,19 +105,65 @@ class SourceOptions:
             max_messages_per_partition=_int_option(opts, "maxmessagesperpartition", None,
                                                    "maxMessagesPerPartition", minimum=1),
             fail_on_data_loss=_bool_option(opts, "failondataloss", True, "failOnDataLoss"),
-            group=opts.get("group") or default_group(topic, opts),
+            group=opts.get("group") or default_group(topics, opts),
             pull_batch=_int_option(opts, "pullbatchsize", 1024, "pullBatchSize", minimum=1),
             verify_checksums=_bool_option(opts, "verifychecksums", True, "verifyChecksums"),
+            body_format=body_format,
+            body_schema=body_schema,
+            include_body=include_body,
         )
 
 
-def default_group(topic: str, opts: Mapping[str, str]) -> str:
+def _reads(topics: tuple[str, ...], pattern: str | None, topic: str) -> bool:
+    return topic in topics if pattern is None else re.fullmatch(pattern, topic) is not None
+
+
+def _subscription(opts: Mapping[str, str]) -> tuple[tuple[str, ...], str | None]:
+    """(topics, pattern) from exactly one of ``topic``, ``topics``, ``topicPattern``."""
+    given = [k for k in ("topic", "topics", "topicpattern") if opts.get(k, "").strip()]
+    if len(given) != 1:
+        raise OptionError("give exactly one of the options 'topic', 'topics' (names separated "
+                          "by commas) or 'topicPattern' (a regular expression)"
+                          + (f", not {len(given)}" if given else ""))
+    raw = opts[given[0]].strip()
+    if given[0] == "topicpattern":
+        try:
+            re.compile(raw)
+        except re.error as exc:
+            raise OptionError(f"option 'topicPattern' is not a regular expression: {exc}"
+                              ) from None
+        return (), raw
+    topics = tuple(dict.fromkeys(t.strip() for t in raw.split(",") if t.strip()))
+    if not topics:
+        raise OptionError(f"option 'topics' names no topic: {raw!r}")
+    return topics, None
+
+
+def _body_options(opts: Mapping[str, str]) -> tuple[str, str | None, bool]:
+    fmt = opts.get("bodyformat", "binary").strip().lower()
+    if fmt not in BODY_FORMATS:
+        raise OptionError(f"option 'bodyFormat' must be binary or json, not {fmt!r}")
+    schema = opts.get("bodyschema", "").strip() or None
+    if fmt == "json" and schema is None:
+        raise OptionError("option 'bodyFormat' json needs 'bodySchema', the decoded columns "
+                          "in Spark DDL (e.g. 'order_id STRING, quantity INT')")
+    if fmt == "binary" and schema is not None:
+        raise OptionError("option 'bodySchema' needs bodyFormat=json")
+    keep = _bool_option(opts, "includebody", True, "includeBody")
+    if fmt == "binary" and not keep:
+        raise OptionError("option 'includeBody' false needs bodyFormat=json")
+    return fmt, schema, keep
+
+
+def default_group(topics: tuple[str, ...], opts: Mapping[str, str]) -> str:
     """A stable group name for a query that sets none: the topic and a hash of the options
     that define what it reads (a restarted query reports under the same name)."""
-    ident = json.dumps({k: opts.get(k) for k in ("servers", "topic", "queues", "startingoffsets",
-                                                 "startingtimestamp")}, sort_keys=True)
+    keys = ["servers", "topic", "queues", "startingoffsets", "startingtimestamp"]
+    keys += [k for k in ("topics", "topicpattern") if k in opts]
+    ident = json.dumps({k: opts.get(k) for k in keys}, sort_keys=True)
     digest = hashlib.sha1(ident.encode()).hexdigest()[:10]
-    return f"spark-{topic}-{digest}"[:127]
+    name = topics[0] if len(topics) == 1 else "topics" if topics else "pattern"
+    return f"spark-{name}-{digest}"[:127]
 
 
 def _int_option(opts: Mapping[str, str], key: str, default: int | None, name: str, *,
@@ -120,7 +191,8 @@ def _bool_option(opts: Mapping[str, str], key: str, default: bool, name: str) ->
     raise OptionError(f"option {name!r} must be true or false, not {raw!r}")
 
 
-def _positions(raw: str, topic: str, name: str) -> str | dict[int, int]:
+def _positions(raw: str, subscribes: Callable[[str], bool], name: str
+               ) -> str | dict[str, dict[int, int]]:
     text = raw.strip()
     if text.lower() in ("earliest", "latest"):
         return text.lower()
@@ -128,21 +200,23 @@ def _positions(raw: str, topic: str, name: str) -> str | dict[int, int]:
         parsed = json.loads(text)
     except ValueError:
         raise OptionError(f"option {name!r} must be 'earliest', 'latest' or JSON like "
-                          f'{{"{topic}": {{"0": 42}}}}, not {raw!r}') from None
-    if not isinstance(parsed, dict) or set(parsed) != {topic} or not isinstance(
-            parsed[topic], dict):
-        raise OptionError(f"option {name!r} must map the topic {topic!r} to positions per "
-                          f"queue, not {raw!r}")
+                          f'{{"orders": {{"0": 42}}}}, not {raw!r}') from None
+    if not isinstance(parsed, dict) or not all(isinstance(v, dict) for v in parsed.values()):
+        raise OptionError(f"option {name!r} must map topics to positions per queue, "
+                          f"not {raw!r}")
+    other = sorted(t for t in parsed if not subscribes(t))
+    if other:
+        raise OptionError(f"option {name!r} names topics the query does not read: {other}")
     try:
-        out = {int(q): int(off) for q, off in parsed[topic].items()}
+        out = {t: {int(q): int(off) for q, off in per.items()} for t, per in parsed.items()}
     except (TypeError, ValueError):
         raise OptionError(f"option {name!r}: queues and offsets must be integers") from None
-    if any(q < 0 or off < EARLIEST for q, off in out.items()):
+    if any(q < 0 or off < EARLIEST for per in out.values() for q, off in per.items()):
         raise OptionError(f"option {name!r}: offsets are >= 0, -2 (earliest) or -1 (latest)")
     return out
 
 
-def resolve(spec: str | Positions, queue: int, bounds: tuple[int, int]) -> int:
+def resolve(spec: str | Positions, tq: TopicQueue, bounds: tuple[int, int]) -> int:
     """The offset a position names on a queue with ``bounds`` (min, max); a queue the JSON
     does not name starts at the earliest offset (as a queue added later does)."""
     lo, hi = bounds
@@ -151,7 +225,7 @@ def resolve(spec: str | Positions, queue: int, bounds: tuple[int, int]) -> int:
     if spec == "latest":
         return hi
     assert isinstance(spec, Mapping)
-    pos = spec.get(queue, EARLIEST)
+    pos = spec.get(tq[0], {}).get(tq[1], EARLIEST)
     if pos == EARLIEST:
         return lo
     if pos == LATEST:
@@ -172,8 +246,8 @@ def check_loss(topic: str, queue: int, start: int, lo: int, fail: bool) -> int:
     return lo
 
 
-def admit(start: Mapping[int, int], latest: Mapping[int, int], max_rows: int | None
-          ) -> dict[int, int]:
+def admit(start: Mapping[TopicQueue, int], latest: Mapping[TopicQueue, int],
+          max_rows: int | None) -> dict[TopicQueue, int]:
     """End offsets for one micro-batch: everything up to ``latest``, or at most ``max_rows``
     messages shared fairly among the queues with a backlog (a queue with little backlog
     leaves its share to the others). ``start`` names every queue of ``latest``.
@@ -196,23 +270,30 @@ def admit(start: Mapping[int, int], latest: Mapping[int, int], max_rows: int | N
     return end
 
 
-def offset_key(topic: str, queue: int) -> str:
-    return f"{topic}/{queue}"
+def to_offsets(positions: Mapping[TopicQueue, int]) -> dict[str, dict[str, int]]:
+    """Per-queue offsets as the checkpoint stores them: ``{"topic": {"queue": offset}}``."""
+    out: dict[str, dict[str, int]] = {}
+    for t, q in sorted(positions):
+        out.setdefault(t, {})[str(q)] = int(positions[t, q])
+    return out
 
 
-def to_offsets(topic: str, positions: Mapping[int, int]) -> dict[str, int]:
-    """Per-queue offsets as the checkpoint stores them: ``{"topic/queue": offset}``."""
-    return {offset_key(topic, q): int(positions[q]) for q in sorted(positions)}
-
-
-def from_offsets(topic: str, offsets: Mapping[str, int]) -> dict[int, int]:
+def from_offsets(opts: SourceOptions, offsets: Mapping[str, Any]) -> dict[TopicQueue, int]:
+    """``to_offsets`` reversed; also reads ``{"topic/queue": offset}``, the form of
+    checkpoints written by earlier versions."""
     out = {}
-    for key, off in offsets.items():
-        t, _, q = key.rpartition("/")
-        if t != topic:
-            raise OptionError(f"the checkpoint holds offsets of {t!r}, not of the topic "
-                              f"{topic!r}: use a new checkpoint for another topic")
-        out[int(q)] = int(off)
+    for key, value in offsets.items():
+        if isinstance(value, Mapping):
+            entries = [(key, q, off) for q, off in value.items()]
+        else:
+            t, _, q = key.rpartition("/")
+            entries = [(t, q, value)]
+        for t, q, off in entries:
+            if not opts.subscribes(t):
+                raise OptionError(f"the checkpoint holds offsets of {t!r}, which the query "
+                                  f"does not read ({opts.label}): use a new checkpoint for "
+                                  "other topics")
+            out[t, int(q)] = int(off)
     return out
 
 

@@ -7,6 +7,7 @@ executor needs, and ``read()`` opens its own connection there.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -26,10 +27,14 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
+from ..client.admin import Admin
 from ..client.sync import SyncPullConsumer
-from .arrow import SCHEMA_DDL
+from .arrow import ARROW_SCHEMA, SCHEMA_DDL
+from .decode import BodyDecoder
 from .options import (
+    OptionError,
     SourceOptions,
+    TopicQueue,
     admit,
     check_loss,
     from_offsets,
@@ -38,33 +43,64 @@ from .options import (
     to_offsets,
 )
 from .pulling import QueueRange, read_range
+from .sink import SinkMixin
 
 log = logging.getLogger("onceq.spark")
 
 
 class RangePartition(InputPartition):
-    """An input partition: one queue range."""
+    """An input partition: one queue range (and how to decode bodies, if asked)."""
 
-    def __init__(self, r: QueueRange) -> None:
+    def __init__(self, r: QueueRange, decoder: BodyDecoder | None = None) -> None:
         super().__init__(r)
         self.range = r
+        self.decoder = decoder
 
 
-class OnceqDataSource(DataSource):
-    """``spark.read.format("onceq")`` and ``spark.readStream.format("onceq")``."""
+def _read(partition: InputPartition) -> Iterator[pa.RecordBatch]:
+    if isinstance(partition, RangePartition):  # Spark reads a placeholder when none
+        decoder = partition.decoder
+        for batch in read_range(partition.range):
+            yield batch if decoder is None else decoder.apply(batch)
+
+
+def _decoder(opts: SourceOptions, schema: StructType) -> BodyDecoder | None:
+    """The decoded columns are those of ``schema`` after the source's own."""
+    if opts.body_format != "json":
+        return None
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    base = len(ARROW_SCHEMA) - (0 if opts.include_body else 1)
+    extra = StructType(schema.fields[base:])
+    clash = sorted(set(extra.fieldNames()) & set(ARROW_SCHEMA.names))
+    if clash:
+        raise OptionError(f"option 'bodySchema' names columns the source has already: {clash}")
+    return BodyDecoder(list(to_arrow_schema(extra, timezone="UTC")), opts.include_body)
+
+
+class OnceqDataSource(SinkMixin, DataSource):
+    """``spark.read.format("onceq")`` and ``spark.readStream.format("onceq")``; the writers
+    (``df.write``, ``df.writeStream``) are in ``sink.py``."""
 
     @classmethod
     def name(cls) -> str:
         return "onceq"
 
     def schema(self) -> str:
-        return SCHEMA_DDL
+        opts = {k.lower(): v for k, v in self.options.items()}
+        ddl = SCHEMA_DDL
+        if opts.get("includebody", "true").strip().lower() in ("false", "0", "no"):
+            ddl = ddl.removeprefix("body BINARY, ")
+        body_schema = opts.get("bodyschema", "").strip()
+        return f"{ddl}, {body_schema}" if body_schema else ddl
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        return OnceqBatchReader(SourceOptions.parse(self.options, streaming=False))
+        opts = SourceOptions.parse(self.options, streaming=False)
+        return OnceqBatchReader(opts, _decoder(opts, schema))
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
-        return OnceqStreamReader(SourceOptions.parse(self.options, streaming=True))
+        opts = SourceOptions.parse(self.options, streaming=True)
+        return OnceqStreamReader(opts, _decoder(opts, schema))
 
 
 class _Planner:
@@ -81,30 +117,38 @@ class _Planner:
             self._client = SyncPullConsumer(self.opts.servers, self.opts.group)
         return self._client
 
-    def queues(self) -> list[int]:
-        count = self.client.queue_count(self.opts.topic)
-        if self.opts.queues is None:
-            return list(range(count))
-        missing = [q for q in self.opts.queues if q >= count]
-        if missing:
-            raise ValueError(f"onceq: topic {self.opts.topic!r} has {count} queues; option "
-                             f"'queues' names {missing}")
-        return list(self.opts.queues)
-
-    def bounds(self, queues: Sequence[int]) -> dict[int, tuple[int, int]]:
-        return {q: self.client.queue_offsets(self.opts.topic, q) for q in queues}
-
-    def starting(self, queues: Sequence[int], bounds: dict[int, tuple[int, int]]
-                 ) -> dict[int, int]:
-        if self.opts.starting_timestamp is not None:
-            return {q: self.client.search_offset(self.opts.topic, q,
-                                                 self.opts.starting_timestamp)
-                    for q in queues}
-        return {q: resolve(self.opts.starting, q, bounds[q]) for q in queues}
-
-    def range(self, queue: int, start: int, end: int) -> list[QueueRange]:
+    def queues(self) -> list[TopicQueue]:
+        """The queues read, topic by topic (a pattern is matched again at every call:
+        a topic created since is read from its earliest offset)."""
         o = self.opts
-        return [QueueRange(o.servers, o.group, o.topic, queue, s, e, o.fail_on_data_loss,
+        if o.topic_pattern is None:
+            counts = {t: self.client.queue_count(t) for t in o.topics}
+        else:
+            counts = {t["topic"]: int(t["queues"]) for t in asyncio.run(_list_topics(o.servers))
+                      if not t["topic"].startswith("%")  # retry and dead-letter topics
+                      and o.subscribes(t["topic"])}
+        if o.queues is None:
+            return [(t, q) for t in sorted(counts) for q in range(counts[t])]
+        (topic, count), = counts.items()
+        missing = [q for q in o.queues if q >= count]
+        if missing:
+            raise ValueError(f"onceq: topic {topic!r} has {count} queues; option "
+                             f"'queues' names {missing}")
+        return [(topic, q) for q in o.queues]
+
+    def bounds(self, queues: Sequence[TopicQueue]) -> dict[TopicQueue, tuple[int, int]]:
+        return {(t, q): self.client.queue_offsets(t, q) for t, q in queues}
+
+    def starting(self, queues: Sequence[TopicQueue],
+                 bounds: dict[TopicQueue, tuple[int, int]]) -> dict[TopicQueue, int]:
+        ts = self.opts.starting_timestamp
+        if ts is not None:
+            return {(t, q): self.client.search_offset(t, q, ts) for t, q in queues}
+        return {tq: resolve(self.opts.starting, tq, bounds[tq]) for tq in queues}
+
+    def range(self, tq: TopicQueue, start: int, end: int) -> list[QueueRange]:
+        o = self.opts
+        return [QueueRange(o.servers, o.group, tq[0], tq[1], s, e, o.fail_on_data_loss,
                            o.pull_batch, o.verify_checksums)
                 for s, e in split_range(start, end, o.max_messages_per_partition)]
 
@@ -120,9 +164,15 @@ class _Planner:
         self.__dict__.update(state)
 
 
+async def _list_topics(servers: str) -> list[dict[str, Any]]:
+    async with Admin(servers) as admin:
+        return await admin.list_topics()
+
+
 class OnceqBatchReader(DataSourceReader):
-    def __init__(self, opts: SourceOptions) -> None:
+    def __init__(self, opts: SourceOptions, decoder: BodyDecoder | None = None) -> None:
         self.opts = opts
+        self.decoder = decoder
         self.planner = _Planner(opts)
 
     def partitions(self) -> Sequence[InputPartition]:
@@ -132,36 +182,35 @@ class OnceqBatchReader(DataSourceReader):
             bounds = p.bounds(queues)
             start = p.starting(queues, bounds)
             parts: list[InputPartition] = []
-            for q in queues:
-                lo, hi = bounds[q]
-                begin = check_loss(self.opts.topic, q, start[q], lo, self.opts.fail_on_data_loss)
-                end = min(resolve(self.opts.ending, q, bounds[q]), hi)
-                parts += [RangePartition(r) for r in p.range(q, begin, end)]
+            for tq in queues:
+                lo, hi = bounds[tq]
+                begin = check_loss(tq[0], tq[1], start[tq], lo, self.opts.fail_on_data_loss)
+                end = min(resolve(self.opts.ending, tq, bounds[tq]), hi)
+                parts += [RangePartition(r, self.decoder) for r in p.range(tq, begin, end)]
         finally:
             p.close()
         return parts
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        if isinstance(partition, RangePartition):  # Spark reads a placeholder when none
-            yield from read_range(partition.range)
+        yield from _read(partition)
 
 
 class OnceqStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
-    """Queues are partitions; offsets are ``{"topic/queue": offset}``. The end offsets of
+    """Queues are partitions; offsets are ``{"topic": {"queue": offset}}``. The end offsets of
     finished batches are committed to the broker under the ``group`` option, so the group's
     lag shows the query's; the checkpoint stays the source of truth."""
 
-    def __init__(self, opts: SourceOptions) -> None:
+    def __init__(self, opts: SourceOptions, decoder: BodyDecoder | None = None) -> None:
         self.opts = opts
+        self.decoder = decoder
         self.planner = _Planner(opts)
-        self._target: dict[int, int] | None = None  # Trigger.AvailableNow: read up to here
-        self._reported: dict[int, int] = {}  # offsets committed to the broker
+        self._target: dict[TopicQueue, int] | None = None  # AvailableNow: read up to here
+        self._reported: dict[TopicQueue, int] = {}  # offsets committed to the broker
 
     # ------------------------------------------------------------------ planning
     def initialOffset(self) -> dict:
         queues = self.planner.queues()
-        return to_offsets(self.opts.topic,
-                          self.planner.starting(queues, self.planner.bounds(queues)))
+        return to_offsets(self.planner.starting(queues, self.planner.bounds(queues)))
 
     def getDefaultReadLimit(self) -> ReadLimit:
         n = self.opts.max_messages_per_trigger
@@ -169,63 +218,60 @@ class OnceqStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def prepareForTriggerAvailableNow(self) -> None:
         queues = self.planner.queues()
-        self._target = {q: hi for q, (_lo, hi) in self.planner.bounds(queues).items()}
+        self._target = {tq: hi for tq, (_lo, hi) in self.planner.bounds(queues).items()}
 
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
-        topic = self.opts.topic
-        begin = from_offsets(topic, start)
+        begin = from_offsets(self.opts, start)
         # every batch up to ``start`` has finished (Spark plans the next batch only then)
         self._report(begin)
         queues = self.planner.queues()
         bounds = self.planner.bounds(queues)
-        latest = {q: hi for q, (_lo, hi) in bounds.items()}
+        latest = {tq: hi for tq, (_lo, hi) in bounds.items()}
         if self._target is not None:
-            latest = {q: min(hi, self._target.get(q, begin.get(q, 0))) for q, hi in
+            latest = {tq: min(hi, self._target.get(tq, begin.get(tq, 0))) for tq, hi in
                       latest.items()}
         effective = {}
-        for q in queues:
-            lo = bounds[q][0]
-            s = begin.get(q, lo)  # a queue added since: from its earliest offset
-            effective[q] = check_loss(topic, q, s, lo, self.opts.fail_on_data_loss)
-            if effective[q] != s:
+        for tq in queues:
+            lo = bounds[tq][0]
+            s = begin.get(tq, lo)  # a queue added since: from its earliest offset
+            effective[tq] = check_loss(tq[0], tq[1], s, lo, self.opts.fail_on_data_loss)
+            if effective[tq] != s:
                 log.warning("onceq: %s/%d: %d messages were deleted before they were read; "
-                            "skipping to offset %d (failOnDataLoss=false)", topic, q,
-                            effective[q] - s, effective[q])
+                            "skipping to offset %d (failOnDataLoss=false)", tq[0], tq[1],
+                            effective[tq] - s, effective[tq])
         max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
-        end = admit(effective, latest, max_rows)
-        return to_offsets(topic, end)
+        return to_offsets(admit(effective, latest, max_rows))
 
     def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
-        topic = self.opts.topic
-        begin, stop = from_offsets(topic, start), from_offsets(topic, end)
-        # a queue added to the topic since ``start`` begins at its earliest offset
-        added = self.planner.bounds([q for q in stop if q not in begin])
-        begin.update({q: lo for q, (lo, _hi) in added.items()})
+        begin, stop = from_offsets(self.opts, start), from_offsets(self.opts, end)
+        # a queue (or topic) added since ``start`` begins at its earliest offset
+        added = self.planner.bounds([tq for tq in stop if tq not in begin])
+        begin.update({tq: lo for tq, (lo, _hi) in added.items()})
         parts: list[InputPartition] = []
-        for q in sorted(stop):
-            parts += [RangePartition(r) for r in self.planner.range(q, begin[q], stop[q])]
+        for tq in sorted(stop):
+            parts += [RangePartition(r, self.decoder)
+                      for r in self.planner.range(tq, begin[tq], stop[tq])]
         return parts
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        if isinstance(partition, RangePartition):  # Spark reads a placeholder when none
-            yield from read_range(partition.range)
+        yield from _read(partition)
 
     # ------------------------------------------------------------------ progress
     def commit(self, end: dict) -> None:
-        self._report(from_offsets(self.opts.topic, end))
+        self._report(from_offsets(self.opts, end))
 
-    def _report(self, offsets: dict[int, int]) -> None:
+    def _report(self, offsets: dict[TopicQueue, int]) -> None:
         """Commit finished offsets to the broker (lag reporting; failures only logged)."""
-        for q, off in sorted(offsets.items()):
-            if self._reported.get(q, -1) >= off:
+        for (t, q), off in sorted(offsets.items()):
+            if self._reported.get((t, q), -1) >= off:
                 continue
             try:
-                self.planner.client.commit_offset(self.opts.topic, q, off)
+                self.planner.client.commit_offset(t, q, off)
             except Exception as exc:  # the checkpoint is the truth: report, go on
                 log.warning("onceq: could not commit %s/%d=%d for group %s: %s",
-                            self.opts.topic, q, off, self.opts.group, exc)
+                            t, q, off, self.opts.group, exc)
                 return
-            self._reported[q] = off
+            self._reported[t, q] = off
 
     def stop(self) -> None:
         self.planner.close()
