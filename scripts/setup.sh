@@ -14,6 +14,24 @@ if [ -z "$py" ]; then
   echo "onceq needs Python 3.11 or newer (python3.11 not found)" >&2
   exit 1
 fi
+case ",$extras," in
+  *,spark,*)
+    # Spark runs on a JVM: Java 17 or newer must be on PATH (or in JAVA_HOME)
+    java="java"
+    if [ -n "${JAVA_HOME:-}" ] && [ -x "$JAVA_HOME/bin/java" ]; then java="$JAVA_HOME/bin/java"; fi
+    if ! command -v "$java" >/dev/null 2>&1; then
+      echo "the spark extra needs Java 17 or newer: 'java' was not found (install a JDK or JRE 17+, e.g. apt-get install openjdk-17-jre-headless, or set JAVA_HOME)" >&2
+      exit 1
+    fi
+    jver=$("$java" -version 2>&1 | awk -F'"' '/version/ {print $2; exit}')
+    jmajor=${jver%%.*}
+    if [ "$jmajor" = "1" ]; then jmajor=$(echo "$jver" | cut -d. -f2); fi  # 1.8 -> 8
+    if ! [ "$jmajor" -ge 17 ] 2>/dev/null; then
+      echo "the spark extra needs Java 17 or newer; $java -version says ${jver:-nothing}" >&2
+      exit 1
+    fi
+    ;;
+esac
 if [ ! -x .venv/bin/python ]; then
   "$py" -m venv .venv
 fi

@@ -2,7 +2,9 @@
 # Set up the environment and run the whole test suite (what CI runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/java.sh  # before setup.sh, which checks it for the spark extra
 bash scripts/setup.sh dev,spark
+bash scripts/chromium.sh
 bash scripts/services.sh redis mariadb postgresql
 .venv/bin/ruff check src tests benchmarks
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

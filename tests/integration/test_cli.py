@@ -257,20 +257,6 @@ def test_dedup_max_keys_flag_and_status(tmp_path):
     assert err.count("dedup window holds its maximum of 5 keys") == 1, err
 
 
-def test_demo():
-    r = run("demo", "-n", "500", "--queues", "4", timeout=60)
-    assert r.returncode == 0, r.stderr
-    out = r.stdout
-    assert "onceq demo" in out
-    cells = {row[0]: row[1] for row in table_rows(out) if len(row) == 2}
-    assert cells["orders produced"] == "500"
-    assert cells["orders handled"] == "500"
-    assert cells["retried send recognised as duplicate by the broker"] == "True"
-    assert cells["order that failed once, redelivered with reconsume count"] == "1"
-    assert cells["duplicate deliveries"] == "0" and cells["lost"] == "0"
-    assert "demo finished" in out
-
-
 def test_offsets_reset(baddr):
     ok(run("topic", "create", "cli-reset", "-q", "2", "-b", baddr))
     ok(run("send", "cli-reset", "m", "-n", "6", "--sharding-key", "k", "-b", baddr))

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
-import logging
+import json
 import os
 import signal
 import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from datetime import datetime
 from typing import Any
 
@@ -19,11 +20,12 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..client.admin import Admin
+from ..client.admin import Admin, QueueStatus
 from ..client.push import ConsumeContext, ConsumeStatus, PushConsumer
 from ..client.push_config import ConsumeFrom, MessageModel
 from ..log.record import Message as MessageExt
 from ..protocol.codes import (
+    PROP_DLQ_REASON,
     PROP_ORIGIN_OFFSET,
     PROP_ORIGIN_QUEUE,
     PROP_ORIGIN_TOPIC,
@@ -31,6 +33,7 @@ from ..protocol.codes import (
     dlq_topic,
 )
 from .common import async_command, broker_option, fail, run_async
+from .logs import command_log_level
 
 console = Console()
 Handler = Callable[[list[MessageExt], ConsumeContext], Any]
@@ -124,13 +127,16 @@ def format_message(m: MessageExt, ctx: ConsumeContext) -> str:
               help="Handler calls running at once.")
 @click.option("--max-reconsume", default=16, show_default=True, type=click.IntRange(0, 10_000),
               help="Retries before a message goes to the group's dead-letter queue.")
+@click.option("--orderly", is_flag=True,
+              help="Each queue strictly in order, one batch at a time, under the broker's "
+                   "queue lock; a handler may return ConsumeStatus.SUSPEND.")
 @click.option("--log-level", default="WARNING", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
 @broker_option
 def consume(topic_name: str, group: str, tags: str, handler_spec: str | None,
             start_from: str | None, timestamp: int | None, broadcast: bool,
             offset_dir: str | None, count: int | None, batch_size: int, concurrency: int,
-            max_reconsume: int, log_level: str, broker: str) -> None:
+            max_reconsume: int, orderly: bool, log_level: str, broker: str) -> None:
     """Consume TOPIC as a member of a consumer group (push consumer).
 
     Prints each message (topic[queue]@offset, unique key, tags, reconsume count, body),
@@ -143,13 +149,12 @@ def consume(topic_name: str, group: str, tags: str, handler_spec: str | None,
     elif timestamp is not None and start_from != "timestamp":
         raise click.BadParameter("--timestamp goes with --from timestamp",
                                  param_hint="--timestamp")
-    logging.basicConfig(level=log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    command_log_level(log_level)
     settings: dict[str, Any] = {
         "consume_from": ConsumeFrom(start_from.upper()), "consume_timestamp_ms": timestamp,
         "model": MessageModel.BROADCASTING if broadcast else MessageModel.CLUSTERING,
         "offset_dir": offset_dir, "batch_size": batch_size, "concurrency": concurrency,
-        "max_reconsume": max_reconsume,
+        "max_reconsume": max_reconsume, "orderly": orderly,
     }
     n = run_async(_run_consumer(broker, group, topic_name, tags, handler, count, settings))
     click.echo(f"consumed {n} message(s)", err=True)
@@ -190,10 +195,10 @@ async def _run_consumer(broker: str, group: str, topic: str, tags: str,
             done += len(msgs)
             if count is not None and done >= count:
                 stop.set()
-        if result is None or result in (ConsumeStatus.SUCCESS, ConsumeStatus.RECONSUME_LATER):
+        if result is None or result in tuple(ConsumeStatus):
             return result
-        raise TypeError(f"handler returned {result!r}: return None, ConsumeStatus.SUCCESS "
-                        "or ConsumeStatus.RECONSUME_LATER")
+        raise TypeError(f"handler returned {result!r}: return None, ConsumeStatus.SUCCESS, "
+                        "ConsumeStatus.RECONSUME_LATER or (--orderly) ConsumeStatus.SUSPEND")
 
     def on_signal(signum: int) -> None:
         click.echo(f"{signal.Signals(signum).name}: stopping (again to abort)", err=True)
@@ -253,15 +258,21 @@ def _subs(subs: dict[str, str]) -> Text:
 
 @group_cmd.command("status")
 @click.argument("group")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @broker_option
 @async_command
-async def group_status(group: str, broker: str) -> None:
+async def group_status(group: str, as_json: bool, broker: str) -> None:
     """Members of GROUP and, per queue of the topics they subscribe to, the broker's max
-    offset, the deliver offset, the group's committed (ack) offset, the lag, the access-lock
-    holder and whether a handover is pending, and the member that owns the queue when the
-    members use the default (AVERAGE) allocation."""
+    offset, the deliver offset, the group's committed (ack) offset, the lag, the lock holder
+    (access lock, or orderly lock with its age) and whether a handover is pending, and the
+    member that owns the queue when the members use the default (AVERAGE) allocation."""
     async with Admin(broker) as admin:
         st = await admin.group_status(group)
+    if as_json:
+        click.echo(json.dumps({"group": group, "members": [asdict(m) for m in st.members],
+                               "queues": [{**asdict(q), "lag": q.lag} for q in st.queues],
+                               "lag": st.lag}))
+        return
     if st.members:
         table = Table("client id", "model", "subscriptions", "last heartbeat (s ago)",
                       "address", title=f"group {group}: {len(st.members)} member(s)")
@@ -279,11 +290,17 @@ async def group_status(group: str, broker: str) -> None:
     for q in st.queues:
         table.add_row(q.topic, str(q.queue_id), str(q.max_offset),
                       "-" if q.deliver_offset is None else str(q.deliver_offset),
-                      str(q.committed), str(q.lag), Text(q.lock_holder or "-"),
+                      str(q.committed), str(q.lag), Text(_holder(q)),
                       "pending" if q.handover_pending else "-",
                       Text(q.expected_owner or "-"))
     console.print(table)
     console.print(f"total lag: {st.lag}")
+
+
+def _holder(q: QueueStatus) -> str:
+    if q.orderly_holder is not None:
+        return f"{q.orderly_holder} (orderly, {q.orderly_age_s:.0f}s)"
+    return q.lock_holder or "-"
 
 
 # ---------------------------------------------------------------- dead letters
@@ -297,28 +314,49 @@ def dlq() -> None:
 @click.option("--max", "max_msgs", default=100, show_default=True, type=click.IntRange(1))
 @click.option("--start", default=None, type=click.IntRange(0),
               help="First DLQ offset to show (default: the oldest).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @broker_option
 @async_command
-async def dlq_list(group: str, max_msgs: int, start: int | None, broker: str) -> None:
+async def dlq_list(group: str, max_msgs: int, start: int | None, as_json: bool,
+                   broker: str) -> None:
     """Print the dead letters of GROUP."""
     async with Admin(broker) as admin:
         rng = await admin.dead_letter_offsets(group)
-        if rng is None or rng[0] >= rng[1]:
-            click.echo(f"group {group} has no dead letters")
-            return
-        letters = await admin.dead_letters(group, max_msgs, start)
+        letters = [] if rng is None or rng[0] >= rng[1] else \
+            await admin.dead_letters(group, max_msgs, start)
+    if as_json:
+        click.echo(json.dumps({"group": group, "topic": dlq_topic(group),
+                               "min": rng[0] if rng else 0, "max": rng[1] if rng else 0,
+                               "letters": [_letter(m) for m in letters]}))
+        return
+    if rng is None or rng[0] >= rng[1]:
+        click.echo(f"group {group} has no dead letters")
+        return
     table = Table("offset", "unique key", "origin topic", "origin queue@offset", "reconsume",
-                  "body", title=f"{dlq_topic(group)}")
-    table.columns[-1].no_wrap = True
-    table.columns[-1].overflow = "ellipsis"
+                  "reason", "body", title=f"{dlq_topic(group)}")
+    for col in table.columns[-2:]:
+        col.no_wrap = True
+        col.overflow = "ellipsis"
+    table.columns[-2].max_width = 40
     for m in letters:
         p = m.properties
         table.add_row(str(m.queue_offset), m.unique_key, Text(p.get(PROP_ORIGIN_TOPIC, "?")),
                       f"{p.get(PROP_ORIGIN_QUEUE, '?')}@{p.get(PROP_ORIGIN_OFFSET, '?')}",
-                      str(m.reconsume_times), Text(m.body.decode(errors="replace")))
+                      str(m.reconsume_times), Text(p.get(PROP_DLQ_REASON, "")),
+                      Text(m.body.decode(errors="replace")))
     console.print(table)
     console.print(f"{len(letters)} of {rng[1] - rng[0]} dead letter(s) shown "
                   f"(offsets {rng[0]}..{rng[1] - 1})")
+
+
+def _letter(m: MessageExt) -> dict[str, Any]:
+    p = m.properties
+    return {"offset": m.queue_offset, "unique_key": m.unique_key, "keys": m.keys,
+            "tags": m.tags, "origin_topic": p.get(PROP_ORIGIN_TOPIC),
+            "origin_queue": p.get(PROP_ORIGIN_QUEUE), "origin_offset": p.get(PROP_ORIGIN_OFFSET),
+            "reconsume": m.reconsume_times, "store_ms": m.store_ts_ms,
+            "reason": p.get(PROP_DLQ_REASON),
+            "body": m.body.decode(errors="replace")}
 
 
 @dlq.command("resend")
@@ -326,12 +364,14 @@ async def dlq_list(group: str, max_msgs: int, start: int | None, broker: str) ->
 @click.option("--offset", "offsets", multiple=True, type=click.IntRange(0),
               help="DLQ offset to resend (repeatable).")
 @click.option("--all", "resend_all", is_flag=True, help="Resend every dead letter.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @broker_option
 @async_command
-async def dlq_resend(group: str, offsets: tuple[int, ...], resend_all: bool, broker: str
-                     ) -> None:
-    """Send dead letters of GROUP back to their origin topic, so that the group consumes
-    them again.
+async def dlq_resend(group: str, offsets: tuple[int, ...], resend_all: bool, as_json: bool,
+                     broker: str) -> None:
+    """Send dead letters of GROUP back to GROUP through its retry topic %RETRY%<GROUP>, as
+    RocketMQ does: only GROUP consumes them again (the other groups of the origin topic
+    already did), and its consumers see them under their origin topic.
 
     A resent message keeps its unique key and its reconsume count (so that the broker does
     not take it for a producer retry of the original); the same dead letter resent twice
@@ -342,6 +382,12 @@ async def dlq_resend(group: str, offsets: tuple[int, ...], resend_all: bool, bro
         raise click.UsageError("give --offset O (repeatable) or --all")
     async with Admin(broker) as admin:
         results = await admin.resend_dead_letters(group, None if resend_all else offsets)
+    if as_json:
+        click.echo(json.dumps({"group": group, "resent": [asdict(r) for r in results]}))
+        if any(r.error for r in results):
+            fail(f"{sum(1 for r in results if r.error)} of {len(results)} dead letter(s) "
+                 "could not be resent")
+        return
     if not results:
         click.echo(f"group {group} has no dead letters")
         return

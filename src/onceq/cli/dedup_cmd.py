@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import click
 
-from ..idempotency import DedupStore, StoreError, open_store
+from ..idempotency import DedupStore, StoreError, events, open_store
 from .common import fail
 
 T = TypeVar("T")
@@ -35,6 +37,17 @@ def _run(url: str, fn: Callable[[DedupStore], Awaitable[T]]) -> T:
         fail(str(exc))
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """``90s``, ``15m``, ``12h``, ``30d`` (or a plain number of seconds) -> seconds."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
+    if not m:
+        raise ValueError(f"invalid duration {text!r}: use e.g. 90s, 15m, 12h or 30d")
+    return float(m.group(1)) * _UNITS[m.group(2) or "s"]
 
 
 def _when(t: float) -> str:
@@ -64,20 +77,27 @@ def init(url: str) -> None:
 @click.argument("key")
 @click.option("--json", "as_json", is_flag=True, help="Print the record as JSON.")
 def show(url: str, group: str, topic: str, key: str, as_json: bool) -> None:
-    """The record of KEY: status, owner, attempt, lease and times (UTC)."""
+    """The record of KEY: status, owner, attempt, lease and times (UTC), and its history:
+    who claimed it when, with which attempt, and what happened since (claimed, extended,
+    completed, released, taken-over, fenced-off), oldest first."""
     rec = _run(url, lambda s: s.get(group, topic, key))
     if rec is None:
-        fail(f"no record for {group}/{topic}/{key} (never claimed, released or purged)")
+        fail(f"no record for {group}/{topic}/{key} (never claimed, or purged)")
     fields: dict[str, Any] = {
         "group": rec.group, "topic": rec.topic, "key": rec.key, "status": rec.status.value,
         "owner": rec.owner, "attempt": rec.attempt, "lease_until": _when(rec.lease_until),
         "payload_hash": rec.payload_hash, "created_at": _when(rec.created_at),
         "updated_at": _when(rec.updated_at), "expires_at": _when(rec.expires_at)}
+    history = [{"at": _when(e.at), "event": e.event, "attempt": e.attempt, "owner": e.owner}
+               for e in events(rec)]
     if as_json:
-        click.echo(json.dumps(fields))
+        click.echo(json.dumps({**fields, "history": history}))
         return
     for k, v in fields.items():
         click.echo(f"{k:13} {v}")
+    click.echo("history")
+    for e in history:
+        click.echo(f"  {e['at']}  {e['event']:10}  attempt {e['attempt']}  {e['owner']}")
 
 
 @dedup.command("stats")
@@ -85,7 +105,8 @@ def show(url: str, group: str, topic: str, key: str, as_json: bool) -> None:
 def stats(url: str) -> None:
     """Records CONSUMING and CONSUMED (within retention)."""
     s = _run(url, lambda st: st.stats())
-    click.echo(json.dumps({"consuming": s.consuming, "consumed": s.consumed}))
+    click.echo(json.dumps({"consuming": s.consuming, "consumed": s.consumed,
+                           "released": s.released}))
 
 
 @dedup.command("purge")
@@ -93,18 +114,31 @@ def stats(url: str) -> None:
 @click.option("--batch", default=1000, show_default=True, type=click.IntRange(1),
               help="Records removed per round.")
 @click.option("--max-rounds", default=1000, show_default=True, type=click.IntRange(1))
-def purge(url: str, batch: int, max_rounds: int) -> None:
-    """Remove the records past their retention, in bounded batches."""
+@click.option("--older-than", "older_than", default=None, metavar="DURATION",
+              help="Also remove records of any status last changed longer ago than this "
+                   "(e.g. 90m, 12h, 30d). Removing a CONSUMED record lets a later copy of "
+                   "its message run again: keep it longer than the redelivery horizon.")
+def purge(url: str, batch: int, max_rounds: int, older_than: str | None) -> None:
+    """Remove the records past their retention (and, with --older-than, the records not
+    changed for that long), in bounded batches."""
+    before = 0.0
+    if older_than is not None:
+        try:
+            before = time.time() - parse_duration(older_than)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--older-than") from None
+
     async def go(store: DedupStore) -> int:
         total = 0
         for _ in range(max_rounds):
-            n = await store.purge_expired(batch)
+            n = await store.purge_expired(batch, before)
             total += n
             if n < batch:
                 break
         return total
 
-    click.echo(f"purged {_run(url, go)} expired record(s)")
+    what = "expired" if older_than is None else f"expired or older than {older_than}"
+    click.echo(f"purged {_run(url, go)} {what} record(s)")
 
 
 def register(main: click.Group) -> None:

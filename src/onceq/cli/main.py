@@ -3,131 +3,34 @@
 from __future__ import annotations
 
 import asyncio
-import logging
-import time
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-from ..broker.config import BrokerConfig
 from ..client.admin import Admin
 from ..client.message import Message
 from ..client.producer import Producer
 from ..client.pull import PullConsumer
 from ..protocol.codes import PullStatus
-from ..storage.config import StoreConfig
 from .common import async_command, broker_option, fail
+from .logs import log_options, setup_cli_logging
 
 console = Console()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="onceq")
-def main() -> None:
+@log_options
+def main(**log: str | None) -> None:
     """onceq: a message bus that ends repeated consumption."""
+    setup_cli_logging(log)
 
 
 # ---------------------------------------------------------------- broker
 @main.group()
 def broker() -> None:
     """Run a broker."""
-
-
-@broker.command("start")
-@click.option("--data-dir", "-d", required=True, type=click.Path(file_okay=False),
-              help="Directory of the commit log, indexes and state.")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", "-p", default=9876, show_default=True, type=click.IntRange(0, 65535))
-@click.option("--flush", type=click.Choice(["async", "sync"]), default="async",
-              show_default=True, help="sync: acknowledge a send only after fsync.")
-@click.option("--flush-interval-ms", default=500, show_default=True, type=click.IntRange(1))
-@click.option("--segment-size", default=1024 ** 3, show_default=True, type=click.IntRange(65536),
-              help="Commit-log segment size in bytes.")
-@click.option("--max-body", default=4 * 1024 * 1024, show_default=True, type=click.IntRange(1))
-@click.option("--retention-hours", default=72.0, show_default=True, type=click.FloatRange(0))
-@click.option("--retention-bytes", default=0, show_default=True, type=click.IntRange(0),
-              help="Delete the oldest segments above this total (0: no limit).")
-@click.option("--dedup-window", default=120.0, show_default=True, type=click.FloatRange(0),
-              help="Seconds during which a retried send is recognised (0: off).")
-@click.option("--disk-max-used-ratio", default=0.90, show_default=True,
-              type=click.FloatRange(0, 1, min_open=True),
-              help="Refuse writes with DISK_FULL while the data directory's file system is "
-                   "used above this ratio (1: only when it is full).")
-@click.option("--max-open-files", default=0, show_default=True, type=click.IntRange(0),
-              help="Index files and older commit-log segments kept open at once (0: a "
-                   "quarter of the process's file-descriptor limit).")
-@click.option("--dedup-max-keys", default=2_000_000, show_default=True, type=click.IntRange(0),
-              help="Most unique keys the dedup window holds (about 90 MB per million); above it "
-                   "the oldest are forgotten early and a warning is logged (0: off).")
-@click.option("--auto-create-topics/--no-auto-create-topics", default=False, show_default=True)
-@click.option("--access-lock/--no-access-lock", default=True, show_default=True,
-              help="Transition-state queue lock for CLUSTERING groups.")
-@click.option("--access-lock-restore-hold", default=20.0, show_default=True,
-              type=click.FloatRange(0, min_open=True),
-              help="Seconds after start during which a holder saved before a restart keeps "
-                   "its queues unless it re-asserts or gives them up first.")
-@click.option("--delay-levels", default=None,
-              help="Retry delay levels, e.g. '1s 5s 10s 30s 1m ...' (default RocketMQ's).")
-@click.option("--max-output-bytes", default=64 * 1024 * 1024, show_default=True,
-              type=click.IntRange(1),
-              help="Bytes queued for one client (answers, held pulls answered, pushes) above "
-                   "which it is disconnected as a slow consumer.")
-@click.option("--read-timeout", default=30.0, show_default=True, type=click.FloatRange(0),
-              help="Seconds within which a frame once started must be complete (0: off).")
-@click.option("--idle-timeout", default=300.0, show_default=True, type=click.FloatRange(0),
-              help="Seconds after which a connection that sends nothing and waits for no "
-                   "held pull is closed (0: off).")
-@click.option("--max-connections", default=0, show_default=True, type=click.IntRange(0),
-              help="Most client connections (0: as many as the fd limit allows, less the "
-                   "reserve).")
-@click.option("--fd-reserve", default=128, show_default=True, type=click.IntRange(16),
-              help="File descriptors always left free for the broker's own files.")
-@click.option("--max-input-buffer-bytes", default=0, show_default=True,
-              type=click.IntRange(0),
-              help="Bytes of incomplete frames buffered for all connections together; "
-                   "above, connections adding to it wait (0: the larger of 256 MiB and "
-                   "four frames of the largest size).")
-@click.option("--log-level", default="INFO", show_default=True,
-              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]))
-def broker_start(data_dir: str, host: str, port: int, flush: str, flush_interval_ms: int,
-                 segment_size: int, max_body: int, retention_hours: float,
-                 retention_bytes: int, dedup_window: float, dedup_max_keys: int,
-                 disk_max_used_ratio: float, max_open_files: int, auto_create_topics: bool,
-                 access_lock: bool, access_lock_restore_hold: float, delay_levels: str | None,
-                 max_output_bytes: int, read_timeout: float, idle_timeout: float,
-                 max_connections: int, fd_reserve: int, max_input_buffer_bytes: int,
-                 log_level: str) -> None:
-    """Start a broker in the foreground (SIGTERM or Ctrl-C flushes and stops it)."""
-    from ..broker.server import run
-
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    store = StoreConfig(data_dir, segment_size=segment_size, flush=flush,
-                        flush_interval_ms=flush_interval_ms, max_body=max_body,
-                        retention_hours=retention_hours, retention_bytes=retention_bytes,
-                        dedup_window_s=dedup_window, dedup_max_keys=dedup_max_keys,
-                        disk_max_used_ratio=disk_max_used_ratio, max_open_files=max_open_files)
-    cfg = BrokerConfig(store, host=host, port=port, auto_create_topics=auto_create_topics,
-                       access_lock=access_lock,
-                       access_lock_restore_hold_s=access_lock_restore_hold,
-                       max_output_bytes=max_output_bytes, read_timeout_s=read_timeout,
-                       idle_timeout_s=idle_timeout, max_connections=max_connections,
-                       fd_reserve=fd_reserve, max_input_buffer_bytes=max_input_buffer_bytes)
-    if delay_levels is not None:
-        cfg.delay_levels = delay_levels
-    try:
-        cfg.validate()
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
-
-    def ready(b: object) -> None:
-        click.echo(f"onceq broker listening on {host}:{b.port} (data {data_dir}, flush {flush})",
-                   err=True)
-
-    try:
-        run(cfg, ready)
-    except OSError as exc:
-        raise click.ClickException(f"cannot start broker: {exc}") from None
 
 
 # ---------------------------------------------------------------- topics
@@ -247,28 +150,25 @@ async def pull(topic_name: str, queues: tuple[int, ...], offset: int | None, max
                 await asyncio.sleep(0.2)
 
 
-@main.command()
-@click.option("--messages", "-n", default=5000, show_default=True, type=click.IntRange(1))
-@click.option("--queues", default=8, show_default=True, type=click.IntRange(1, 1024))
-def demo(messages: int, queues: int) -> None:
-    """Run an embedded broker in a temp dir, produce and consume, and report."""
-    from .demo import run_demo
-
-    t0 = time.perf_counter()
-    ok = asyncio.run(run_demo(messages, queues, console))
-    console.print(f"demo finished in {time.perf_counter() - t0:.1f}s")
-    raise SystemExit(0 if ok else 1)
-
-
+from .admin_cmds import register as register_admin  # noqa: E402 - status, message, trace
+from .audit_cmd import register as register_audit  # noqa: E402 - audit (Spark)
+from .broker_start import make_start_command  # noqa: E402 - broker start
 from .consumer_cmds import register  # noqa: E402 - consume, group, dlq
 from .dedup_cmd import register as register_dedup  # noqa: E402 - dedup show/stats/purge
+from .demo.command import demo  # noqa: E402 - the main job
 from .offsets_cmds import offsets  # noqa: E402 - offsets show/reset
+from .pipeline_cmd import pipeline  # noqa: E402 - the Spark pipeline
 from .verify_cmd import register as register_verify  # noqa: E402 - broker verify/status
 
 register(main)
+register_admin(main)
+register_audit(main)
 register_dedup(main)
 main.add_command(offsets)
+main.add_command(demo)
+main.add_command(pipeline)
 register_verify(broker)
+broker.add_command(make_start_command())
 
 if __name__ == "__main__":
     main()
