@@ -2,7 +2,8 @@
 
 mode ``push``: a PushConsumer (listener batch 32, pull batch 32) with a no-op listener.
 mode ``pull``: the raw pull consumer, one prefetching stream per queue (pull batch 32).
-Every 50 ms it writes "<count> <time of the last message>" to ``out``; SIGTERM stops it.
+Every 50 ms it writes "<count> <time of the last message> <time of the first>" to ``out``;
+SIGTERM stops it.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import signal
 import sys
 import time
 
+from _progress import note
+
 
 async def main(mode: str, addr: str, topic: str, queues: int, out: str, name: str) -> None:
     count = 0
-    last = 0.0
+    last = first = 0.0
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
 
@@ -24,7 +27,7 @@ async def main(mode: str, addr: str, topic: str, queues: int, out: str, name: st
         while True:
             tmp = f"{out}.tmp"
             with open(tmp, "w") as f:
-                f.write(f"{count} {last}")
+                f.write(f"{count} {last} {first}")
             os.replace(tmp, out)
             await asyncio.sleep(0.05)
 
@@ -33,14 +36,16 @@ async def main(mode: str, addr: str, topic: str, queues: int, out: str, name: st
         from onceq.client.push import PushConsumer
 
         async def listener(msgs, ctx):
-            nonlocal count, last
+            nonlocal count, last, first
             count += len(msgs)
             last = time.time()
+            first = first or last
 
         c = PushConsumer(addr, "bench-push", listener, consume_from="FIRST", batch_size=32,
                          pull_batch_size=32, instance_name=name)
         c.subscribe(topic)
         await c.start()
+        note(f"{name}: push consumer on {topic} started")
         print("ready", flush=True)
         await stop.wait()
         await c.shutdown()
@@ -49,19 +54,22 @@ async def main(mode: str, addr: str, topic: str, queues: int, out: str, name: st
 
         async with PullConsumer(addr, "bench-pull") as pc:
             async def one(q: int) -> None:
-                nonlocal count, last
+                nonlocal count, last, first
                 async for r in pc.stream(topic, q, 0, 32, suspend=1.0):
                     count += len(r.messages)
                     if r.messages:
                         last = time.time()
+                        first = first or last
 
             tasks = [asyncio.create_task(one(q)) for q in range(queues)]
+            note(f"{name}: pulling {queues} queues of {topic}")
             print("ready", flush=True)
             await stop.wait()
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
     reporter.cancel()
+    note(f"{name}: stopped after {count} messages")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,10 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(os.path.dirname(HERE), "src")
+sys.path.insert(0, HERE)
+
+from _progress import Steps, note  # noqa: E402
+
 N = 2000
 QUEUES = 4
 
@@ -98,6 +102,7 @@ def run(src: str) -> dict:
     root = tempfile.mkdtemp(prefix="onceq-damage-")
     data = os.path.join(root, "data")
     try:
+        note(f"  sending {N} messages to 4 queues")
         proc, addr = start(src, data)
         acked = asyncio.run(send(addr, "orders", N))
         stop(proc)
@@ -109,10 +114,12 @@ def run(src: str) -> dict:
             b = f.read(1)[0]
             f.seek(at)
             f.write(bytes([b ^ 0xFF]))
+        note(f"  flipped a byte of segment {segs[1]} at {at}; restarting, reading back")
         proc, addr = start(src, data)
         after_flip = asyncio.run(readable(addr, "orders", acked))
         new_acked = asyncio.run(send(addr, "fresh", 100))
         errors = stop(proc)
+        note("  clean restart, reading the new topic")
         proc, addr = start(src, data)
         fresh = asyncio.run(readable(addr, "fresh", new_acked))
         stop(proc)
@@ -131,7 +138,9 @@ def main() -> None:
     ap.add_argument("--src", nargs="+", default=[SRC])
     args = ap.parse_args()
     out = {}
+    steps = Steps(len(args.src))
     for src in args.src:
+        steps.next(f"tree {src}")
         # each tree in its own interpreter: the client modules must come from that tree
         r = subprocess.run([sys.executable, __file__, "--one", src], capture_output=True,
                            text=True, check=False) if len(args.src) > 1 else None

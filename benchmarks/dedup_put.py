@@ -23,6 +23,9 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(os.path.dirname(HERE), "src")
+sys.path.insert(0, HERE)
+
+from _progress import Steps, note  # noqa: E402
 
 _PUT = r"""
 import json, shutil, sys, tempfile, time
@@ -70,14 +73,18 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
     runs: dict[str, dict[int, list[dict]]] = {s: {b: [] for b in args.batches} for s in args.src}
-    for _ in range(args.runs):  # interleaved: a noisy spell hits every tree alike
+    steps = Steps(args.runs * len(args.batches) * len(args.src))
+    for r in range(args.runs):  # interleaved: a noisy spell hits every tree alike
         for b in args.batches:
             for src in args.src:
                 n = args.n if b > 1 else args.n_single
+                steps.next(f"batch={b}: {args.warmup} warm-up + {n} measured puts, "
+                           f"run {r + 1}/{args.runs}, tree {src}")
                 out = subprocess.run([sys.executable, "-c", _PUT, src, str(b), str(n),
                                       str(args.warmup)], check=True, capture_output=True,
                                      text=True)
                 runs[src][b].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                note(f"  {runs[src][b][-1]['us_per_msg']} us/message")
     report = {src: {str(b): {"median_us_per_msg": statistics.median(
         r["us_per_msg"] for r in rs), "median_msgs_per_s": statistics.median(
         r["msgs_per_s"] for r in rs), "runs": rs} for b, rs in per.items()}

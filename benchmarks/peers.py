@@ -31,6 +31,9 @@ import sys
 import time
 import uuid
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _progress import Steps, note
+
 REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
 NATS_HOST, NATS_PORT = "127.0.0.1", 4222
 NATS_URL = f"nats://{NATS_HOST}:{NATS_PORT}"
@@ -322,8 +325,10 @@ def run_peers(n: int, batches: list[int], repeats: int = 3, body_size: int = 100
         raise ValueError("n, repeats and every batch must be >= 1, body_size >= 0")
     up = available()
     results: dict = {}
+    steps = Steps(sum(up.values()) * len(batches) * repeats)
     for peer, once in _RUNNERS.items():
         if not up[peer]:
+            note(f"{peer}: not available, skipped")
             results[peer] = {"available": False}
             continue
         entry: dict = {"available": True, "produce": {}, "consume": {}, "n": {}}
@@ -331,12 +336,15 @@ def run_peers(n: int, batches: list[int], repeats: int = 3, body_size: int = 100
         for batch in batches:
             m = _n_for(n, batch)
             prods, conss = [], []
-            for _ in range(repeats):
+            for r in range(repeats):
+                steps.next(f"{peer}: batch={batch}, n={m}, run {r + 1}/{repeats}")
                 try:
                     p, c = once(m, batch, body_size)
                 except Exception as exc:
+                    note(f"  {peer} failed: {exc!r}")
                     errors[str(batch)] = repr(exc)
                     break
+                note(f"  {peer}: produce {p:.0f}/s, consume {c:.0f}/s")
                 prods.append(p)
                 conss.append(c)
             entry["n"][str(batch)] = m

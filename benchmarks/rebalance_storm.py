@@ -18,9 +18,19 @@ is logged per consumer; afterwards deliveries are counted per unique key:
   the producer stops.
 
 Both configurations run in the same invocation, each on a fresh broker.
+
+``--trace`` turns the broker's delivery trace on for the group and runs the duplicate
+audit (``onceq audit``, Spark) on it after the drain; the report then holds the audit's
+counts next to the benchmark's, and a per-key cross-check: a handler can only see a message
+as often as the broker delivered it, so handler deliveries beyond the traced ones
+(``unexplained_by_trace``) must be 0. The audit counts more: it sees every delivery, also
+those a consumer dropped before its handler ran (a queue taken away, a crash), and it
+attributes a repeat to what happened since the previous delivery of the same stored
+message, where this script attributes it by time (any repeat during the restart phase is
+a broker-restart duplicate).
 Usage: python benchmarks/rebalance_storm.py [--phase-s 6] [--rate 1000] [--handler-ms 2]
        [--flush sync] [--restart-phase 1] [--restart-at 0.25] [--restart-down-s 1]
-       [--late-member-s 2] [--no-broker-restart]
+       [--late-member-s 2] [--no-broker-restart] [--trace]
 Prints one JSON document.
 """
 
@@ -41,6 +51,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from _progress import Count, Steps, note  # noqa: E402
 from throughput import start_broker  # noqa: E402
 
 TOPIC = "storm"
@@ -102,9 +113,22 @@ def _spawn(addr: str, name: str, out: str, lock: bool, handler_ms: float
     return proc
 
 
+def _audit(addr: str) -> tuple[dict, dict[str, int]]:
+    """The duplicate audit of GROUP from the broker's trace: (totals, deliveries per key)."""
+    from onceq.spark.audit import audit_session, run_audit
+
+    spark, _ = audit_session()  # kept for the second configuration
+    report = run_audit(spark, addr, groups=[GROUP], window="10 minutes")
+    per_key = {r["unique_key"]: r["n"] for r in report.deliveries.groupBy("unique_key")
+               .count().withColumnRenamed("count", "n").collect()}
+    [totals] = report.groups or [{}]
+    return totals, per_key
+
+
 async def run_config(lock: bool, phase_s: float, rate: int, handler_ms: float,
                      drain_timeout: float, flush: str, restart_phase: int | None,
-                     restart_at: float, restart_down_s: float, late_s: float) -> dict:
+                     restart_at: float, restart_down_s: float, late_s: float,
+                     trace: bool = False) -> dict:
     from onceq import Admin
 
     with tempfile.TemporaryDirectory(prefix="onceq-storm-") as d:
@@ -117,6 +141,8 @@ async def run_config(lock: bool, phase_s: float, rate: int, handler_ms: float,
         try:
             async with Admin(addr) as admin:
                 await admin.create_topic(TOPIC, 16)
+                if trace:
+                    await admin.group_trace(GROUP, True)
             keys: list[str] = []
             t0 = time.monotonic()
             t0_wall = time.time()
@@ -124,6 +150,8 @@ async def run_config(lock: bool, phase_s: float, rate: int, handler_ms: float,
             serial = 0
             killed = None
             for i, target in enumerate(SCHEDULE):
+                note(f"  phase {i + 1}/{len(SCHEDULE)}: {target} member(s), "
+                     f"{len(keys)} produced so far")
                 while len(procs) < target:
                     serial += 1
                     name = f"c{serial}"
@@ -138,6 +166,7 @@ async def run_config(lock: bool, phase_s: float, rate: int, handler_ms: float,
                 if i == 3:  # at scale 5, SIGKILL one member mid-phase
                     await asyncio.sleep(phase_s / 2)
                     killed = list(procs)[-1]
+                    note(f"  SIGKILL member {killed}")
                     procs.pop(killed).send_signal(signal.SIGKILL)
                     serial += 1
                     name = f"c{serial}"
@@ -151,6 +180,7 @@ async def run_config(lock: bool, phase_s: float, rate: int, handler_ms: float,
                     if late is not None:  # one member comes back late (a pause, a slow host)
                         late.send_signal(signal.SIGSTOP)
                     t_kill = time.time()
+                    note("  SIGKILL broker and restart")
                     broker, restart_s = await asyncio.to_thread(
                         _restart_broker, broker, data_dir, addr, flush, restart_down_s)
                     if late is not None:
@@ -164,16 +194,24 @@ async def run_config(lock: bool, phase_s: float, rate: int, handler_ms: float,
             await prod
             t_prod = time.monotonic()
             produced = set(keys)
+            note(f"  {len(produced)} produced; waiting for the group to drain")
             deadline = time.monotonic() + drain_timeout
+            drained = Count("delivered at least once", len(produced))
             while time.monotonic() < deadline:
                 seen = set()
                 for f in files.values():
                     with open(f) as fh:
                         seen.update(line.split(" ", 1)[0] for line in fh)
+                drained.add(len(produced & seen) - drained.n)
                 if produced <= seen:
+                    drained.done()
                     break
                 await asyncio.sleep(0.2)
             t_drained = time.monotonic()
+            audit = None
+            if trace:
+                print(f"lock={lock}: running the duplicate audit (Spark)", file=sys.stderr)
+                audit = await asyncio.to_thread(_audit, addr)
         finally:
             for p in procs.values():
                 p.terminate()
@@ -212,6 +250,19 @@ async def run_config(lock: bool, phase_s: float, rate: int, handler_ms: float,
                 if len(examples) < 5:
                     examples.append([f"{n}@{ts - t0_wall:.2f}s {w}" for ts, n, w in who])
     lost = len(produced - set(deliveries))
+    cross = None
+    if audit is not None:
+        totals, per_key = audit
+        cross = {
+            "audit": totals,
+            "benchmark_duplicates": total - len(deliveries),
+            "audit_duplicates": totals.get("duplicates"),
+            "unexplained_by_trace": sum(max(0, len(w) - per_key.get(k, 0))
+                                        for k, w in deliveries.items()),
+            "keys_duplicated_in_handlers": sum(1 for w in deliveries.values() if len(w) > 1),
+            "of_which_duplicated_in_trace": sum(1 for k, w in deliveries.items()
+                                                if len(w) > 1 and per_key.get(k, 0) > 1),
+        }
     return {
         "access_lock": lock,
         "produced": len(produced),
@@ -228,6 +279,7 @@ async def run_config(lock: bool, phase_s: float, rate: int, handler_ms: float,
         "killed": killed,
         "duplicate_examples": examples,
         "broker_restart_duplicate_examples": restart_examples,
+        **({"trace_cross_check": cross} if cross is not None else {}),
     }
 
 
@@ -248,13 +300,18 @@ def main() -> None:
                     help="one member is paused (SIGSTOP) during the restart and resumes "
                          "this long after the broker is back (0: none)")
     ap.add_argument("--no-broker-restart", dest="broker_restart", action="store_false")
+    ap.add_argument("--trace", action="store_true",
+                    help="trace deliveries and cross-check with the duplicate audit (Spark)")
     a = ap.parse_args()
     runs = {}
+    steps = Steps(2)
     for lock in (False, True):
+        steps.next(f"access lock {'on' if lock else 'off'}: {len(SCHEDULE)} phases of "
+                   f"{a.phase_s}s at {a.rate} msg/s")
         runs["lock_on" if lock else "lock_off"] = asyncio.run(
             run_config(lock, a.phase_s, a.rate, a.handler_ms, a.drain_timeout, a.flush,
                        a.restart_phase if a.broker_restart else None, a.restart_at,
-                       a.restart_down_s, a.late_member_s))
+                       a.restart_down_s, a.late_member_s, a.trace))
     off, on = runs["lock_off"], runs["lock_on"]
     report = {
         "workload": {"queues": 16, "schedule": SCHEDULE, "phase_s": a.phase_s,

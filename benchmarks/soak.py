@@ -26,14 +26,11 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from _progress import note  # noqa: E402
 from throughput import start_broker  # noqa: E402
 
 TOPIC = "soak"
 BODY = b"x" * 100
-
-
-def _progress(msg: str) -> None:
-    print(f"[soak] {msg}", file=sys.stderr, flush=True)
 
 
 def proc_sample(pid: int) -> tuple[float, int]:
@@ -99,10 +96,10 @@ async def run(args: argparse.Namespace) -> dict:
         try:
             async with Admin(addr) as admin:
                 await admin.create_topic(TOPIC, args.queues)
-            _progress(f"measuring the maximum produce rate for {args.probe_s:.0f} s")
+            note(f"measuring the maximum produce rate for {args.probe_s:.0f} s")
             max_rate, probe_sent = await measure_max_rate(addr, args.batch, args.probe_s)
             rate = max_rate * args.load
-            _progress(f"max {max_rate:,.0f} msg/s; soaking at {rate:,.0f} msg/s for "
+            note(f"max {max_rate:,.0f} msg/s; soaking at {rate:,.0f} msg/s for "
                       f"{args.minutes:g} min with {args.consumers} consumers")
             files = [os.path.join(d, f"c{i}.count") for i in range(args.consumers)]
             for i, out in enumerate(files):
@@ -123,7 +120,7 @@ async def run(args: argparse.Namespace) -> dict:
                 consumed = _consumed(files)
                 samples.append({"t_s": round(t, 1), "rss_mib": round(rss, 1), "fds": fds,
                                 "sent": counts["sent"] + probe_sent, "consumed": consumed})
-                _progress(f"{t:6.0f}/{seconds:.0f} s  rss {rss:7.1f} MiB  fds {fds:4d}  "
+                note(f"{t:6.0f}/{seconds:.0f} s  rss {rss:7.1f} MiB  fds {fds:4d}  "
                           f"sent {counts['sent']:,}  consumed {consumed:,}")
                 await asyncio.wait({prod}, timeout=args.sample_s)
             await prod

@@ -32,6 +32,10 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(os.path.dirname(HERE), "src")
+sys.path.insert(0, HERE)
+
+from _progress import Steps, note  # noqa: E402
+
 BODY = 2048
 BATCH = 256
 QUEUES = 8
@@ -52,6 +56,9 @@ if "bench" not in store.topics:
 body = os.urandom(2048)
 n = 0
 checkpointed = False
+sys.path.insert(0, sys.argv[5])
+from _progress import Count
+count = Count("bytes written", total)
 while store.log.end < total:
     if not checkpointed and store.log.end >= total - tail:
         store.write_checkpoint()
@@ -59,6 +66,8 @@ while store.log.end < total:
     parts = [encode_part(body, "U%012d" % (n + i), 1) for i in range(256)]
     store.put("bench", n // 256 % 8, parts)
     n += 256
+    count.add(store.log.end - count.n)
+count.done()
 # a crash: no final checkpoint (the page cache keeps the writes)
 store.log.close()
 for cq in store.queues.values():
@@ -108,8 +117,8 @@ def time_start(src: str, data_dir: str) -> float:
 
 
 def build(src: str, data_dir: str, size: int, tail: int) -> int:
-    out = subprocess.run([sys.executable, "-c", _BUILD, src, data_dir, str(size), str(tail)],
-                         check=True, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", _BUILD, src, data_dir, str(size), str(tail),
+                          HERE], check=True, stdout=subprocess.PIPE, text=True)
     return int(out.stdout.strip())
 
 
@@ -122,24 +131,29 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where to put the data (default: a temp dir)")
     args = ap.parse_args()
     results = []
+    steps = Steps(len(args.sizes_gib) * (1 + len(args.src)))
     for gib in args.sizes_gib:
         size = int(gib * 1024 ** 3)
         tail = args.tail_mib * 1024 ** 2
         root = tempfile.mkdtemp(prefix="onceq-startup-", dir=args.dir)
         try:
             data = os.path.join(root, "data")
+            steps.next(f"filling {gib} GiB of data ({args.tail_mib} MiB after the checkpoint)")
             t0 = time.perf_counter()
             messages = build(SRC, data, size, tail)
             build_s = time.perf_counter() - t0
             row = {"data_gib": gib, "messages": messages, "build_s": round(build_s, 1),
                    "unchecked_tail_mib": args.tail_mib, "trees": {}}
             for src in args.src:
+                steps.next(f"timing broker starts on {gib} GiB, tree {src}")
                 # the first start follows the crash; it checkpoints, so the second is clean
                 crash_s = time_start(src, data)
                 clean_s = time_start(src, data)
+                note(f"  start after a crash {crash_s:.2f}s, after a clean stop {clean_s:.2f}s")
                 row["trees"][src] = {"crash_start_s": round(crash_s, 3),
                                      "clean_start_s": round(clean_s, 3)}
                 # the next tree finds a crashed store again
+                note("  appending an unchecked tail again")
                 build(SRC, data, size + tail, tail)
             results.append(row)
         finally:

@@ -15,6 +15,8 @@ import signal
 import sys
 import time
 
+from _progress import note
+
 from onceq.client.push import PushConsumer
 
 
@@ -35,9 +37,11 @@ async def main(addr: str, group: str, topic: str, name: str, out: str, lock: boo
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     await c.start()
+    note(f"{name}: consuming {topic} in group {group} (access lock {'on' if lock else 'off'})")
     print("ready", flush=True)
     await stop.wait()
     await c.shutdown()
+    note(f"{name}: stopped")
     f.close()
     with open(out + ".stats", "w") as fh:
         json.dump(dict(c.stats), fh)

@@ -27,6 +27,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from _progress import Count, Steps, note  # noqa: E402
+
 BODY = 100
 TOPIC = "bench"
 
@@ -66,6 +68,7 @@ async def _produce(addr: str, n: int, batch: int) -> float:
     async with Admin(addr) as admin:
         await admin.create_topic(TOPIC, 1)
     body = b"x" * BODY
+    count = Count(f"produce batch={batch}", n)
     async with Producer(addr) as p:
         await p.send(TOPIC, body)  # warm-up: route lookup, connection
         sent = 1
@@ -74,19 +77,23 @@ async def _produce(addr: str, n: int, batch: int) -> float:
             while sent < n:
                 await p.send(TOPIC, body)
                 sent += 1
+                count.add()
         else:
             msgs = [body] * batch
             while sent < n:
                 k = min(batch, n - sent)
                 await p.send_batch(TOPIC, msgs[:k])
                 sent += k
+                count.add(k)
         elapsed = time.perf_counter() - t0
+    count.done()
     return (n - 1) / elapsed
 
 
 async def _consume(addr: str, n: int, batch: int) -> float:
     from onceq import PullConsumer
 
+    count = Count(f"consume batch={batch}", n)
     async with PullConsumer(addr, "bench-group") as c:
         got = 0
         offset = 0
@@ -94,11 +101,13 @@ async def _consume(addr: str, n: int, batch: int) -> float:
         # one pull in flight ahead (prefetch); each pull commits what was consumed before
         async for r in c.stream(TOPIC, 0, 0, batch, suspend=1.0):
             got += len(r.messages)
+            count.add(len(r.messages))
             offset = r.next_offset
             if got >= n:
                 break
         await c.commit_offset(TOPIC, 0, offset)
         elapsed = time.perf_counter() - t0
+    count.done()
     return got / elapsed
 
 
@@ -116,19 +125,21 @@ def _child(role: str, addr: str, n: int, batch: int) -> None:
 def _run_child(role: str, addr: str, n: int, batch: int) -> float:
     out = subprocess.run(
         [sys.executable, __file__, "--child", role, addr, str(n), str(batch)],
-        capture_output=True, text=True, timeout=600, check=True,
+        stdout=subprocess.PIPE, text=True, timeout=600, check=True,  # progress: stderr
     )
     return json.loads(out.stdout.strip().splitlines()[-1])["rate"]
 
 
-def run_onceq(n: int, batches: list[int], flush: str, repeats: int) -> dict:
+def run_onceq(n: int, batches: list[int], flush: str, repeats: int, steps: Steps,
+              broker_args: list[str] | None = None) -> dict:
     res: dict = {"produce": {}, "consume": {}, "n": {}}
     for b in batches:
         nb = n if b > 1 else max(n // 10, 1000)
         prod, cons = [], []
-        for _ in range(repeats):
+        for r in range(repeats):
+            steps.next(f"onceq flush={flush}: batch={b}, n={nb}, run {r + 1}/{repeats}")
             with tempfile.TemporaryDirectory(prefix="onceq-bench-") as d:
-                proc, addr = start_broker(d, flush)
+                proc, addr = start_broker(d, flush, broker_args)
                 try:
                     prod.append(_run_child("produce", addr, nb, b))
                     cons.append(_run_child("consume", addr, nb, b))
@@ -151,6 +162,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,32,100")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--broker-args", default="",
+                    help="extra 'onceq broker start' flags, e.g. '--metrics-port 0'")
     ap.add_argument("--child", nargs=4, metavar=("ROLE", "ADDR", "N", "BATCH"))
     a = ap.parse_args()
     if a.child:
@@ -160,12 +173,17 @@ def main() -> None:
     batches = [int(b) for b in a.batches.split(",")]
     report: dict = {"workload": {"body_bytes": BODY, "n": a.n, "batches": batches,
                                  "repeats": a.repeats, "queues": 1}}
-    onceq = {flush: run_onceq(a.n, batches, flush, a.repeats) for flush in ("async", "sync")}
+    if a.broker_args:
+        report["workload"]["broker_args"] = a.broker_args
+    steps = Steps(2 * len(batches) * a.repeats)
+    onceq = {flush: run_onceq(a.n, batches, flush, a.repeats, steps, a.broker_args.split())
+             for flush in ("async", "sync")}
     report["onceq"] = onceq
     peers: dict = {}
     if not a.no_peers:
         from peers import run_peers
 
+        note("peers: Redis Streams and NATS JetStream, same workload")
         peers = run_peers(a.n, batches, a.repeats, BODY)
     report["peers"] = peers
     ratios: dict = {}
