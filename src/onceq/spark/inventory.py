@@ -29,6 +29,7 @@ from ..idempotency.store import check_name
 __all__ = ["BatchOutcome", "InventoryStore", "ProductTotal", "open_dialect"]
 
 _TRIES = 5  # deadlocks and serialisation failures are retried
+MAX_ID_CHARS = 255  # order ids and product names: longer ones are malformed input
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +90,7 @@ class InventoryStore:
 
     def _schema(self) -> list[str]:
         name = self.dialect.name
-        key = "TEXT" if name == "sqlite" else "VARCHAR(255)"
+        key = "TEXT" if name == "sqlite" else f"VARCHAR({MAX_ID_CHARS})"
         qid = "TEXT" if name == "sqlite" else "VARCHAR(64)"
         double = {"sqlite": "REAL", "postgresql": "DOUBLE PRECISION"}.get(name, "DOUBLE")
         extra = (" ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"

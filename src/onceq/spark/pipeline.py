@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .inventory import BatchOutcome, InventoryStore, ProductTotal
+from .inventory import MAX_ID_CHARS, BatchOutcome, InventoryStore, ProductTotal
 from .orders import ORDER_SCHEMA
 
 __all__ = ["BatchReport", "PipelineConfig", "PipelineResult", "local_spark", "run_pipeline"]
@@ -187,7 +187,8 @@ def _plan(spark: Any, config: PipelineConfig, writer: _BatchWriter) -> Any:
         reader = reader.option("maxMessagesPerTrigger", str(config.max_messages_per_trigger))
     order = F.from_json(F.col("body").cast("string"), ORDER_SCHEMA)
     decoded = reader.load().select(order.alias("o")).select("o.*")
-    valid = (F.col("order_id").isNotNull() & F.col("product").isNotNull()
+    valid = (F.length("order_id").between(1, MAX_ID_CHARS)
+             & F.length("product").between(1, MAX_ID_CHARS)
              & F.col("quantity").isNotNull() & F.col("event_time").isNotNull())
     observed = decoded.observe(
         "onceq_pipeline_input", F.count(F.lit(1)).alias("rows"),
