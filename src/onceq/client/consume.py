@@ -130,14 +130,14 @@ class ConsumeService:
         failed = self.failure
         try:
             listener = c.listener
-            if c._executor is None:
-                result = await asyncio.wait_for(listener(batch, ctx), timeout)  # type: ignore[misc]
-            else:
-                loop = asyncio.get_running_loop()
-                result = await asyncio.wait_for(
-                    loop.run_in_executor(c._executor, listener, batch, ctx), timeout)
-            if inspect.isawaitable(result):  # e.g. an object with an async __call__
-                result = await asyncio.wait_for(result, timeout)
+            async with asyncio.timeout(timeout):  # no task per call, unlike wait_for
+                if c._executor is None:
+                    result = await listener(batch, ctx)  # type: ignore[misc]
+                else:
+                    loop = asyncio.get_running_loop()
+                    result = await loop.run_in_executor(c._executor, listener, batch, ctx)
+                if inspect.isawaitable(result):  # e.g. an object with an async __call__
+                    result = await result
             return ConsumeStatus.SUCCESS if result is None else ConsumeStatus(result)
         except TimeoutError:
             log.warning("listener exceeded the consume timeout of %.0fs on %s; retrying",
