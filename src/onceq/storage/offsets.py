@@ -242,7 +242,7 @@ class ConsumerOffsets:
 
     @property
     def offsets(self) -> dict[str, dict[str, dict[str, int]]]:
-        """group -> topic -> "queue" -> committed offset (see ``offsets.py``)."""
+        """group -> topic -> "queue" -> committed offset (see ``OffsetTable``)."""
         return self.offset_table.groups
 
     def commit_offset(self, group: str, topic: str, queue_id: int, offset: int) -> int:

@@ -38,10 +38,10 @@ from .put import PutPath, PutResult
 from .reads import GetResult, Reads
 from .recovery import NeedFullRebuild, Recovery
 from .repair import IndexRepair
-from .topics import MAX_QUEUES, TopicConfig, Topics, check_name
+from .topics import TopicConfig, Topics, check_name
 
-__all__ = ["MAX_QUEUES", "GetResult", "MessageStore", "PutResult", "TopicConfig",
-           "check_name"]
+# the types of MessageStore's answers, and the name check its callers share
+__all__ = ["GetResult", "MessageStore", "PutResult", "TopicConfig", "check_name"]
 
 log = logging.getLogger("onceq.storage")
 
