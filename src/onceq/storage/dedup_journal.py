@@ -35,14 +35,13 @@ import struct
 import zlib
 from dataclasses import dataclass
 
-from .dedup import DedupWindow
+from .dedup import COLUMN_WIDTHS, DedupWindow
 from .files import FileOps
 
 log = logging.getLogger("onceq.storage")
 
 _MAGIC = b"ONCEQDJ1"
 _HEAD = struct.Struct("<8sII")  # magic, length of the JSON meta, crc32 of meta + columns
-_WIDTHS = (20, 4, 2, 8, 8)  # bytes per entry of each column of ``DedupWindow.export``
 _SUFFIX = ".journal"
 
 
@@ -68,11 +67,11 @@ def decode_chunks(data: bytes) -> tuple[list[tuple[dict, list[memoryview]]], int
             n = int(meta["entries"])
         except (ValueError, KeyError, TypeError):
             break
-        end = q + n * sum(_WIDTHS)
+        end = q + n * sum(COLUMN_WIDTHS)
         if end > len(data) or zlib.crc32(view[p + _HEAD.size:end]) != crc:
             break
         cols = []
-        for w in _WIDTHS:
+        for w in COLUMN_WIDTHS:
             cols.append(view[q:q + n * w])
             q += n * w
         out.append((meta, cols))
@@ -156,7 +155,8 @@ class DedupJournal:
         if meta is None:
             return None
         if sum(len(c[1]) for c in chain) and not window.restore(
-                meta, [b"".join(c[i] for c in chain) for i in range(len(_WIDTHS))], topics):
+                meta, [b"".join(c[i] for c in chain) for i in range(len(COLUMN_WIDTHS))],
+                topics):
             return None
         if not broken:  # the next chunk goes on from here
             self._end = meta["end"]

@@ -8,6 +8,9 @@
 * ``DiskGuard`` refuses writes with ``DISK_FULL`` while the data directory's file system is
   used above a ratio; it asks the file system at most once per interval (clock passed in)
   and lets writes through again by itself once space returns.
+* ``WriteGate`` (of ``MessageStore``) says whether writes are accepted: refused on a full
+  disk, and stopped until a restart after a failure that leaves the files' state unknown (a
+  failed write that could not be undone, a failed fsync); reads go on.
 """
 
 from __future__ import annotations
@@ -15,8 +18,15 @@ from __future__ import annotations
 import errno
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..protocol.errors import ErrorCode, OnceqError
+
+if TYPE_CHECKING:
+    from .commitlog import CommitLog
+    from .consumequeue import ConsumeQueue
+
+log = logging.getLogger("onceq.storage")
 
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
@@ -115,3 +125,76 @@ class DiskGuard:
             self.refusing = refusing
             if self.on_change is not None:
                 self.on_change(refusing, ratio)
+
+
+class WriteGate:
+    """Whether ``MessageStore`` accepts writes (``write_failure``, ``guard``)."""
+
+    log: CommitLog
+    queues: dict[tuple[str, int], ConsumeQueue]
+    guard: DiskGuard
+    write_failure: str | None
+
+    def check_writable(self, space: bool = True) -> None:
+        """Raise unless writes are accepted: not stopped by a failure, and (``space``) the
+        disk is used below ``disk_max_used_ratio``."""
+        if self.write_failure is not None:
+            raise OnceqError(ErrorCode.STORAGE_ERROR, "writes refused until the broker "
+                             f"restarts: {self.write_failure}")
+        if space:
+            self.guard.check()
+
+    def write_state(self) -> dict:
+        """Whether writes are accepted, why not, and the disk usage (for the status)."""
+        guard = self.guard
+        guard.refresh()
+        reason = None
+        if self.write_failure is not None:
+            reason = f"stopped until a restart: {self.write_failure}"
+        elif guard.refusing:
+            reason = (f"DISK_FULL: disk {guard.used_ratio:.0%} used, above the limit of "
+                      f"{guard.max_ratio:.0%}")
+        return {"accepted": reason is None, "reason": reason,
+                "disk_used": round(guard.used_ratio, 4), "disk_max_used": guard.max_ratio}
+
+    def _disk_state_changed(self, refusing: bool, ratio: float) -> None:
+        if refusing:
+            log.error("store: disk %.1f%% used, above disk_max_used_ratio %.0f%%: writes "
+                      "refused with DISK_FULL until space is freed", ratio * 100,
+                      self.guard.max_ratio * 100)
+        else:
+            log.warning("store: disk %.1f%% used: writes accepted again", ratio * 100)
+
+    def _fail_stop(self, reason: str) -> None:
+        """Refuse every later write (reads go on): logged once."""
+        if self.write_failure is None:
+            self.write_failure = reason
+            log.error("store: %s; writes are refused until the broker restarts (reads go "
+                      "on)", reason)
+
+    def fail_stop(self, reason: str, rollback_to: int | None = None) -> None:
+        """Stop writing after a failed fsync (whose pages' state is unknown).
+
+        ``rollback_to``: a commit-log position up to which everything is known durable;
+        every record after it (never acknowledged: sync flush) is removed from the log and
+        the indexes, so that it can never be read, nor come back after a restart.
+        """
+        self._fail_stop(reason)
+        if rollback_to is None or rollback_to >= self.log.end:
+            return
+        try:
+            for cq in self.queues.values():
+                if cq.max_offset > cq.min_offset:
+                    cq.rollback(cq.first_offset_where(0, rollback_to))
+            self.log.truncate_to(rollback_to)
+        except OSError as exc:
+            log.error("store: cannot remove the records after position %d: %s", rollback_to,
+                      exc)
+
+    def sync_log(self) -> None:
+        """Fsync the commit log; a failure stops writes (see ``fail_stop``)."""
+        try:
+            self.log.sync()
+        except OSError as exc:
+            self._fail_stop(f"fsync of the commit log failed: {exc}")
+            raise

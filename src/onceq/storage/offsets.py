@@ -15,6 +15,9 @@ together by ``flush_pending`` (the broker calls it every ``offsets_journal_ms``,
 before any explicit commit), one record per changed queue, so a consumer committing on every
 pull does not pay a log write per pull. A consumer re-sends its finished offsets after a
 reconnect, which covers the interval a crash may lose.
+
+``ConsumerOffsets`` is the store's side: commits and queries of ``MessageStore``, checked
+against its queues and group names.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from ..log.offset_record import (
 from ..log.record import RecordError, decode_records
 from ..protocol.codes import PullStatus
 from ..protocol.errors import OnceqError
+from .metadata import write_atomic
+from .topics import check_name
 
 if TYPE_CHECKING:
     from .store import MessageStore
@@ -219,3 +224,66 @@ class OffsetTable:
         if moved:
             self.dirty = True
         return moved
+
+
+class ConsumerOffsets:
+    """The consumer-offset operations of ``MessageStore`` (its ``offset_table``)."""
+
+    offset_table: OffsetTable
+    _offsets_path: str
+
+    def _open_offsets(self) -> None:
+        """Replay the offset commits after the snapshot; offsets beyond a recovered queue
+        end move back to it. The snapshot is written now when either changed the past."""
+        table = self.offset_table
+        if table.replay() | table.clamp_to_queue_ends():
+            table.dirty = True
+            self.save_offsets()
+
+    @property
+    def offsets(self) -> dict[str, dict[str, dict[str, int]]]:
+        """group -> topic -> "queue" -> committed offset (see ``OffsetTable``)."""
+        return self.offset_table.groups
+
+    def commit_offset(self, group: str, topic: str, queue_id: int, offset: int) -> int:
+        """Commit a group's offset; it is journaled in the commit log when it changed.
+
+        Returns the commit-log position the commit is durable at once the log is fsynced
+        up to it (a sync-flush broker answers after that)."""
+        self._queue(topic, queue_id)
+        check_name("group", group)
+        return self.offset_table.commit(group, topic, queue_id, int(offset))
+
+    def commit_offset_later(self, group: str, topic: str, queue_id: int, offset: int
+                            ) -> None:
+        """Commit a group's offset now and journal it with the next batch of such commits
+        (``offset_table.flush_pending``): for commits nobody waits for."""
+        self._queue(topic, queue_id)
+        check_name("group", group)
+        self.offset_table.commit_later(group, topic, queue_id, int(offset))
+
+    def get_offset(self, group: str, topic: str, queue_id: int) -> int:
+        """The committed offset, or -1 when the group has none for this queue."""
+        self._queue(topic, queue_id)
+        return self.offset_table.get(group, topic, queue_id)
+
+    def offsets_snapshot(self) -> tuple[bytes, int] | None:
+        """(``offsets.json`` content, journal records it covers) if the offsets changed
+        since the last snapshot, else None. Pass both to ``write_offsets_file``.
+
+        A caller whose write of the snapshot fails calls ``offsets_changed`` to retry later.
+        """
+        return self.offset_table.snapshot()
+
+    def offsets_changed(self) -> None:
+        self.offset_table.dirty = True
+
+    def save_offsets(self) -> None:
+        snap = self.offsets_snapshot()
+        if snap is not None:
+            self.write_offsets_file(*snap)
+
+    def write_offsets_file(self, data: bytes, covered: int) -> None:
+        """Write an offsets snapshot (safe to run off the loop)."""
+        write_atomic(self._offsets_path, data, self.files)
+        self.offset_table.written(covered)

@@ -1,0 +1,92 @@
+"""Checkpoints: the commit-log position below which the next open trusts the indexes, and
+the dedup window's journal chunk written with each.
+
+A checkpoint fsyncs the log and the index files written since the last one, then records
+the log end (and each queue's entry count) atomically; the dedup window's new entries up to
+that end are then appended to its journal (``dedup_journal``). At open, the journal
+restores the window, and only the log after its end is read again.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from .dedup_journal import DedupJournal, PendingChunk
+from .metadata import encode_checkpoint, write_atomic
+from .openfiles import fsync_paths
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from .commitlog import CommitLog
+    from .consumequeue import ConsumeQueue
+    from .damage import DamageRegistry
+    from .dedup import DedupWindow
+    from .files import FileOps
+
+log = logging.getLogger("onceq.storage")
+
+
+class Checkpoints:
+    """The checkpoints of ``MessageStore`` and its dedup window's journal."""
+
+    log: CommitLog
+    files: FileOps
+    clock: Callable[[], float]
+    queues: dict[tuple[str, int], ConsumeQueue]
+    dedup: DedupWindow
+    dedup_journal: DedupJournal
+    dedup_restored_to: int | None
+    damage: DamageRegistry
+    _checkpoint_path: str
+    _legacy_dedup_path: str
+
+    def write_checkpoint(self) -> None:
+        """Fsync log and indexes, then record that everything before the log end is indexed."""
+        end = self.log.end
+        chunk = self.dedup_chunk(end)
+        self.log.sync()
+        self.checkpoint_at(end, self.dirty_index_files(), chunk)
+
+    def dirty_index_files(self) -> list[str]:
+        """The index files written since the last call (to fsync before a checkpoint)."""
+        return [p for cq in self.queues.values() for p in cq.dirty_paths()]
+
+    def checkpoint_at(self, end: int, index_files: list[str],
+                      dedup_chunk: PendingChunk | None = None) -> None:
+        """Fsync ``index_files`` and record ``end`` as indexed, then append ``dedup_chunk``
+        to the dedup window's journal (safe to run off the loop)."""
+        fsync_paths(self.files, index_files)
+        # every entry counted here was written before: after a crash the index holds at
+        # least as many (a power cut losing unsynced entries costs a full rebuild)
+        ends = {f"{t}/{q}": cq.max_offset for (t, q), cq in list(self.queues.items())}
+        write_atomic(self._checkpoint_path, encode_checkpoint(end, ends), self.files)
+        if dedup_chunk is not None:
+            d = self.dedup
+            self.dedup_journal.append(dedup_chunk, d.window_ms, d.max_keys,
+                                      int(self.clock() * 1000))
+
+    def _restore_dedup(self, checkpoint: int | None) -> None:
+        """Fill the dedup window from its journal, when no damage is known (the log after
+        the journal's end is read by the recovery)."""
+        try:
+            self.files.unlink(self._legacy_dedup_path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.error("store: cannot remove %s: %s", self._legacy_dedup_path, exc)
+        self.dedup_restored_to = None
+        if (checkpoint is None or not self.dedup.enabled or self.damage.log_ranges
+                or self.log.end < checkpoint):
+            return
+        self.dedup_restored_to = self.dedup_journal.load(self.dedup, checkpoint, self.log.end,
+                                                   self._topic_positions())
+        if self.dedup_restored_to is not None:
+            log.info("store: dedup window of %d keys restored from its journal (log read "
+                     "from position %d)", len(self.dedup), self.dedup_restored_to)
+
+    def dedup_chunk(self, end: int) -> PendingChunk | None:
+        """The dedup window's entries for its journal, up to log position ``end`` (take it
+        on the loop with ``end``; ``checkpoint_at`` writes it)."""
+        return self.dedup_journal.take(self.dedup, end, self._topic_positions())

@@ -1,0 +1,195 @@
+"""The put path: check a batch of messages, dedup check, append to the commit log, and
+dispatch to the consume queue.
+
+A put is all or nothing: a malformed or oversized message refuses the whole batch before
+anything is written (``check_parts``), and a failed write (log, segment roll, index) is
+rolled back to where it started (``_undo_put``), or stops writes when even that fails. The
+dedup window is asked for every key of the batch at once and learns the new keys only once
+their records are written: a failed write must not turn the producer's retry into a
+"duplicate" of a message that was never stored.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..log.record import REC_HEADER_SIZE, RecordError, build_record_parts, check_part, tag_hash
+from ..log.segment import DAMAGED_ENTRY_SIZE, INDEX_ENTRY
+from ..protocol.errors import ErrorCode, OnceqError
+from .failures import storage_error
+from .recovery import read_record
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from .commitlog import CommitLog
+    from .config import StoreConfig
+    from .consumequeue import ConsumeQueue
+    from .dedup import DedupWindow
+    from .failures import RateLimitedLog
+
+
+@dataclass(slots=True)
+class PutResult:
+    queue_id: int
+    offsets: list[int]  # queue offset of each message, in order
+    duplicates: list[int]  # indexes of messages that were already stored (dedup window)
+    duplicate_queues: list[int]  # queue id where each duplicate was first stored
+    end_position: int  # commit-log end after this write (for sync flush)
+
+
+def check_parts(parts: Sequence[bytes | memoryview], topic_size: int, max_body: int,
+                max_record: int) -> list[tuple[bytes, bytes]]:
+    """(unique key, tags) of each message part, or raise for the first one that is
+    malformed or too large (a record of ``topic_size`` bytes of topic name must fit a
+    segment of ``max_record`` bytes)."""
+    fixed = REC_HEADER_SIZE + topic_size
+    metas = []
+    for part in parts:
+        try:
+            key, tags, body_size, _uk = check_part(part)
+        except RecordError as exc:
+            raise OnceqError(ErrorCode.BAD_REQUEST, f"malformed message: {exc}") from None
+        if body_size > max_body:
+            raise OnceqError(
+                ErrorCode.MESSAGE_TOO_LARGE,
+                f"message body of {body_size} bytes exceeds the limit of {max_body} bytes",
+            )
+        if fixed + len(part) > max_record:
+            raise OnceqError(
+                ErrorCode.MESSAGE_TOO_LARGE,
+                f"message of {len(part)} bytes (body, tags, keys and properties) does "
+                f"not fit a commit-log segment of {max_record} bytes",
+            )
+        metas.append((key, tags))
+    return metas
+
+
+class PutPath:
+    """The put path of ``MessageStore``: ``put``, undone when its write fails."""
+
+    config: StoreConfig
+    clock: Callable[[], float]
+    log: CommitLog
+    queues: dict[tuple[str, int], ConsumeQueue]
+    dedup: DedupWindow
+    errors: RateLimitedLog
+    _last_store_ms: int
+
+    def put(self, topic: str, queue_id: int, parts: Sequence[bytes | memoryview],
+            dedup: bool = True, space: bool = True) -> PutResult:
+        """Store message parts in one queue; all or nothing on validation errors.
+
+        ``dedup``: apply the producer-retry dedup window (internal re-puts may opt out).
+        ``space``: refuse the write above the disk usage limit (offset commits do not)."""
+        cq = self._queue(topic, queue_id)
+        self.check_writable(space)
+        tb = topic.encode()
+        fixed = REC_HEADER_SIZE + len(tb)
+        metas = check_parts(parts, len(tb), self.config.max_body, self.log.segment_size)
+        now_ms = max(int(self.clock() * 1000), self._last_store_ms)
+        use_dedup = dedup and self.dedup.enabled
+        dedup = self.dedup
+        if use_dedup:
+            dedup.expire(now_ms)  # the window is enforced on lookup, not only after writes
+        batch_keys: dict[bytes, int] = {}  # dedup key -> offset, first copy in this batch
+        offsets: list[int] = []
+        dups: list[int] = []
+        dup_queues: list[int] = []
+        entries: list[bytes] = []
+        records: list[bytes | memoryview] = []
+        log_ = self.log
+        pos = start_pos = log_.end
+        room = log_.room
+        offset = start_offset = cq.max_offset
+        pack_entry = INDEX_ENTRY.pack
+        build = build_record_parts
+        seen_tags: dict[bytes, int] = {}
+        window = dedup.table(topic) if use_dedup else None
+        if window is not None:  # every key looked up at once
+            found, looked_up = window.find([m[0] for m in metas])
+        batch_idx: list[int] = []  # the indexes of the keys in batch_keys
+        try:  # a failed write (log, roll, index) leaves no trace: it is rolled back
+            for i, part in enumerate(parts):
+                key, tags = metas[i]
+                if window is not None and key:
+                    prev = found[i]
+                    if prev is not None and self._still_stored(topic, prev[0], prev[1]):
+                        dups.append(i)
+                        dup_queues.append(prev[0])
+                        offsets.append(prev[1])
+                        continue
+                    first = batch_keys.get(key)
+                    if first is not None:
+                        dups.append(i)
+                        dup_queues.append(queue_id)
+                        offsets.append(first)
+                        continue
+                    batch_keys[key] = offset
+                    batch_idx.append(i)
+                size = fixed + len(part)
+                if size > room:  # a record never spans two segments
+                    pos = log_.roll(records)
+                    room = log_.room
+                head, trailer = build(tb, queue_id, offset, pos, now_ms, part)
+                records += (head, part, trailer)
+                th = seen_tags.get(tags)
+                if th is None:
+                    th = seen_tags[tags] = tag_hash(tags)
+                entries.append(pack_entry(pos, size, th, now_ms))
+                offsets.append(offset)
+                offset += 1
+                pos += size
+                room -= size
+            if records:
+                log_.write(records)
+                self._last_store_ms = now_ms
+            if entries:
+                cq.append(b"".join(entries), len(entries))
+        except OSError as exc:
+            raise self._undo_put(cq, topic, start_pos, start_offset, exc) from None
+        if use_dedup and batch_keys:
+            # only now that the records are written: a failed write must not turn the
+            # producer's retry into a "duplicate" of a message that was never stored
+            dedup.add_found(topic, looked_up, batch_idx, queue_id, list(batch_keys.values()),
+                            now_ms)
+            dedup.expire(now_ms)
+        return PutResult(queue_id, offsets, dups, dup_queues, log_.end)
+
+    def _still_stored(self, topic: str, queue_id: int, offset: int) -> bool:
+        """Whether the record a "duplicate" answer would point at is intact in the log: a
+        retry must be stored again rather than stand for a copy lost to disk damage."""
+        cq = self.queues.get((topic, queue_id))
+        if cq is None or not cq.min_offset <= offset < cq.max_offset:
+            return False
+        try:
+            pos, size, _th, _ts = cq.entry(offset)
+            return size != DAMAGED_ENTRY_SIZE and read_record(
+                self.log, topic, queue_id, offset, pos, size) is not None
+        except OSError:
+            return False
+
+    def _undo_put(self, cq: ConsumeQueue, topic: str, position: int, offset: int,
+                  exc: OSError) -> OnceqError:
+        """Roll a failed put back to the log end and queue offset it started from."""
+        failed: OSError | None = None
+        try:
+            self.log.truncate_to(position)
+        except OSError as again:
+            failed = again
+        try:
+            cq.rollback(offset)
+        except OSError as again:
+            failed = failed or again
+            cq.max_offset = offset  # at least never read through the failed entries
+        if failed is not None:
+            self._fail_stop(f"a failed write to {topic}[{cq.dir.rsplit(os.sep, 1)[-1]}] "
+                            f"could not be rolled back ({exc}; then {failed})")
+            return OnceqError(ErrorCode.STORAGE_ERROR, f"storage I/O error ({exc}): the write "
+                              "could not be rolled back; writes refused until a restart")
+        self.errors.error("put", "store: a write to %s failed and was rolled back: %s",
+                          topic, exc)
+        return storage_error(exc, "the write was rolled back")

@@ -1,0 +1,125 @@
+"""Reading: messages of a queue (checked against their index entries), a queue's offset
+range, and the search of an offset by store time.
+
+Every record read is checked against what its index entry promises (size, queue, offset,
+position, topic, checksum) before it is returned; one that is not goes to the index repair
+(``repair.py``) and is read again, or is skipped as damaged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..log.record import first_mismatch
+from ..log.segment import DAMAGED_ENTRY_SIZE, INDEX_ENTRY
+from ..protocol.codes import PullStatus
+from ..protocol.errors import ErrorCode, OnceqError
+from .consumequeue import ConsumeQueue
+from .recovery import read_range
+
+if TYPE_CHECKING:
+    from .commitlog import CommitLog
+
+
+@dataclass(slots=True)
+class GetResult:
+    status: PullStatus
+    payload: bytes
+    count: int
+    next_offset: int
+    min_offset: int
+    max_offset: int
+
+
+def _damaged_run_end(cq: ConsumeQueue, offset: int) -> int:
+    """The first offset after ``offset`` whose entry is not a damage marker."""
+    while offset < cq.max_offset:
+        raw = cq.read(offset, 1024)
+        for e in INDEX_ENTRY.iter_unpack(raw):
+            if e[1] != DAMAGED_ENTRY_SIZE:
+                return offset
+            offset += 1
+    return offset
+
+
+class Reads:
+    """The reads of ``MessageStore``: ``get``, ``min_max``, ``search_offset``."""
+
+    log: CommitLog
+
+    def get(
+        self, topic: str, queue_id: int, offset: int, max_msgs: int, max_bytes: int,
+        tag_hashes: frozenset[int] | None = None,
+    ) -> GetResult:
+        """Up to ``max_msgs`` records from ``offset``, each checked against its index entry.
+
+        A record that is not the one its index entry promises (size, queue, offset,
+        position, topic, checksum) is never returned: the entry is repaired from a bounded
+        scan of the log around it, or the offset is marked damaged. A pull that starts at
+        damaged offsets gets ``DAMAGED`` with ``next_offset`` after them.
+        """
+        for _ in range(3):  # a repaired entry is read again
+            res = self._get(topic, queue_id, offset, max_msgs, max_bytes, tag_hashes)
+            if res is not None:
+                return res
+        raise OnceqError(ErrorCode.STORAGE_ERROR, f"{topic} queue {queue_id} offset {offset}: "
+                         "index repair did not converge")
+
+    def _get(self, topic: str, queue_id: int, offset: int, max_msgs: int, max_bytes: int,
+             tag_hashes: frozenset[int] | None) -> GetResult | None:
+        cq = self._queue(topic, queue_id)
+        lo, hi = cq.min_offset, cq.max_offset
+        if offset < lo:
+            return GetResult(PullStatus.OFFSET_MOVED, b"", 0, lo, lo, hi)
+        if offset > hi:
+            return GetResult(PullStatus.OFFSET_ILLEGAL, b"", 0, hi, lo, hi)
+        if offset == hi:
+            return GetResult(PullStatus.NO_NEW_MESSAGE, b"", 0, hi, lo, hi)
+        raw = cq.read(offset, max_msgs)
+        log_start = self.log.start
+        ranges: list[list[int]] = []
+        picked: list[tuple[int, int, int]] = []  # (offset, position, size)
+        total = 0
+        scanned = 0
+        for pos, size, th, _ts in INDEX_ENTRY.iter_unpack(raw):
+            if size == DAMAGED_ENTRY_SIZE:
+                if scanned:
+                    break
+                return GetResult(PullStatus.DAMAGED, b"", 0, _damaged_run_end(cq, offset),
+                                 lo, hi)
+            if pos < log_start:
+                return GetResult(PullStatus.OFFSET_MOVED, b"", 0, lo, lo, hi)
+            if picked and total + size > max_bytes:
+                break
+            scanned += 1
+            if tag_hashes is not None and th not in tag_hashes:
+                continue
+            picked.append((offset + scanned - 1, pos, size))
+            total += size
+            if ranges and ranges[-1][0] + ranges[-1][1] == pos:
+                ranges[-1][1] += size
+            else:
+                ranges.append([pos, size])
+        payload = b"".join(read_range(self.log, p, s) for p, s in ranges)
+        i = first_mismatch(payload, picked, topic.encode(), queue_id)
+        if i >= 0:
+            off = picked[i][0]
+            if self._repair_entry(topic, queue_id, off):
+                return None  # read again through the repaired entry
+            if i == 0:
+                return GetResult(PullStatus.DAMAGED, b"", 0, off + 1, lo, hi)
+            good = sum(size for _o, _p, size in picked[:i])
+            return GetResult(PullStatus.FOUND, payload[:good], i, off, lo, hi)
+        nxt = offset + scanned
+        if not picked and nxt == hi:
+            return GetResult(PullStatus.NO_NEW_MESSAGE, b"", 0, hi, lo, hi)
+        return GetResult(PullStatus.FOUND, payload, len(picked), nxt, lo, hi)
+
+    def min_max(self, topic: str, queue_id: int) -> tuple[int, int]:
+        cq = self._queue(topic, queue_id)
+        return cq.min_offset, cq.max_offset
+
+    def search_offset(self, topic: str, queue_id: int, ts_ms: int) -> int:
+        """First offset whose store time is >= ts_ms (max offset when none)."""
+        return self._queue(topic, queue_id).first_offset_where(3, ts_ms)
