@@ -64,9 +64,9 @@ class PullService:
         """``client`` gave the queue up: answer its held pulls of it ``LOCKED`` now."""
         for held in self.holds.drop_client((topic, queue), client):
             held.conn.respond(held.corr_id, 0,
-                              self.locked(topic, queue, held.request["offset"]))
+                              self._locked(topic, queue, offset=held.request["offset"]))
 
-    def locked(self, topic: str, queue: int, offset: int) -> dict[str, Any]:
+    def _locked(self, topic: str, queue: int, *, offset: int) -> dict[str, Any]:
         """A refused pull: "queue is locked by another client", same next offset."""
         lo, hi = self.store.min_max(topic, queue)
         return {"st": int(PullStatus.LOCKED), "next": offset, "min": lo, "max": hi, "n": 0}
@@ -106,16 +106,16 @@ class PullService:
         if group is not None and isinstance(client, str):
             self.fence.seen(group, client, h.get("reset_gen"))
             if self.fence.blocks(group, client, topic, queue):  # before it saw the reset:
-                return 0, self.locked(topic, queue, req["offset"]), b""  # nor its commit
+                return 0, self._locked(topic, queue, offset=req["offset"]), b""  # nor its commit
         if group is not None and self.queue_locks.refuses(group, client, topic, queue):
-            return 0, self.locked(topic, queue, req["offset"]), b""  # orderly lock
+            return 0, self._locked(topic, queue, offset=req["offset"]), b""  # orderly lock
         traced = group is not None and group in self.trace.groups  # delivery trace (trace.py)
         acquired = False  # this pull made the client the queue's lock holder
         if isinstance(client, str) and self.transition.applies(group, client):
             acquired = traced and self.transition.table.holder(group, topic, queue) != client
             grant = self.transition.check(group, client, topic, queue, req["offset"])
             if not grant.granted:  # a refused client's commit must not move the offset
-                return 0, self.locked(topic, queue, req["offset"]), b""
+                return 0, self._locked(topic, queue, offset=req["offset"]), b""
             if grant.offset > req["offset"]:  # taken over and moved forward to the group's
                 commit = -1  # offset: the client's commit is its stale start, not progress
             req["offset"] = grant.offset
@@ -169,7 +169,7 @@ class PullService:
             if req["client"] is not None and not self.transition.is_holder(
                     req["group"], req["client"], req["topic"], req["queue"]):
                 held.conn.respond(held.corr_id, 0,
-                                  self.locked(req["topic"], req["queue"], req["offset"]))
+                                  self._locked(req["topic"], req["queue"], offset=req["offset"]))
                 return True
             res = self._do_pull(req, final)
         except OnceqError as exc:
