@@ -1,4 +1,5 @@
-"""Admin requests: topic status, message lookup by key, delivery-trace switch.
+"""Admin requests: broker status, access-lock query, message lookup by key, delivery-trace
+switch. (Topic administration is ``topic_admin.py``.)
 
 Message lookup (``QUERY_MESSAGE``) is a bounded scan, not an index: the broker keeps no
 key index (RocketMQ keeps an index file per hour of keys; onceq's dedup window only
@@ -21,16 +22,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..log.record import RecordError, decode_records
 from ..protocol.codes import PullStatus, RequestCode
 from ..protocol.errors import ErrorCode, OnceqError
 from ..storage.store import check_name
+from .fields import str_field
 
 if TYPE_CHECKING:
-    from .broker import Broker, Response
+    from ..storage.store import MessageStore
+    from .config import BrokerConfig
     from .connection import Connection
+    from .fields import Handler, Response
+    from .queue_lock import QueueLocks
+    from .retry import RetryService
+    from .trace import DeliveryTrace
+    from .transition import TransitionLock
 
 log = logging.getLogger("onceq.broker")
 
@@ -62,39 +71,53 @@ def _opt_int(h: dict[str, Any], name: str, default: int, lo: int, hi: int) -> in
 
 
 class AdminOps:
-    def __init__(self, broker: Broker) -> None:
-        self.broker = broker
+    """``closing()`` tells a running message lookup that the broker stops; ``retry`` is
+    set when the broker starts."""
+
+    def __init__(self, config: BrokerConfig, store: MessageStore, clock: Callable[[], float],
+                 *, transition: TransitionLock, queue_locks: QueueLocks, trace: DeliveryTrace,
+                 closing: Callable[[], bool]) -> None:
+        self.config = config
+        self.store = store
+        self.clock = clock
+        self.transition = transition
+        self.queue_locks = queue_locks
+        self.trace = trace
+        self.closing = closing
+        self.retry: RetryService | None = None
         self._scans: set[asyncio.Task[None]] = set()
 
-    def handlers(self) -> dict[int, Any]:
-        return {RequestCode.TOPIC_STATUS: self.h_topic_status,
+    def handlers(self) -> dict[int, Handler]:
+        return {RequestCode.BROKER_STATUS: self.h_broker_status,
+                RequestCode.QUERY_ACCESS_LOCKS: self.h_query_access_locks,
                 RequestCode.QUERY_MESSAGE: self.h_query_message,
                 RequestCode.GROUP_TRACE: self.h_group_trace}
 
-    # ---------------------------------------------------------------- topic status
-    def h_topic_status(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                       ) -> Response:
-        """Per queue: min and max offsets, store times of the first and last message."""
-        store = self.broker.store
-        topic = h.get("topic")
-        if not isinstance(topic, str):
-            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "field 'topic' must be a string")
-        t = store.get_topic(topic)
-        queues = []
-        for q in range(t.queues):
-            cq = store._queue(topic, q)  # the index entries hold the store times
-            lo, hi = cq.min_offset, cq.max_offset
-            first = last = None
-            if hi > lo:
-                first, last = cq.entry(lo)[3], cq.entry(hi - 1)[3]
-            queues.append({"queue": q, "min": lo, "max": hi, "first_store_ms": first,
-                           "last_store_ms": last})
-        return 0, {"topic": topic, "queues": queues}, b""
+    # ---------------------------------------------------------------- status
+    def h_broker_status(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                        ) -> Response:
+        """Store health: log range, flush policy, damaged positions and offsets, whether
+        writes are accepted, the dedup window; the retry delay levels (seconds), which
+        consumers need to size their dedup retention."""
+        store = self.store
+        return 0, {"log_start": store.log.start, "log_end": store.log.end,
+                   "flush": self.config.store.flush, "damaged": store.damaged(),
+                   "writes": store.write_state(),
+                   "dedup": store.dedup.status(int(store.clock() * 1000)),
+                   "delay_levels": list(self.retry.levels)}, b""
+
+    def h_query_access_locks(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                             ) -> Response:
+        """A group's access-lock holders and orderly queue locks."""
+        group = check_name("group", str_field(h, "group"))
+        return 0, {"group": group, "enabled": self.config.access_lock,
+                   "queues": self.transition.status(group),
+                   "orderly": self.queue_locks.status(group)}, b""
 
     # ---------------------------------------------------------------- message lookup
     def h_query_message(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
                         ) -> Response:
-        store = self.broker.store
+        store = self.store
         topic, key, by = h.get("topic"), h.get("key"), h.get("by", "unique")
         if not isinstance(topic, str) or not isinstance(key, str) or not key:
             raise OnceqError(ErrorCode.INVALID_ARGUMENT, "fields 'topic' and 'key' must be "
@@ -102,7 +125,7 @@ class AdminOps:
         if by not in ("unique", "keys"):
             raise OnceqError(ErrorCode.INVALID_ARGUMENT, "field 'by' must be unique or keys")
         queues = store.get_topic(topic).queues  # TOPIC_NOT_EXIST
-        now = int(self.broker.clock() * 1000)
+        now = int(self.clock() * 1000)
         born = unique_key_time_ms(key) if by == "unique" else None
         if born is not None:
             begin_default, end_default = max(0, born - 60_000), born + _HOUR_MS
@@ -146,7 +169,7 @@ class AdminOps:
     async def _scan_queues(self, topic: str, queues: int, key: str, by: str, begin: int,
                            end: int, max_scan: int, max_results: int
                            ) -> tuple[list[dict[str, Any]], int, bool]:
-        store = self.broker.store
+        store = self.store
         found: list[dict[str, Any]] = []
         scanned = 0
         for q in range(queues):
@@ -154,7 +177,7 @@ class AdminOps:
                 raise OnceqError(ErrorCode.TOPIC_NOT_EXIST, "topic was deleted")
             offset = store.search_offset(topic, q, begin)
             while scanned < max_scan and len(found) < max_results:
-                if self.broker._closing:  # the store closes after the last answers
+                if self.closing():  # the store closes after the last answers
                     raise OnceqError(ErrorCode.SHUTTING_DOWN)
                 r = store.get(topic, q, offset, min(_CHUNK, max_scan - scanned), 8 << 20)
                 if r.status in (PullStatus.OFFSET_MOVED, PullStatus.DAMAGED):
@@ -191,7 +214,7 @@ class AdminOps:
                       ) -> Response:
         """``enabled`` true/false turns the group's delivery trace on/off; without it,
         only answers. Answers whether it is on and every traced group."""
-        trace = self.broker.trace
+        trace = self.trace
         group = h.get("group")
         enabled = h.get("enabled")
         if enabled is not None:

@@ -1,111 +1,57 @@
-"""The onceq broker: request handlers over the message store, on one asyncio loop."""
+"""The onceq broker: lifecycle, periodic tasks and the dispatch of requests to the services
+that handle them, on one asyncio loop.
+
+The services, each one job (see docs/broker.md, "Code map"):
+
+* ``send.py``: sends, sequenced sends, send-backs to the retry topic;
+* ``pull.py``: pulls, long polling, offset queries;
+* ``consumer_group.py``: heartbeats and members, ack-offset commits, queue releases, resets;
+* ``queue_lock.py``: orderly queue locks;
+* ``topic_admin.py`` and ``admin_ops.py``: topics, broker status, access locks, message
+  lookup, the delivery trace switch.
+
+They share the state this class owns and wires together: the store, the member registry
+(``groups.py``), the access lock (``transition.py``), the reset fence (``offset_reset.py``)
+and the durable answers (``durable.py``).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import struct
 import time
 from collections.abc import Callable
 from typing import Any
 
-from ..log.offset_record import OFFSETS_TOPIC
-from ..log.record import tag_hash
-from ..protocol.codes import PullStatus, PushCode, RequestCode
+from ..protocol.codes import PushCode, RequestCode
 from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.frame import REQUEST, decode_header, max_frame_for_body
 from ..storage.failures import storage_error
 from ..storage.files import OS_FILES, FileOps
 from ..storage.sequences import SequenceStore
-from ..storage.store import MessageStore, check_name
+from ..storage.store import MessageStore
 from .admin_ops import AdminOps
+from .commit_rule import CommitRule
 from .config import BrokerConfig
 from .connection import Connection
+from .consumer_group import ConsumerGroupService
+from .durable import DurableReplies
+from .fields import Handler, Response
 from .flush import Flusher
-from .groups import BROADCASTING, CLUSTERING, GroupRegistry
-from .idempotent import refuse_sequenced, send_sequenced
+from .groups import GroupRegistry
 from .limits import ConnectionGuard
-from .longpoll import HeldPull, PullHold
 from .metrics import BrokerMetrics, start_metrics
-from .offset_reset import FENCE_MAX_AGE_S, ResetFence, parse_targets, reset_offsets
+from .offset_reset import FENCE_MAX_AGE_S, ResetFence
+from .pull import PullService
 from .queue_lock import QueueLocks
 from .retry import RetryService, parse_delay_levels
+from .send import SendService
+from .topic_admin import TopicAdmin
 from .trace import DeliveryTrace
 from .transition import TransitionLock
 
 log = logging.getLogger("onceq.broker")
-
-_U32 = struct.Struct("<I")
-Response = tuple[int, dict[str, Any] | None, bytes] | None
-
-
-def split_parts(payload: bytes) -> list[memoryview]:
-    """Split a batch payload of [u32 length][part] items."""
-    view = memoryview(payload)
-    parts = []
-    pos = 0
-    n = len(view)
-    while pos < n:
-        if n - pos < 4:
-            raise OnceqError(ErrorCode.BAD_REQUEST, "truncated message length in batch")
-        size = _U32.unpack_from(view, pos)[0]
-        pos += 4
-        if size > n - pos:
-            raise OnceqError(ErrorCode.BAD_REQUEST, "message length exceeds the batch")
-        parts.append(view[pos:pos + size])
-        pos += size
-    if not parts:
-        raise OnceqError(ErrorCode.BAD_REQUEST, "empty batch")
-    return parts
-
-
-def _int(header: dict[str, Any], name: str, default: int | None = None) -> int:
-    value = header.get(name, default)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise OnceqError(ErrorCode.INVALID_ARGUMENT, f"field {name!r} must be an integer")
-    return value
-
-
-def _str(header: dict[str, Any], name: str) -> str:
-    value = header.get(name)
-    if not isinstance(value, str):
-        raise OnceqError(ErrorCode.INVALID_ARGUMENT, f"field {name!r} must be a string")
-    return value
-
-
-def _user_topic(topic: str) -> str:
-    """Refuse the broker's internal offsets journal topic in user requests."""
-    if topic == OFFSETS_TOPIC:
-        raise OnceqError(ErrorCode.INVALID_ARGUMENT,
-                         f"topic {OFFSETS_TOPIC} is internal to the broker (the consumer "
-                         "offsets journal): it cannot be sent to, pulled, created or deleted")
-    return topic
-
-
-def _held(group: dict[str, Any]) -> list[tuple[str, int, int]] | None:
-    """The ``held`` field of a heartbeat's group: [[topic, queue, next offset], ...]."""
-    held = group.get("held")
-    if held is None:
-        return None
-    if not isinstance(held, list) or not all(
-            isinstance(x, list) and len(x) == 3 and isinstance(x[0], str)
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in x[1:])
-            for x in held):
-        raise OnceqError(ErrorCode.INVALID_ARGUMENT,
-                         "held must be a list of [topic, queue, next offset]")
-    return [(t, q, d) for t, q, d in held]
-
-
-def _answer_durable(conn: Connection, corr: int, header: dict[str, Any],
-                    fut: asyncio.Future[None]) -> None:
-    """Answer a sync-flush send once its fsync is done (or failed)."""
-    exc = None if fut.cancelled() else fut.exception()
-    if fut.cancelled() or exc is not None:
-        err = exc if isinstance(exc, OnceqError) else OnceqError(ErrorCode.FLUSH_TIMEOUT)
-        conn.respond(corr, int(err.code), {"message": err.message})
-    else:
-        conn.respond(corr, 0, header)
 
 
 class Broker:
@@ -121,16 +67,36 @@ class Broker:
                                      config.read_timeout_s, config.idle_timeout_s,
                                      max_input=config.input_budget(),
                                      headroom=self._open_files_headroom)
-        self.groups = GroupRegistry(config.heartbeat_expiry_s, self._on_group_change)
-        self.holds = PullHold(self._retry_pull)
+        self.durable = DurableReplies(self.store)  # answers once a write is fsynced
+        self.groups = GroupRegistry(config.heartbeat_expiry_s,
+                                    lambda *change: self.consumer_groups.on_group_change(*change))
         self.fence = ResetFence()  # members that have not seen a forced offset reset yet
         self.transition = TransitionLock(
             self.store, self.groups, config.access_lock, config.access_lock_hold_s,
             config.access_lock_stable_checks, clock, config.access_lock_restore_hold_s, files,
             self._locks_changed)
-        self.queue_locks = QueueLocks(self)  # orderly consumption (queue_lock.py)
+        self.queue_locks = QueueLocks(  # orderly consumption
+            self.store, clock, config.queue_lock_expiry_s, groups=self.groups,
+            transition=self.transition, fence=self.fence, durable=self.durable)
+        commits = CommitRule(self.transition, self.queue_locks)
+        self.trace = DeliveryTrace(self.store, clock, self._on_internal_put)
+        self.pulls = PullService(config, self.store, transition=self.transition,
+                                 queue_locks=self.queue_locks, fence=self.fence,
+                                 commits=commits, trace=self.trace)
+        self.holds = self.pulls.holds  # held long-poll pulls
+        self.consumer_groups = ConsumerGroupService(
+            config, self.store, clock, groups=self.groups, transition=self.transition,
+            queue_locks=self.queue_locks, fence=self.fence, commits=commits,
+            pulls=self.pulls, trace=self.trace, durable=self.durable)
+        self.sends = SendService(config, self.store, self.sequences, self.durable,
+                                 self._on_internal_put)
+        topics = TopicAdmin(self.store, config.default_queues,
+                            topic_for_write=self.sends.topic_for_write,
+                            forget_topic=self._forget_topic)
+        self.admin = AdminOps(config, self.store, clock, transition=self.transition,
+                              queue_locks=self.queue_locks, trace=self.trace,
+                              closing=lambda: self._closing)
         self._locks_dirty: asyncio.Event | None = None
-        self._started = clock()
         self._hold_timer: asyncio.TimerHandle | None = None
         self.flusher: Flusher | None = None
         self.retry: RetryService | None = None
@@ -141,34 +107,29 @@ class Broker:
         self._closing = False
         self.port = config.port
         self.metrics: BrokerMetrics | None = None  # counters, when metrics_port is set
-        self.handlers: dict[int, Callable[[Connection, int, dict[str, Any], bytes], Response]] = {
+        groups, pulls, sends = self.consumer_groups, self.pulls, self.sends
+        self.handlers: dict[int, Handler] = {
             RequestCode.PING: self.h_ping,
-            RequestCode.SEND: self.h_send,
-            RequestCode.SEND_BATCH: self.h_send,
-            RequestCode.SEND_SEQUENCED: self.h_send_sequenced,
-            RequestCode.PULL: self.h_pull,
-            RequestCode.QUERY_OFFSETS: self.h_query_offsets,
-            RequestCode.SEARCH_OFFSET: self.h_search_offset,
-            RequestCode.COMMIT_OFFSET: self.h_commit_offset,
-            RequestCode.GET_OFFSET: self.h_get_offset,
-            RequestCode.CREATE_TOPIC: self.h_create_topic,
-            RequestCode.DELETE_TOPIC: self.h_delete_topic,
-            RequestCode.LIST_TOPICS: self.h_list_topics,
-            RequestCode.GET_TOPIC: self.h_get_topic,
-            RequestCode.HEARTBEAT: self.h_heartbeat,
-            RequestCode.UNREGISTER: self.h_unregister,
-            RequestCode.LIST_GROUP_MEMBERS: self.h_list_members,
-            RequestCode.LIST_GROUPS: self.h_list_groups,
-            RequestCode.CONSUMER_SEND_BACK: self.h_send_back,
-            RequestCode.RELEASE_QUEUE: self.h_release_queue,
-            RequestCode.RESET_OFFSETS: self.h_reset_offsets,
-            RequestCode.QUERY_ACCESS_LOCKS: self.h_query_access_locks,
-            RequestCode.BROKER_STATUS: self.h_broker_status,
+            RequestCode.SEND: sends.h_send,
+            RequestCode.SEND_BATCH: sends.h_send,
+            RequestCode.SEND_SEQUENCED: sends.h_send_sequenced,
+            RequestCode.CONSUMER_SEND_BACK: sends.h_send_back,
+            RequestCode.PULL: pulls.h_pull,
+            RequestCode.QUERY_OFFSETS: pulls.h_query_offsets,
+            RequestCode.SEARCH_OFFSET: pulls.h_search_offset,
+            RequestCode.GET_OFFSET: pulls.h_get_offset,
+            RequestCode.HEARTBEAT: groups.h_heartbeat,
+            RequestCode.UNREGISTER: groups.h_unregister,
+            RequestCode.LIST_GROUP_MEMBERS: groups.h_list_members,
+            RequestCode.LIST_GROUPS: groups.h_list_groups,
+            RequestCode.COMMIT_OFFSET: groups.h_commit_offset,
+            RequestCode.RELEASE_QUEUE: groups.h_release_queue,
+            RequestCode.RESET_OFFSETS: groups.h_reset_offsets,
             RequestCode.LOCK_QUEUES: self.queue_locks.h_lock,
             RequestCode.UNLOCK_QUEUES: self.queue_locks.h_unlock,
+            **topics.handlers(),
+            **self.admin.handlers(),
         }
-        self.trace = DeliveryTrace(self.store, clock, self._on_internal_put)
-        self.handlers.update(AdminOps(self).handlers())
 
     # ================================================================ lifecycle
     async def start(self) -> None:
@@ -177,7 +138,7 @@ class Broker:
         log.info("store opened in %.2fs (%d records)", time.perf_counter() - t0,
                  self.store.recovered_records)
         self.sequences.open()
-        self._started = self.clock()
+        self.consumer_groups.started = self.clock()
         self.trace.load()
         if self.transition.load():  # when the restore hold ends, the groups rebalance
             self._hold_timer = asyncio.get_running_loop().call_later(
@@ -187,8 +148,10 @@ class Broker:
         self.retry = RetryService(self.store, parse_delay_levels(cfg.delay_levels), self.clock,
                                   self._on_internal_put)
         self.retry.start()
+        self.sends.retry = self.consumer_groups.retry = self.admin.retry = self.retry
         self.flusher = Flusher(self.store, cfg.store.flush, cfg.store.flush_interval_ms)
         self.flusher.start()
+        self.durable.flusher = self.flusher
         loop = asyncio.get_running_loop()
         max_frame = max_frame_for_body(cfg.store.max_body)
         self.guard.measure(0)
@@ -217,6 +180,7 @@ class Broker:
         log.info("broker listening on %s:%d (flush=%s)", cfg.host, self.port, cfg.store.flush)
         try:
             self.metrics = await start_metrics(self)
+            self.sends.metrics = self.pulls.metrics = self.metrics
         except BaseException:  # e.g. the metrics port is in use
             await self.stop()
             raise
@@ -406,421 +370,14 @@ class Broker:
     def h_ping(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes) -> Response:
         return 0, {"time": int(self.clock() * 1000)}, b""
 
-    def _topic_for_write(self, topic: str) -> None:
-        _user_topic(topic)
-        if topic not in self.store.topics and self.config.auto_create_topics:
-            check_name("topic", topic)
-            self.store.create_topic(topic, self.config.default_queues)
-
-    def h_send(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes) -> Response:
-        topic = _str(h, "topic")
-        qid = _int(h, "queue")
-        self._topic_for_write(topic)
-        parts = split_parts(p)
-        refuse_sequenced(topic, parts)
-        res = self.store.put(topic, qid, parts)
-        if len(res.duplicates) < len(parts):
-            self.holds.notify((topic, qid))
-        if self.metrics is not None:
-            self.metrics.on_send(topic, len(parts), len(p), len(res.duplicates))
-        if res.duplicates:
-            header = {"queue": qid, "offsets": res.offsets, "dups": res.duplicates,
-                      "dupq": res.duplicate_queues}
-        else:
-            header = {"queue": qid, "base": res.offsets[0], "n": len(res.offsets)}
-        return self._durable_reply(conn, corr, header, res.end_position)
-
-    def h_send_sequenced(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                         ) -> Response:
-        """An idempotent writer's numbered batch (``idempotent.py``)."""
-        topic = _str(h, "topic")
-        qid = _int(h, "queue")
-        self._topic_for_write(topic)
-        return send_sequenced(self, conn, corr, h, split_parts(p), topic, qid)
-
-    def _pull_request(self, h: dict[str, Any]) -> dict[str, Any]:
-        req = {
-            "topic": _user_topic(_str(h, "topic")),
-            "queue": _int(h, "queue"),
-            "offset": _int(h, "offset"),
-            "max": min(max(_int(h, "max", 32), 1), self.config.max_pull_msgs),
-            "max_bytes": min(max(_int(h, "max_bytes", self.config.max_pull_bytes), 1),
-                             self.config.max_pull_bytes),
-            "suspend_ms": max(_int(h, "suspend_ms", 0), 0),
-            "group": None,
-            "client": None,
-        }
-        tags = h.get("tags")
-        if tags is not None:
-            if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-                raise OnceqError(ErrorCode.INVALID_ARGUMENT, "tags must be a list of strings")
-            req["tag_hashes"] = frozenset(tag_hash(t) for t in tags)
-        else:
-            req["tag_hashes"] = None
-        return req
-
-    def h_pull(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes) -> Response:
-        req = self._pull_request(h)
-        topic, queue = req["topic"], req["queue"]
-        self.store.get_topic(topic)
-        group = h.get("group")
-        if group is not None:
-            group = check_name("group", group)
-        commit = _int(h, "commit") if "commit" in h else -1
-        client = h.get("client")
-        if group is not None and isinstance(client, str):
-            self.fence.seen(group, client, h.get("reset_gen"))
-            if self.fence.blocks(group, client, topic, queue):  # before it saw the reset:
-                return 0, self._locked(topic, queue, req["offset"]), b""  # nor its commit
-        if group is not None and self.queue_locks.refuses(group, client, topic, queue):
-            return 0, self._locked(topic, queue, req["offset"]), b""  # orderly lock
-        traced = group is not None and group in self.trace.groups  # delivery trace (trace.py)
-        acquired = False  # this pull made the client the queue's lock holder
-        if isinstance(client, str) and self.transition.applies(group, client):
-            acquired = traced and self.transition.table.holder(group, topic, queue) != client
-            grant = self.transition.check(group, client, topic, queue, req["offset"])
-            if not grant.granted:  # a refused client's commit must not move the offset
-                return 0, self._locked(topic, queue, req["offset"]), b""
-            if grant.offset > req["offset"]:  # taken over and moved forward to the group's
-                commit = -1  # offset: the client's commit is its stale start, not progress
-            req["offset"] = grant.offset
-            req["group"], req["client"] = group, client
-        elif group is not None and commit >= 0 and not self._may_commit(
-                group, client if isinstance(client, str) else None, topic, queue):
-            commit = -1  # another client holds the queue: its commits count
-        if traced:
-            req["trace"] = (group, client if isinstance(client, str) else "", acquired)
-        if group is not None and commit >= 0:
-            # journaled with the next batch, not waited for: a consumer sends its finished
-            # offsets again after a reconnect (and with its next pull)
-            self.store.commit_offset_later(group, topic, queue, commit)
-        res = self._do_pull(req)
-        if res is None:
-            seconds = min(req["suspend_ms"] / 1000, self.config.long_poll_max_s)
-            if req["client"] is not None:  # a suspended holder is alive: keep its lock
-                self.transition.touch(group, client, topic, queue)
-            self.holds.hold((topic, queue), HeldPull(conn, corr, req), seconds)
-            return None
-        return res
-
-    def _do_pull(self, req: dict[str, Any], final: bool = False) -> Response:
-        """Run a pull; None means 'nothing yet, hold it' (only when it may be held)."""
-        r = self.store.get(req["topic"], req["queue"], req["offset"], req["max"],
-                           req["max_bytes"], req["tag_hashes"])
-        if r.status == PullStatus.NO_NEW_MESSAGE and req["suspend_ms"] > 0 and not final:
-            if r.next_offset != req["offset"]:
-                req["offset"] = r.next_offset  # filtered entries skipped: wait from there
-            return None
-        if r.status == PullStatus.FOUND:
-            if req["client"] is not None:
-                self.transition.delivered(req["group"], req["topic"], req["queue"],
-                                          r.next_offset)
-            if "trace" in req:
-                self.trace.delivered(*req["trace"], req["topic"], req["queue"], r.payload)
-            if self.metrics is not None:
-                self.metrics.on_pull(req["topic"], r.count, len(r.payload))
-        hdr = {"st": int(r.status), "next": r.next_offset, "min": r.min_offset,
-               "max": r.max_offset, "n": r.count}
-        if r.status == PullStatus.DAMAGED:  # offsets [damaged[0], damaged[1]) are lost
-            hdr["damaged"] = [req["offset"], r.next_offset]
-        return 0, hdr, r.payload
-
-    def _locked(self, topic: str, queue: int, offset: int) -> dict[str, Any]:
-        """A refused pull: "queue is locked by another client", same next offset."""
-        lo, hi = self.store.min_max(topic, queue)
-        return {"st": int(PullStatus.LOCKED), "next": offset, "min": lo, "max": hi, "n": 0}
-
-    def _retry_pull(self, held: HeldPull, final: bool) -> bool:
-        try:
-            req = held.request
-            if req["topic"] not in self.store.topics:
-                raise OnceqError(ErrorCode.TOPIC_NOT_EXIST, "topic was deleted")
-            if req["client"] is not None and not self.transition.is_holder(
-                    req["group"], req["client"], req["topic"], req["queue"]):
-                held.conn.respond(held.corr_id, 0,
-                                  self._locked(req["topic"], req["queue"], req["offset"]))
-                return True
-            res = self._do_pull(req, final)
-        except OnceqError as exc:
-            held.conn.respond(held.corr_id, int(exc.code), {"message": exc.message})
-            return True
-        except Exception as exc:  # answer it: the puller must not wait for its timeout
-            log.exception("held pull failed")
-            held.conn.respond(held.corr_id, int(ErrorCode.SYSTEM_ERROR),
-                              {"message": f"internal: {exc}"})
-            return True
-        if res is None:
-            return False
-        held.conn.respond(held.corr_id, *res)
-        return True
-
-    def h_query_offsets(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                        ) -> Response:
-        lo, hi = self.store.min_max(_str(h, "topic"), _int(h, "queue"))
-        return 0, {"min": lo, "max": hi}, b""
-
-    def h_search_offset(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                        ) -> Response:
-        off = self.store.search_offset(_str(h, "topic"), _int(h, "queue"), _int(h, "ts"))
-        return 0, {"offset": off}, b""
-
-    def h_commit_offset(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                        ) -> Response:
-        offset = _int(h, "offset")
-        if offset < 0:
-            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "offset must be >= 0")
-        group = check_name("group", _str(h, "group"))
-        topic, queue = _user_topic(_str(h, "topic")), _int(h, "queue")
-        client = h.get("client")
-        if client is not None and not isinstance(client, str):
-            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "field 'client' must be a string")
-        self.store.min_max(topic, queue)  # TOPIC_NOT_EXIST / INVALID_QUEUE first
-        self.fence.seen(group, client, h.get("reset_gen"))
-        if self.fence.blocks(group, client, topic, queue):
-            raise OnceqError(ErrorCode.NOT_HOLDER, (
-                f"the offsets of group {group!r} on {topic}:{queue} were reset; client "
-                f"{client!r} must take the queue again first"))
-        if not self._may_commit(group, client, topic, queue):
-            holder = self.transition.table.holder(group, topic, queue)
-            raise OnceqError(ErrorCode.NOT_HOLDER, (
-                f"client {client!r} does not hold {topic}:{queue} of group {group!r} "
-                f"(holder: {holder or 'none'}); only the holder's commits count"))
-        end = self.store.commit_offset(group, topic, queue, offset)
-        return self._durable_reply(conn, corr, {}, end)
-
-    def _may_commit(self, group: str, client: str | None, topic: str, queue: int) -> bool:
-        """Whether a commit from ``client`` (None: it sent no id) may set the group's offset.
-
-        A member the access lock applies to must hold the queue; any other committer (a
-        pull consumer, a group without the lock) only while no other client holds it."""
-        if self.queue_locks.refuses(group, client, topic, queue):
-            return False  # another client holds the queue's orderly lock
-        holder = self.transition.table.holder(group, topic, queue)
-        if client is not None and self.transition.applies(group, client):
-            return holder == client
-        return holder is None or holder == client
-
-    def h_get_offset(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                     ) -> Response:
-        group = check_name("group", _str(h, "group"))
-        off = self.store.get_offset(group, _str(h, "topic"), _int(h, "queue"))
-        return 0, {"offset": off}, b""
-
-    def h_create_topic(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                       ) -> Response:
-        name = _user_topic(_str(h, "topic"))
-        queues = _int(h, "queues", self.config.default_queues)
-        if h.get("exclusive") and name in self.store.topics:
-            raise OnceqError(ErrorCode.TOPIC_EXISTS, f"topic {name!r} already exists")
-        t = self.store.create_topic(name, queues)
-        log.info("topic %s created/updated with %d queues", name, t.queues)
-        return 0, {"topic": t.name, "queues": t.queues}, b""
-
-    def h_delete_topic(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                       ) -> Response:
-        name = _user_topic(_str(h, "topic"))
-        self.store.delete_topic(name)
-        self.sequences.table.drop_topic(name)
-        self.transition.drop_topic(name)
-        self.queue_locks.table.drop_topic(name)
-        self.fence.drop_topic(name)
-        for key in [k for k in self.holds.held if k[0] == name]:
-            self.holds.notify(key)
-        log.info("topic %s deleted", name)
-        return 0, None, b""
-
-    def h_list_topics(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                      ) -> Response:
-        topics = [{"topic": t.name, "queues": t.queues} for t in
-                  sorted(self.store.topics.values(), key=lambda t: t.name)
-                  if t.name != OFFSETS_TOPIC]
-        return 0, {"topics": topics}, b""
-
-    def h_get_topic(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                    ) -> Response:
-        name = _str(h, "topic")
-        self._topic_for_write(name)
-        t = self.store.get_topic(name)
-        return 0, {"topic": t.name, "queues": t.queues}, b""
-
-    def h_heartbeat(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                    ) -> Response:
-        client = _str(h, "client")
-        if not 1 <= len(client) <= 255:
-            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "client id must be 1-255 characters")
-        groups = h.get("groups", [])
-        if not isinstance(groups, list):
-            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "groups must be a list")
-        checked = []
-        for g in groups:  # validate everything first: a bad heartbeat changes nothing
-            if not isinstance(g, dict):
-                raise OnceqError(ErrorCode.INVALID_ARGUMENT, "each group must be a map")
-            name = check_name("group", g.get("group"))
-            subs = g.get("subs", {})
-            if not isinstance(subs, dict) or not all(
-                    isinstance(k, str) and isinstance(v, str) for k, v in subs.items()):
-                raise OnceqError(ErrorCode.INVALID_ARGUMENT,
-                                 "subs must be a map of topic -> tag expression")
-            model = g.get("model", CLUSTERING)
-            if model not in (CLUSTERING, BROADCASTING):
-                raise OnceqError(ErrorCode.INVALID_ARGUMENT,
-                                 f"model must be {CLUSTERING} or {BROADCASTING}")
-            meta = g.get("meta")
-            if meta is not None and not isinstance(meta, dict):
-                raise OnceqError(ErrorCode.INVALID_ARGUMENT, "meta must be a map")
-            checked.append((name, subs, model, meta, _held(g), g.get("reset_gen")))
-        now = self.clock()
-        holds = []
-        resets = []
-        for name, subs, model, meta, held, reset_gen in checked:
-            if model == CLUSTERING and self.retry is not None:
-                try:
-                    self.retry.ensure_group_topics(name)
-                except OnceqError as exc:  # a full disk: created by a later heartbeat
-                    if not exc.retriable:
-                        raise
-            self.groups.heartbeat(name, client, conn, model, subs, now, meta)
-            self.fence.seen(name, client, reset_gen)
-            pending = self.fence.pending(name, client)
-            if pending is not None:  # a forced reset it has not handled: repeat it, and
-                resets.append(pending)  # do not let its held list take those queues back
-                if held is not None:
-                    held = [x for x in held
-                            if not self.fence.blocks(name, client, x[0], x[1])]
-            # the queues the member holds (after a reconnect: restore the access lock)
-            if held is not None and self.transition.applies(name, client):
-                holds += [[name, t, q, h] for t, q, h in
-                          self.transition.reassert(name, client, held)]
-        conn.client_ids.add(client)
-        self.transition.touch_client(client)
-        answer: dict[str, Any] = {"expiry_s": self.config.heartbeat_expiry_s, "holds": holds}
-        if resets:
-            answer["resets"] = resets
-        return 0, answer, b""
-
-    def h_unregister(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                     ) -> Response:
-        group = check_name("group", _str(h, "group"))
-        self.groups.unregister(group, _str(h, "client"), "leave")
-        self.fence.drop_client(group, _str(h, "client"))
-        return 0, None, b""
-
-    def h_list_members(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                       ) -> Response:
-        group = check_name("group", _str(h, "group"))
-        if group not in self.groups.groups and group not in self.store.offsets:
-            raise OnceqError(ErrorCode.GROUP_NOT_EXIST, f"consumer group {group!r} is unknown")
-        members = [
-            {"client": m.client_id, "model": m.model, "subs": m.subscriptions,
-             "last_heartbeat_ms": int(m.last_heartbeat * 1000), "peer": m.conn.peer}
-            for m in self.groups.members(group)
-        ]
-        known = {m["client"] for m in members}
-        members += [  # holders saved before a restart, not reconnected yet
-            {"client": cid, "model": CLUSTERING, "subs": {}, "peer": "(restored)",
-             "last_heartbeat_ms": int(self._started * 1000), "restored": True}
-            for cid in self.transition.restored_members(group) if cid not in known]
-        return 0, {"group": group, "members": members}, b""
-
-    def h_list_groups(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                      ) -> Response:
-        names = sorted(set(self.groups.groups) | set(self.store.offsets))
-        return 0, {"groups": names}, b""
-
-    def h_send_back(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                    ) -> Response:
-        assert self.retry is not None
-        group = check_name("group", _str(h, "group"))
-        max_reconsume = _int(h, "max_reconsume", 16)
-        if not 0 <= max_reconsume <= 10_000:
-            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "max_reconsume must be 0..10000")
-        reason = h.get("dlq_reason", "")
-        if not isinstance(reason, str):
-            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "field 'dlq_reason' must be a string")
-        res = self.retry.send_back(group, _str(h, "topic"), _int(h, "queue"), _int(h, "offset"),
-                                   _int(h, "delay_level", 0), max_reconsume, reason)
-        return self._durable_reply(conn, corr, res)
-
-    def _durable_reply(self, conn: Connection, corr: int, header: dict[str, Any],
-                       end: int | None = None) -> Response:
-        """Answer now, or (sync flush) once the bytes before ``end`` (default: everything
-        written so far) are fsynced."""
-        flusher = self.flusher
-        end = self.store.log.end if end is None else end
-        if flusher is not None and flusher.sync_policy and end > flusher.flushed:
-            fut = flusher.wait_durable(end)
-            fut.add_done_callback(lambda f: _answer_durable(conn, corr, header, f))
-            return None
-        return 0, header, b""
-
-    def h_release_queue(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                        ) -> Response:
-        """End of a drain: commit the final offset, drop held pulls, release the lock."""
-        group = check_name("group", _str(h, "group"))
-        client, topic, queue = _str(h, "client"), _str(h, "topic"), _int(h, "queue")
-        if topic not in self.store.topics:  # deleted meanwhile: nothing left to release
-            self.transition.release(group, client, topic, queue)
-            return 0, {"released": False}, b""
-        offset = _int(h, "offset", -1)
-        for held in self.holds.drop_client((topic, queue), client):
-            held.conn.respond(held.corr_id, 0,
-                              self._locked(topic, queue, held.request["offset"]))
-        # only the holder (or a group without the lock) commits: a client that never got
-        # the queue must not move its offset back under the one still draining it
-        applies = self.transition.applies(group, client)
-        self.fence.seen(group, client, h.get("reset_gen"))
-        may_commit = (self._may_commit(group, client, topic, queue)  # before the release
-                      and not self.fence.blocks(group, client, topic, queue))
-        released = self.transition.release(group, client, topic, queue)
-        end = 0
-        if offset >= 0 and may_commit and (released or not applies):
-            if applies:  # the holder's reads were corrected forward to the group's offset:
-                # a lower one is its stale start (its first pull still held), not progress
-                offset = max(offset, self.store.get_offset(group, topic, queue))
-            end = self.store.commit_offset(group, topic, queue, offset)
-        return self._durable_reply(conn, corr, {"released": released}, end)
-
-    def h_reset_offsets(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                        ) -> Response:
-        """Admin: move a group's offsets on a topic (see ``offset_reset.py``)."""
-        group = check_name("group", _str(h, "group"))
-        topic = _user_topic(_str(h, "topic"))
-        force = h.get("force", False)
-        if not isinstance(force, bool):
-            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "force must be a boolean")
-        targets = parse_targets(h.get("offsets"), self.store.get_topic(topic).queues)
-        answer, end = reset_offsets(self, group, topic, targets, force)
-        return self._durable_reply(conn, corr, answer, end)
-
-    def h_query_access_locks(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                             ) -> Response:
-        group = check_name("group", _str(h, "group"))
-        return 0, {"group": group, "enabled": self.config.access_lock,
-                   "queues": self.transition.status(group),
-                   "orderly": self.queue_locks.status(group)}, b""
-
-    def h_broker_status(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                        ) -> Response:
-        """Store health: log range, flush policy, damaged positions and offsets, whether
-        writes are accepted, the dedup window; the retry delay levels (seconds), which
-        consumers need to size their dedup retention."""
-        store = self.store
-        return 0, {"log_start": store.log.start, "log_end": store.log.end,
-                   "flush": self.config.store.flush, "damaged": store.damaged(),
-                   "writes": store.write_state(),
-                   "dedup": store.dedup.status(int(store.clock() * 1000)),
-                   "delay_levels": list(self.retry.levels)}, b""
-
-    def _on_internal_put(self, topic: str, queue: int) -> None:
-        self.holds.notify((topic, queue))
-
     # ================================================================ notifications
-    def _on_group_change(self, group: str, client_id: str, reason: str) -> None:
-        log.info("group %s: %s %s", group, client_id, reason)
-        self.trace.member(group, client_id, reason)
-        if reason in ("leave", "disconnect", "expired"):
-            self.transition.member_gone(group, client_id, reason)
-            self.queue_locks.member_gone(group, client_id, reason)
-        for m in self.groups.members(group):
-            m.conn.push(PushCode.GROUP_CHANGED, {"group": group, "client": client_id,
-                                                 "reason": reason})
+    def _on_internal_put(self, topic: str, queue: int) -> None:
+        self.pulls.wake(topic, queue)
+
+    def _forget_topic(self, topic: str) -> None:
+        """A deleted topic: drop it from every table that names its queues."""
+        self.sequences.table.drop_topic(topic)
+        self.transition.drop_topic(topic)
+        self.queue_locks.table.drop_topic(topic)
+        self.fence.drop_topic(topic)
+        self.pulls.wake_topic(topic)

@@ -19,8 +19,8 @@ from ..log.sequence import SEQ_PROPERTY, SEQUENCED, SequenceError, check_writer_
 from ..protocol.errors import ErrorCode, OnceqError
 
 if TYPE_CHECKING:
-    from .broker import Broker, Response
-    from .connection import Connection
+    from ..storage.sequences import SequenceStore
+    from ..storage.store import MessageStore
 
 
 # the SEQUENCED flag is the high bit of the part's u16 flags (bytes 8-9, little endian)
@@ -64,8 +64,11 @@ def check_marker(parts: list[memoryview], writer: str, epoch: int, last: int) ->
             f"the last message of the batch must carry the property {SEQ_PROPERTY}={want!r}"))
 
 
-def send_sequenced(broker: Broker, conn: Connection, corr: int, h: dict[str, Any],
-                   parts: list[memoryview], topic: str, qid: int) -> Response:
+def send_sequenced(store: MessageStore, sequences: SequenceStore, h: dict[str, Any],
+                   parts: list[memoryview], *, topic: str, queue: int
+                   ) -> tuple[dict[str, Any], int | None]:
+    """Store the batch's messages not stored yet; return the answer and the log position
+    it is durable at (None: once everything written so far is)."""
     try:
         writer = check_writer_id(h.get("writer"))
     except SequenceError as exc:
@@ -80,21 +83,20 @@ def send_sequenced(broker: Broker, conn: Connection, corr: int, h: dict[str, Any
                          "broker: sequenced sends go to user topics")
     last = seq + len(parts) - 1
     check_marker(parts, writer, epoch, last)
-    broker.store.get_topic(topic)  # TOPIC_NOT_EXIST before a sequence error
-    table = broker.sequences.table
-    key = (writer, topic, qid)
+    store.get_topic(topic)  # TOPIC_NOT_EXIST before a sequence error
+    table = sequences.table
+    key = (writer, topic, queue)
     try:
         dup = table.check(key, epoch, seq, len(parts))
     except SequenceError as exc:
         code = ErrorCode.OUT_OF_ORDER_SEQUENCE if exc.gap else ErrorCode.INVALID_SEQUENCE
         raise OnceqError(code, str(exc)) from None
-    header: dict[str, Any] = {"queue": qid, "dup": dup, "base": -1, "n": 0}
+    header: dict[str, Any] = {"queue": queue, "dup": dup, "base": -1, "n": 0}
     if dup == len(parts):  # answered once the first copies are durable
-        return broker._durable_reply(conn, corr, header)
+        return header, None
     # no dedup window: the sequence is the stronger check (and the last part, which
     # carries it, must be stored)
-    res = broker.store.put(topic, qid, parts[dup:], dedup=False)
-    table.record(key, epoch, last, int(broker.store.clock() * 1000), res.end_position - 1)
-    broker.holds.notify((topic, qid))
+    res = store.put(topic, queue, parts[dup:], dedup=False)
+    table.record(key, epoch, last, int(store.clock() * 1000), res.end_position - 1)
     header["base"], header["n"] = res.offsets[0], len(res.offsets)
-    return broker._durable_reply(conn, corr, header, res.end_position)
+    return header, res.end_position

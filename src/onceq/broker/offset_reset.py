@@ -27,7 +27,9 @@ from ..protocol.codes import PushCode
 from ..protocol.errors import ErrorCode, OnceqError
 
 if TYPE_CHECKING:
-    from .broker import Broker
+    from ..storage.store import MessageStore
+    from .groups import GroupRegistry
+    from .transition import TransitionLock
 
 log = logging.getLogger("onceq.broker")
 
@@ -124,10 +126,12 @@ def parse_targets(raw: object, queues: int) -> dict[int, int]:
     return out
 
 
-def reset_offsets(broker: Broker, group: str, topic: str, targets: dict[int, int],
-                  force: bool) -> tuple[dict[str, Any], int]:
-    """Apply a reset; returns the answer and the log position it is durable at."""
-    store, groups, transition = broker.store, broker.groups, broker.transition
+def reset_offsets(store: MessageStore, groups: GroupRegistry, transition: TransitionLock,
+                  fence: ResetFence, clock: Callable[[], float],
+                  wake: Callable[[str, int], None], *, group: str, topic: str,
+                  targets: dict[int, int], force: bool) -> tuple[dict[str, Any], int]:
+    """Apply a reset; returns the answer and the log position it is durable at.
+    ``wake(topic, queue)`` answers the pulls held on a reset queue (``LOCKED``)."""
     members = [m.client_id for m in groups.members(group)]
     members += [c for c in transition.restored_members(group) if c not in members]
     if members and not force:
@@ -141,13 +145,13 @@ def reset_offsets(broker: Broker, group: str, topic: str, targets: dict[int, int
     gen = 0
     if members:  # forced: the members must not overwrite it, and must read from it
         keys = {(topic, q) for q, _old, _new in rows}
-        gen = broker.fence.add(group, members, keys, broker.clock())
+        gen = fence.add(group, members, keys, clock())
         notice = {"group": group, "gen": gen, "queues": sorted([t, q] for t, q in keys)}
         for m in groups.members(group):
             m.conn.push(PushCode.OFFSETS_RESET, notice)
         for q, _old, _new in rows:
             transition.reset_queue(group, topic, q)
-            broker.holds.notify((topic, q))  # held pulls of its members: LOCKED
+            wake(topic, q)  # held pulls of its members: LOCKED
     end = 0
     for q, old, new in rows:
         end = max(end, store.commit_offset(group, topic, q, new))

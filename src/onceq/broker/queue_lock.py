@@ -15,6 +15,7 @@ holds either. See docs/consumer.md, "Orderly consumption".
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..protocol.errors import ErrorCode, OnceqError
@@ -22,8 +23,13 @@ from ..storage.store import check_name
 from .queue_lock_table import QueueLockTable
 
 if TYPE_CHECKING:
-    from .broker import Broker, Response
+    from ..storage.store import MessageStore
     from .connection import Connection
+    from .durable import DurableReplies
+    from .fields import Response
+    from .groups import GroupRegistry
+    from .offset_reset import ResetFence
+    from .transition import TransitionLock
 
 log = logging.getLogger("onceq.broker")
 
@@ -44,25 +50,32 @@ def _queues(h: dict[str, Any], with_offset: bool) -> list[tuple[str, int, int]]:
 
 
 class QueueLocks:
-    def __init__(self, broker: Broker) -> None:
-        self.broker = broker
-        self.table = QueueLockTable(broker.config.queue_lock_expiry_s)
+    def __init__(self, store: MessageStore, clock: Callable[[], float], expiry_s: float, *,
+                 groups: GroupRegistry, transition: TransitionLock, fence: ResetFence,
+                 durable: DurableReplies) -> None:
+        self.store = store
+        self.clock = clock
+        self.groups = groups
+        self.transition = transition
+        self.fence = fence
+        self.durable = durable
+        self.table = QueueLockTable(expiry_s)
 
     def _now(self) -> float:
-        return self.broker.clock()
+        return self.clock()
 
     def _member(self, h: dict[str, Any]) -> tuple[str, str]:
         group = check_name("group", h.get("group"))
         client = h.get("client")
         if not isinstance(client, str):
             raise OnceqError(ErrorCode.INVALID_ARGUMENT, "field 'client' must be a string")
-        if self.broker.groups.member(group, client) is None:
+        if self.groups.member(group, client) is None:
             raise OnceqError(ErrorCode.NOT_MEMBER, f"client {client!r} is not a member of "
                              f"group {group!r}: send a heartbeat before locking queues")
         return group, client
 
     def _exists(self, topic: str, queue: int) -> bool:
-        t = self.broker.store.topics.get(topic)
+        t = self.store.topics.get(topic)
         return t is not None and 0 <= queue < t.queues
 
     def h_lock(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes) -> Response:
@@ -70,7 +83,7 @@ class QueueLocks:
         topics are not granted (a deleted topic must not fail the renewal of the rest)."""
         group, client = self._member(h)
         wanted = [(t, q) for t, q, _ in _queues(h, False) if self._exists(t, q)]
-        access = self.broker.transition.table
+        access = self.transition.table
 
         def taken(topic: str, queue: int) -> str | None:
             return access.holder(group, topic, queue)
@@ -85,21 +98,21 @@ class QueueLocks:
         if not isinstance(client, str):
             raise OnceqError(ErrorCode.INVALID_ARGUMENT, "field 'client' must be a string")
         items = _queues(h, True)
-        b = self.broker
-        b.fence.seen(group, client, h.get("reset_gen"))
+        store, fence = self.store, self.fence
+        fence.seen(group, client, h.get("reset_gen"))
         offsets = {(t, q): off for t, q, off in items}
         end = 0
 
         def commit(queue: tuple[str, int]) -> None:
             nonlocal end
             off = offsets[queue]
-            if off >= 0 and queue[0] in b.store.topics and not b.fence.blocks(group, client,
-                                                                                *queue):
-                end = max(end, b.store.commit_offset(group, *queue, off))
+            if off >= 0 and queue[0] in store.topics and not fence.blocks(group, client,
+                                                                            *queue):
+                end = max(end, store.commit_offset(group, *queue, off))
 
         released = self.table.unlock(group, client, list(offsets), self._now(), commit)
-        return b._durable_reply(conn, corr, {"unlocked": [[t, q] for t, q in sorted(released)]},
-                                end)
+        return self.durable.reply(conn, corr,
+                                  {"unlocked": [[t, q] for t, q in sorted(released)]}, end=end)
 
     # ---------------------------------------------------------------- hooks
     def refuses(self, group: str, client: str | None, topic: str, queue: int) -> bool:

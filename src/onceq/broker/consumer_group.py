@@ -1,0 +1,237 @@
+"""The consumer group service: membership (``HEARTBEAT``, ``UNREGISTER``, member and group
+lists, the ``GROUP_CHANGED`` push), the group's ack offsets (``COMMIT_OFFSET``, the
+``RELEASE_QUEUE`` at the end of a drain, the admin's ``RESET_OFFSETS``).
+
+The registry of members is ``groups.py``; who may commit is ``commit_rule.py``; the fence
+of a forced reset is ``offset_reset.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..protocol.codes import PushCode
+from ..protocol.errors import ErrorCode, OnceqError
+from ..storage.store import check_name
+from .fields import Response, int_field, str_field, user_topic
+from .groups import BROADCASTING, CLUSTERING
+from .offset_reset import parse_targets, reset_offsets
+
+if TYPE_CHECKING:
+    from ..storage.store import MessageStore
+    from .commit_rule import CommitRule
+    from .config import BrokerConfig
+    from .connection import Connection
+    from .durable import DurableReplies
+    from .groups import GroupRegistry
+    from .offset_reset import ResetFence
+    from .pull import PullService
+    from .queue_lock import QueueLocks
+    from .retry import RetryService
+    from .trace import DeliveryTrace
+    from .transition import TransitionLock
+
+log = logging.getLogger("onceq.broker")
+
+
+def _held(group: dict[str, Any]) -> list[tuple[str, int, int]] | None:
+    """The ``held`` field of a heartbeat's group: [[topic, queue, next offset], ...]."""
+    held = group.get("held")
+    if held is None:
+        return None
+    if not isinstance(held, list) or not all(
+            isinstance(x, list) and len(x) == 3 and isinstance(x[0], str)
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in x[1:])
+            for x in held):
+        raise OnceqError(ErrorCode.INVALID_ARGUMENT,
+                         "held must be a list of [topic, queue, next offset]")
+    return [(t, q, d) for t, q, d in held]
+
+
+class ConsumerGroupService:
+    """Members and ack offsets of consumer groups. ``retry`` is set when the broker starts,
+    and ``started`` (when it started: the last sign of life of holders restored from
+    before a restart)."""
+
+    def __init__(self, config: BrokerConfig, store: MessageStore,
+                 clock: Callable[[], float], *, groups: GroupRegistry,
+                 transition: TransitionLock, queue_locks: QueueLocks, fence: ResetFence,
+                 commits: CommitRule, pulls: PullService, trace: DeliveryTrace,
+                 durable: DurableReplies) -> None:
+        self.config = config
+        self.store = store
+        self.clock = clock
+        self.groups = groups
+        self.transition = transition
+        self.queue_locks = queue_locks
+        self.fence = fence
+        self.commits = commits
+        self.pulls = pulls
+        self.trace = trace
+        self.durable = durable
+        self.retry: RetryService | None = None
+        self.started = clock()
+
+    # ---------------------------------------------------------------- membership
+    def h_heartbeat(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                    ) -> Response:
+        client = str_field(h, "client")
+        if not 1 <= len(client) <= 255:
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "client id must be 1-255 characters")
+        groups = h.get("groups", [])
+        if not isinstance(groups, list):
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "groups must be a list")
+        checked = []
+        for g in groups:  # validate everything first: a bad heartbeat changes nothing
+            if not isinstance(g, dict):
+                raise OnceqError(ErrorCode.INVALID_ARGUMENT, "each group must be a map")
+            name = check_name("group", g.get("group"))
+            subs = g.get("subs", {})
+            if not isinstance(subs, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in subs.items()):
+                raise OnceqError(ErrorCode.INVALID_ARGUMENT,
+                                 "subs must be a map of topic -> tag expression")
+            model = g.get("model", CLUSTERING)
+            if model not in (CLUSTERING, BROADCASTING):
+                raise OnceqError(ErrorCode.INVALID_ARGUMENT,
+                                 f"model must be {CLUSTERING} or {BROADCASTING}")
+            meta = g.get("meta")
+            if meta is not None and not isinstance(meta, dict):
+                raise OnceqError(ErrorCode.INVALID_ARGUMENT, "meta must be a map")
+            checked.append((name, subs, model, meta, _held(g), g.get("reset_gen")))
+        now = self.clock()
+        holds = []
+        resets = []
+        for name, subs, model, meta, held, reset_gen in checked:
+            if model == CLUSTERING and self.retry is not None:
+                try:
+                    self.retry.ensure_group_topics(name)
+                except OnceqError as exc:  # a full disk: created by a later heartbeat
+                    if not exc.retriable:
+                        raise
+            self.groups.heartbeat(name, client, conn, model, subs, now, meta)
+            self.fence.seen(name, client, reset_gen)
+            pending = self.fence.pending(name, client)
+            if pending is not None:  # a forced reset it has not handled: repeat it, and
+                resets.append(pending)  # do not let its held list take those queues back
+                if held is not None:
+                    held = [x for x in held
+                            if not self.fence.blocks(name, client, x[0], x[1])]
+            # the queues the member holds (after a reconnect: restore the access lock)
+            if held is not None and self.transition.applies(name, client):
+                holds += [[name, t, q, h] for t, q, h in
+                          self.transition.reassert(name, client, held)]
+        conn.client_ids.add(client)
+        self.transition.touch_client(client)
+        answer: dict[str, Any] = {"expiry_s": self.config.heartbeat_expiry_s, "holds": holds}
+        if resets:
+            answer["resets"] = resets
+        return 0, answer, b""
+
+    def h_unregister(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                     ) -> Response:
+        group = check_name("group", str_field(h, "group"))
+        self.groups.unregister(group, str_field(h, "client"), "leave")
+        self.fence.drop_client(group, str_field(h, "client"))
+        return 0, None, b""
+
+    def h_list_members(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                       ) -> Response:
+        group = check_name("group", str_field(h, "group"))
+        if group not in self.groups.groups and group not in self.store.offsets:
+            raise OnceqError(ErrorCode.GROUP_NOT_EXIST, f"consumer group {group!r} is unknown")
+        members = [
+            {"client": m.client_id, "model": m.model, "subs": m.subscriptions,
+             "last_heartbeat_ms": int(m.last_heartbeat * 1000), "peer": m.conn.peer}
+            for m in self.groups.members(group)
+        ]
+        known = {m["client"] for m in members}
+        members += [  # holders saved before a restart, not reconnected yet
+            {"client": cid, "model": CLUSTERING, "subs": {}, "peer": "(restored)",
+             "last_heartbeat_ms": int(self.started * 1000), "restored": True}
+            for cid in self.transition.restored_members(group) if cid not in known]
+        return 0, {"group": group, "members": members}, b""
+
+    def h_list_groups(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                      ) -> Response:
+        names = sorted(set(self.groups.groups) | set(self.store.offsets))
+        return 0, {"groups": names}, b""
+
+    def on_group_change(self, group: str, client_id: str, reason: str) -> None:
+        """A member joined, changed or left: drop its locks when it left, tell the group."""
+        log.info("group %s: %s %s", group, client_id, reason)
+        self.trace.member(group, client_id, reason)
+        if reason in ("leave", "disconnect", "expired"):
+            self.transition.member_gone(group, client_id, reason)
+            self.queue_locks.member_gone(group, client_id, reason)
+        for m in self.groups.members(group):
+            m.conn.push(PushCode.GROUP_CHANGED, {"group": group, "client": client_id,
+                                                 "reason": reason})
+
+    # ---------------------------------------------------------------- ack offsets
+    def h_commit_offset(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                        ) -> Response:
+        offset = int_field(h, "offset")
+        if offset < 0:
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "offset must be >= 0")
+        group = check_name("group", str_field(h, "group"))
+        topic, queue = user_topic(str_field(h, "topic")), int_field(h, "queue")
+        client = h.get("client")
+        if client is not None and not isinstance(client, str):
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "field 'client' must be a string")
+        self.store.min_max(topic, queue)  # TOPIC_NOT_EXIST / INVALID_QUEUE first
+        self.fence.seen(group, client, h.get("reset_gen"))
+        if self.fence.blocks(group, client, topic, queue):
+            raise OnceqError(ErrorCode.NOT_HOLDER, (
+                f"the offsets of group {group!r} on {topic}:{queue} were reset; client "
+                f"{client!r} must take the queue again first"))
+        if not self.commits.may_commit(group=group, client=client, topic=topic, queue=queue):
+            holder = self.transition.table.holder(group, topic, queue)
+            raise OnceqError(ErrorCode.NOT_HOLDER, (
+                f"client {client!r} does not hold {topic}:{queue} of group {group!r} "
+                f"(holder: {holder or 'none'}); only the holder's commits count"))
+        end = self.store.commit_offset(group, topic, queue, offset)
+        return self.durable.reply(conn, corr, {}, end=end)
+
+    def h_release_queue(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                        ) -> Response:
+        """End of a drain: commit the final offset, drop held pulls, release the lock."""
+        group = check_name("group", str_field(h, "group"))
+        client = str_field(h, "client")
+        topic, queue = str_field(h, "topic"), int_field(h, "queue")
+        if topic not in self.store.topics:  # deleted meanwhile: nothing left to release
+            self.transition.release(group, client, topic, queue)
+            return 0, {"released": False}, b""
+        offset = int_field(h, "offset", -1)
+        self.pulls.give_up(client=client, topic=topic, queue=queue)
+        # only the holder (or a group without the lock) commits: a client that never got
+        # the queue must not move its offset back under the one still draining it
+        applies = self.transition.applies(group, client)
+        self.fence.seen(group, client, h.get("reset_gen"))
+        may_commit = (self.commits.may_commit(group=group, client=client, topic=topic,
+                                              queue=queue)  # before the release
+                      and not self.fence.blocks(group, client, topic, queue))
+        released = self.transition.release(group, client, topic, queue)
+        end = 0
+        if offset >= 0 and may_commit and (released or not applies):
+            if applies:  # the holder's reads were corrected forward to the group's offset:
+                # a lower one is its stale start (its first pull still held), not progress
+                offset = max(offset, self.store.get_offset(group, topic, queue))
+            end = self.store.commit_offset(group, topic, queue, offset)
+        return self.durable.reply(conn, corr, {"released": released}, end=end)
+
+    def h_reset_offsets(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
+                        ) -> Response:
+        """Admin: move a group's offsets on a topic (see ``offset_reset.py``)."""
+        group = check_name("group", str_field(h, "group"))
+        topic = user_topic(str_field(h, "topic"))
+        force = h.get("force", False)
+        if not isinstance(force, bool):
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "force must be a boolean")
+        targets = parse_targets(h.get("offsets"), self.store.get_topic(topic).queues)
+        answer, end = reset_offsets(self.store, self.groups, self.transition, self.fence,
+                                    self.clock, self.pulls.wake, group=group, topic=topic,
+                                    targets=targets, force=force)
+        return self.durable.reply(conn, corr, answer, end=end)
