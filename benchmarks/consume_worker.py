@@ -1,6 +1,8 @@
 """A consumer process of benchmarks/consume.py.
 
-mode ``push``: a PushConsumer (listener batch 32, pull batch 32) with a no-op listener.
+mode ``push``: a PushConsumer (listener batch 32, pull batch 32) with a no-op listener;
+optional arguments after ``name``: the listener batch, the listener kind (``async`` or
+``plain``, a function run on the consumer's threads) and the consumer group.
 mode ``pull``: the raw pull consumer, one prefetching stream per queue (pull batch 32).
 Every 50 ms it writes "<count> <time of the last message> <time of the first>" to ``out``;
 SIGTERM stops it.
@@ -12,12 +14,14 @@ import asyncio
 import os
 import signal
 import sys
+import threading
 import time
 
 from _progress import note
 
 
-async def main(mode: str, addr: str, topic: str, queues: int, out: str, name: str) -> None:
+async def main(mode: str, addr: str, topic: str, queues: int, out: str, name: str,
+               batch: int = 32, kind: str = "async", group: str = "bench-push") -> None:
     count = 0
     last = first = 0.0
     stop = asyncio.Event()
@@ -41,8 +45,18 @@ async def main(mode: str, addr: str, topic: str, queues: int, out: str, name: st
             last = time.time()
             first = first or last
 
-        c = PushConsumer(addr, "bench-push", listener, consume_from="FIRST", batch_size=32,
-                         pull_batch_size=32, instance_name=name)
+        lock = threading.Lock()
+
+        def plain(msgs, ctx):  # on the consumer's threads: the count needs the lock
+            nonlocal count, last, first
+            with lock:
+                count += len(msgs)
+                last = time.time()
+                first = first or last
+
+        c = PushConsumer(addr, group, listener if kind == "async" else plain,
+                         consume_from="FIRST", batch_size=batch, pull_batch_size=32,
+                         instance_name=name)
         c.subscribe(topic)
         await c.start()
         note(f"{name}: push consumer on {topic} started")
@@ -80,4 +94,6 @@ if __name__ == "__main__":
     except ImportError:
         pass
     a = sys.argv[1:]
-    asyncio.run(main(a[0], a[1], a[2], int(a[3]), a[4], a[5]))
+    opt = a[6:]
+    asyncio.run(main(a[0], a[1], a[2], int(a[3]), a[4], a[5], *([int(opt[0])] if opt else []),
+                     *opt[1:]))
