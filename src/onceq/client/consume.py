@@ -124,27 +124,37 @@ class ConsumeService:
     # ---------------------------------------------------------------- shared
     async def call_listener(self, batch: list[MessageExt], ctx: ConsumeContext
                             ) -> ConsumeStatus:
-        """Run the listener; an exception, a timeout or a bad result is a failure."""
+        """Run the listener under the consume timeout; an exception, a timeout or a bad
+        result is a failure."""
+        try:
+            async with asyncio.timeout(self.consumer.config.consume_timeout_s):
+                return await self.run_listener(batch, ctx)
+        except TimeoutError:
+            return self.timed_out(ctx)
+
+    async def run_listener(self, batch: list[MessageExt], ctx: ConsumeContext
+                           ) -> ConsumeStatus:
+        """Run the listener without a timeout; an exception or a bad result is a failure."""
         c = self.consumer
-        timeout = c.config.consume_timeout_s
-        failed = self.failure
         try:
             listener = c.listener
-            async with asyncio.timeout(timeout):  # no task per call, unlike wait_for
-                if c._executor is None:
-                    result = await listener(batch, ctx)  # type: ignore[misc]
-                else:
-                    loop = asyncio.get_running_loop()
-                    result = await loop.run_in_executor(c._executor, listener, batch, ctx)
-                if inspect.isawaitable(result):  # e.g. an object with an async __call__
-                    result = await result
+            if c._executor is None:
+                result = await listener(batch, ctx)  # type: ignore[misc]
+            else:
+                loop = asyncio.get_running_loop()
+                result = await loop.run_in_executor(c._executor, listener, batch, ctx)
+            if result is None:
+                return ConsumeStatus.SUCCESS
+            if inspect.isawaitable(result):  # e.g. an object with an async __call__
+                result = await result
             return ConsumeStatus.SUCCESS if result is None else ConsumeStatus(result)
-        except TimeoutError:
-            log.warning("listener exceeded the consume timeout of %.0fs on %s; retrying",
-                        timeout, ctx.queue)
-            return failed
         except Exception:
             # includes a result that is no ConsumeStatus: it must not leave the batch in
             # flight forever, holding the queue's commit offset back
             log.exception("listener failed on %s; retrying the batch", ctx.queue)
-            return failed
+            return self.failure
+
+    def timed_out(self, ctx: ConsumeContext) -> ConsumeStatus:
+        log.warning("listener exceeded the consume timeout of %.0fs on %s; retrying",
+                    self.consumer.config.consume_timeout_s, ctx.queue)
+        return self.failure

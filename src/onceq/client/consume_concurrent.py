@@ -32,45 +32,134 @@ def restore_origin_topic(batch: list[MessageExt]) -> None:
 
 
 class ConcurrentConsumeService(ConsumeService):
+    """``concurrency`` worker coroutines take listener batches from one queue, so at most
+    that many listener calls run at once; a batch of a revoked queue is skipped when its
+    turn comes.
+
+    The consume timeout is one timer for all workers, set for the oldest call running:
+    when it fires, the workers whose call is over time are cancelled (the call counts as
+    failed) and the timer moves to the next oldest call. At listener batch 1 a task per
+    batch, or a timer per call, would cost more than the rest of the consumer.
+    """
+
     def __init__(self, consumer: PushConsumer) -> None:
         super().__init__(consumer)
-        self._sem = asyncio.Semaphore(consumer.config.concurrency)
-        self._running: dict[ProcessQueue, set[asyncio.Task[None]]] = {}
+        self._todo: asyncio.Queue[tuple[ProcessQueue, list[MessageExt]] | None] = \
+            asyncio.Queue()
+        self._workers: list[asyncio.Task[None]] = []
+        self._busy: dict[ProcessQueue, int] = {}  # batches started and not settled, by queue
+        self._idle: dict[ProcessQueue, asyncio.Future[None]] = {}  # drains waiting on _busy
+        self._tasks: set[asyncio.Task[None]] = set()  # send-backs (a reference each)
+        n = consumer.config.concurrency
+        self._since: list[float | None] = [None] * n  # when each worker's call started
+        self._expired = [False] * n  # the timer cancelled the worker's call
+        self._timer: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._workers = [loop.create_task(self._work(i), name=f"onceq-consume-{i}")
+                         for i in range(self.consumer.config.concurrency)]
+
+    async def stop(self) -> None:
+        # no cancel: a call still running past the drain timeout ends on its own
+        for _ in self._workers:
+            self._todo.put_nowait(None)
+
+    def _time(self) -> None:
+        """Cancel the calls over the consume timeout; set the timer for the next one."""
+        timeout = self.consumer.config.consume_timeout_s
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        oldest = None
+        for i, since in enumerate(self._since):
+            if since is None or self._expired[i]:
+                continue
+            if since + timeout <= now:
+                self._expired[i] = True
+                self._workers[i].cancel()
+            elif oldest is None or since < oldest:
+                oldest = since
+        self._timer = None if oldest is None else loop.call_at(oldest + timeout, self._time)
 
     def dispatch(self, pq: ProcessQueue, msgs: list[MessageExt]) -> None:
         if not self.consumer.owned.active(pq):
             return
         size = self.consumer.config.batch_size
-        running = self._running.setdefault(pq, set())
-        loop = asyncio.get_running_loop()
+        put = self._todo.put_nowait
         for i in range(0, len(msgs), size):
-            t = loop.create_task(self._consume(pq, msgs[i:i + size]))
-            running.add(t)
-            t.add_done_callback(running.discard)
+            put((pq, msgs[i:i + size]))
 
     async def drain(self, pq: ProcessQueue) -> None:
-        # not popped before the wait: a revoke cancelled mid-drain (a shutdown during a
-        # rebalance) is done again, and must wait for the same calls
-        running = self._running.get(pq)
-        if running:
-            _, pending = await asyncio.wait(running, timeout=self.consumer.config.drain_timeout_s)
-            if pending:
-                log.warning("%s: %d listener call(s) on %s still running after the drain "
-                            "timeout; their messages will be redelivered",
-                            self.consumer.client_id, len(pending), pq.mq)
-        self._running.pop(pq, None)
+        # batches not started yet are skipped by the workers (the queue is dropped); a
+        # revoke cancelled mid-drain (a shutdown during a rebalance) is done again, and
+        # waits for the same calls
+        if not self._busy.get(pq):
+            return
+        idle = self._idle.get(pq)
+        if idle is None:
+            idle = self._idle[pq] = asyncio.get_running_loop().create_future()
+        done, _ = await asyncio.wait([idle], timeout=self.consumer.config.drain_timeout_s)
+        if not done:
+            log.warning("%s: %d listener call(s) on %s still running after the drain "
+                        "timeout; their messages will be redelivered",
+                        self.consumer.client_id, self._busy.get(pq, 0), pq.mq)
 
-    def forget(self, pq: ProcessQueue) -> None:
-        self._running.pop(pq, None)
+    def _started(self, pq: ProcessQueue) -> None:
+        self._busy[pq] = self._busy.get(pq, 0) + 1
 
-    async def _consume(self, pq: ProcessQueue, batch: list[MessageExt]) -> None:
-        c = self.consumer
-        async with self._sem:
+    def _settled(self, pq: ProcessQueue) -> None:
+        n = self._busy[pq] - 1
+        if n:
+            self._busy[pq] = n
+            return
+        del self._busy[pq]
+        idle = self._idle.pop(pq, None)
+        if idle is not None and not idle.done():
+            idle.set_result(None)
+
+    async def _work(self, i: int) -> None:
+        get = self._todo.get
+        loop = asyncio.get_running_loop()
+        calls = 0
+        while (item := await get()) is not None:
+            pq, batch = item
             if pq.dropped:
-                return  # not started before the revoke: the next owner gets it
-            restore_origin_topic(batch)
-            ctx = ConsumeContext(pq.mq, len(batch) - 1, group=c.group)
-            status = await self.call_listener(batch, ctx)
+                continue  # not started before the revoke: the next owner gets it
+            self._started(pq)
+            handed_on = False
+            try:
+                self._since[i] = loop.time()
+                if self._timer is None:
+                    self._timer = loop.call_at(self._since[i] + self.consumer.config.
+                                               consume_timeout_s, self._time)
+                handed_on = await self._consume(pq, batch, i)
+            except Exception:  # a worker must survive whatever one batch does
+                log.exception("consuming a batch of %s failed", pq.mq)
+            finally:
+                self._since[i] = None
+                if not handed_on:
+                    self._settled(pq)
+            calls += 1
+            if calls % 64 == 0:  # listeners that never wait: let pulls and timers run
+                await asyncio.sleep(0)
+
+    async def _consume(self, pq: ProcessQueue, batch: list[MessageExt], w: int) -> bool:
+        """Worker ``w``'s listener call and its result; True when a send-back task goes on
+        with it (and settles the batch)."""
+        c = self.consumer
+        restore_origin_topic(batch)
+        ctx = ConsumeContext(pq.mq, len(batch) - 1, group=c.group)
+        try:
+            status = await self.run_listener(batch, ctx)
+        except asyncio.CancelledError:
+            if not self._expired[w]:
+                raise
+            status = self.timed_out(ctx)
+        finally:
+            self._since[w] = None  # the call is over: the timer leaves the worker alone
+            if self._expired[w]:  # the timer's cancel, taken (a timeout) or swallowed
+                self._expired[w] = False
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
         if status == ConsumeStatus.SUCCESS:
             # clamp: a negative index would slice from the end and drop failed messages
             acked = min(max(ctx.ack_index, -1), len(batch) - 1) + 1
@@ -81,18 +170,31 @@ class ConcurrentConsumeService(ConsumeService):
         if pq.released:
             # finished after the drain timeout: the queue's next owner re-reads these
             # messages from the committed offset; a send-back now would add a second copy
-            if pq.reset:  # or the group's offsets were reset: expected, not a warning
-                return
-            log.warning("listener finished on %s after its queue was released; result "
-                        "dropped", pq.mq)
-            return
+            if not pq.reset:  # or the group's offsets were reset: expected, not a warning
+                log.warning("listener finished on %s after its queue was released; result "
+                            "dropped", pq.mq)
+            return False
         c.stats["consumed"] += len(done)
-        if failed:
-            c.stats["failed"] += len(failed)
-            reasons = {m.queue_offset: ctx.dlq_reasons[i] for i, m in enumerate(batch)
-                       if i in ctx.dlq_reasons} if ctx.dlq_reasons else {}
-            done += await self._send_back(pq, failed, ctx.delay_level, reasons)
-        pq.remove(done)
+        if not failed:
+            pq.remove(done)
+            return False
+        c.stats["failed"] += len(failed)
+        reasons = {m.queue_offset: ctx.dlq_reasons[i] for i, m in enumerate(batch)
+                   if i in ctx.dlq_reasons} if ctx.dlq_reasons else {}
+        # the send-back goes on beside the workers: a slow broker must not hold a worker
+        t = asyncio.get_running_loop().create_task(
+            self._finish(pq, done, failed, ctx.delay_level, reasons))
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return True
+
+    async def _finish(self, pq: ProcessQueue, done: list[MessageExt], failed: list[MessageExt],
+                      delay_level: int, reasons: dict[int, str]) -> None:
+        try:
+            done += await self._send_back(pq, failed, delay_level, reasons)
+            pq.remove(done)
+        finally:
+            self._settled(pq)
 
     async def _send_back(self, pq: ProcessQueue, failed: list[MessageExt], delay_level: int,
                          reasons: dict[int, str] | None = None) -> list[MessageExt]:
