@@ -1,12 +1,15 @@
 """The concurrent consume service without a broker: its workers, the concurrency bound,
-and drain on revoke."""
+drain on revoke, and the threads of a plain listener."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
+
+import pytest
 
 from onceq.client.allocation import MessageQueue
-from onceq.client.consume import ConsumeContext, ConsumeStatus
+from onceq.client.consume import ConsumeContext, ConsumeStatus, ListenerThreads
 from onceq.client.consume_concurrent import ConcurrentConsumeService
 from onceq.client.process_queue import ProcessQueue
 from onceq.client.push import PushConsumer
@@ -182,3 +185,74 @@ async def test_a_call_over_the_consume_timeout_fails_and_its_worker_goes_on(capl
     assert c.stats["failed"] == 1 and c.stats["consumed"] == 3
     assert caplog.text.count("exceeded the consume timeout") == 1
     await s.stop()
+
+
+async def test_plain_listener_runs_on_threads_within_the_concurrency_bound():
+    lock = threading.Lock()
+    running = [0, 0]  # now, most
+    release = threading.Event()
+    calls: list[int] = []
+
+    def listener(msgs, ctx):
+        with lock:
+            running[0] += 1
+            running[1] = max(running)
+            calls.append(msgs[0].queue_offset)
+        release.wait(5)
+        with lock:
+            running[0] -= 1
+
+    c, s, pq = _service(listener, concurrency=4)
+    c._threads = ListenerThreads(4, asyncio.get_running_loop())
+    _feed(s, pq, 40)
+    while len(calls) < 4:
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.05)
+    assert running[0] == 4 and len(calls) == 4
+    release.set()
+    while len(pq):
+        await asyncio.sleep(0.005)
+    assert running[1] == 4 and sorted(calls) == list(range(40))
+    assert c.stats["consumed"] == 40 and pq.ack_offset == 40
+    c._threads.shutdown()
+    await s.stop()
+
+
+async def test_listener_threads_hand_back_results_exceptions_and_drop_late_ones():
+    threads = ListenerThreads(2, asyncio.get_running_loop())
+    results = await asyncio.gather(*(threads.submit(lambda i=i: i * i) for i in range(100)))
+    assert results == [i * i for i in range(100)]
+    with pytest.raises(ValueError, match="bad"):
+        await threads.submit(_raise, ValueError("bad"))
+    slow = threading.Event()
+    fut = threads.submit(slow.wait, 5)
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.02):  # the consume timeout gives the call up
+            await fut
+    slow.set()
+    assert await threads.submit(lambda: "after") == "after"  # the late result is dropped
+    threads.shutdown()
+
+
+async def test_listener_threads_after_shutdown_run_no_more_calls():
+    threads = ListenerThreads(1, asyncio.get_running_loop())
+    began, hold = threading.Event(), threading.Event()
+    ran: list[str] = []
+
+    def running() -> bool:
+        began.set()
+        return hold.wait(5)
+
+    first = threads.submit(running)
+    queued = threads.submit(ran.append, "queued")
+    await asyncio.to_thread(began.wait, 5)
+    threads.shutdown()
+    hold.set()
+    assert await first is True  # a running call finishes
+    with pytest.raises(RuntimeError, match="shut down"):
+        await queued
+    assert ran == []
+
+
+def _raise(exc: Exception) -> None:
+    raise exc

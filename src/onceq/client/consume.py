@@ -12,8 +12,11 @@ queue lock. The service is chosen by the listener kind (:func:`orderly`) or the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
+import queue
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -80,6 +83,70 @@ def is_orderly(listener: Any) -> bool:
     return getattr(listener, "onceq_orderly", False) is True
 
 
+class ListenerThreads:
+    """``n`` threads running the calls of a plain (not async) listener.
+
+    Finished calls come back to the event loop in bulk: the first result of a burst
+    schedules one wake-up of the loop, which settles every call finished by then (an
+    executor wakes the loop once per call, the main cost at listener batch 1). Daemon
+    threads: a consumer never shut down does not keep the process alive.
+    """
+
+    def __init__(self, n: int, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._jobs: queue.SimpleQueue[tuple[asyncio.Future[Any], Callable[..., Any],
+                                            tuple[Any, ...]] | None] = queue.SimpleQueue()
+        self._done: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._run, name=f"onceq-consume-{i}",
+                                          daemon=True) for i in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        """Run ``fn(*args)`` on a thread; its result or exception, on the loop."""
+        fut = self._loop.create_future()
+        self._jobs.put((fut, fn, args))
+        return fut
+
+    def shutdown(self) -> None:
+        """Calls not started fail; running ones finish (their results are dropped)."""
+        self._closed = True
+        for _ in self._threads:
+            self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fut, fn, args = job
+            result = exc = None
+            if self._closed:
+                exc = RuntimeError("the consumer was shut down")
+            else:
+                try:
+                    result = fn(*args)
+                except BaseException as e:  # handed to the caller, like an executor
+                    exc = e
+            with self._lock:
+                self._done.append((fut, result, exc))
+                first = len(self._done) == 1
+            if first:
+                # a closed loop: nobody waits any more
+                with contextlib.suppress(RuntimeError):
+                    self._loop.call_soon_threadsafe(self._settle)
+
+    def _settle(self) -> None:
+        with self._lock:
+            done, self._done = self._done, []
+        for fut, result, exc in done:
+            if fut.done():  # given up (the consume timeout)
+                continue
+            if exc is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(exc)
+
+
 class ConsumeService:
     """Runs the listener on what the pull loops fetched. One instance per consumer."""
 
@@ -138,11 +205,10 @@ class ConsumeService:
         c = self.consumer
         try:
             listener = c.listener
-            if c._executor is None:
+            if c._threads is None:
                 result = await listener(batch, ctx)  # type: ignore[misc]
             else:
-                loop = asyncio.get_running_loop()
-                result = await loop.run_in_executor(c._executor, listener, batch, ctx)
+                result = await c._threads.submit(listener, batch, ctx)
             if result is None:
                 return ConsumeStatus.SUCCESS
             if inspect.isawaitable(result):  # e.g. an object with an async __call__

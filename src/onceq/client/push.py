@@ -20,7 +20,6 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .._aio import wait_event
@@ -31,7 +30,14 @@ from .allocation import MessageQueue
 from .assignment import Assignment
 from .base import BrokerClient, Connect
 from .connection import BrokerConnection
-from .consume import ConsumeContext, ConsumeService, ConsumeStatus, Listener, is_orderly
+from .consume import (
+    ConsumeContext,
+    ConsumeService,
+    ConsumeStatus,
+    Listener,
+    ListenerThreads,
+    is_orderly,
+)
 from .consume_concurrent import ConcurrentConsumeService
 from .consume_orderly import OrderlyConsumeService
 from .local_offsets import LocalOffsetStore
@@ -95,7 +101,7 @@ class PushConsumer(BrokerClient):
         self._running = False
         self._timer = RebalanceTimer(self.config.rebalance_interval_s, clock())
         self._wake: asyncio.Event | None = None
-        self._executor: ThreadPoolExecutor | None = None
+        self._threads: ListenerThreads | None = None  # for a plain listener
         self._rebalance_lock: asyncio.Lock | None = None
         self.stats: Counter[str] = Counter()
 
@@ -152,7 +158,7 @@ class PushConsumer(BrokerClient):
         listener = self.listener
         if not (inspect.iscoroutinefunction(listener)
                 or inspect.iscoroutinefunction(type(listener).__call__)):
-            self._executor = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="onceq-consume")
+            self._threads = ListenerThreads(cfg.concurrency, asyncio.get_running_loop())
         self._running = True
         self._no_reconnect = False
         try:
@@ -167,9 +173,9 @@ class PushConsumer(BrokerClient):
             await self._close_guard()
             if self._conn is not None:
                 self._conn.close()
-            if self._executor is not None:
-                self._executor.shutdown(wait=False)
-                self._executor = None
+            if self._threads is not None:
+                self._threads.shutdown()
+                self._threads = None
             raise
         loop = asyncio.get_running_loop()
         self._tasks = [
@@ -212,8 +218,8 @@ class PushConsumer(BrokerClient):
         self._no_reconnect = True  # late listener calls must not open a new connection
         if self._conn is not None:
             self._conn.close()
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._threads is not None:
+            self._threads.shutdown()
         await self._close_guard()
 
     async def _close_guard(self) -> None:
