@@ -13,6 +13,7 @@ within each round (and the order flips every round), so a noisy machine weighs o
 them alike; figures are medians of --rounds runs, with each tree's ratio to the first.
 
 Usage: python benchmarks/consume_batch.py [--n 100000] [--rounds 5] [--src DIR ...]
+       [--configs async_batch1 async_batch32 plain_batch1 plain_batch32]
 Prints one JSON document.
 """
 
@@ -34,7 +35,7 @@ from _progress import Steps, note  # noqa: E402
 from consume import QUEUES, TOPIC, drain_rate, produce_backlog  # noqa: E402
 from throughput import start_broker  # noqa: E402
 
-CONFIGS = (("async", 1), ("async", 32), ("plain", 1), ("plain", 32))
+CONFIGS = ("async_batch1", "async_batch32", "plain_batch1", "plain_batch32")
 
 
 def run_once(addr: str, src: str, kind: str, batch: int, n: int, group: str, d: str) -> float:
@@ -56,19 +57,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=100_000)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     ap.add_argument("--src", nargs="+", default=[SRC],
                     help="source trees to compare (default: this one); ratios are to the first")
     a = ap.parse_args()
     srcs = [os.path.abspath(s) for s in a.src]
     rates: dict[str, dict[str, list[float]]] = {s: {} for s in srcs}
-    steps = Steps(a.rounds * len(CONFIGS) * len(srcs))
+    configs = [(c.split("_")[0], int(c.split("batch")[1])) for c in a.configs]
+    steps = Steps(a.rounds * len(configs) * len(srcs))
     with tempfile.TemporaryDirectory(prefix="onceq-consume-batch-") as d:
         broker, addr = start_broker(os.path.join(d, "data"), "async")
         try:
             note(f"producing {a.n} messages")
             produce_backlog(addr, a.n)
             for r in range(a.rounds):
-                for kind, batch in CONFIGS:
+                for kind, batch in configs:
                     for i, src in enumerate(srcs if r % 2 == 0 else srcs[::-1]):
                         steps.next(f"round {r + 1}/{a.rounds}: {kind} batch {batch}, {src}")
                         group = f"bench-{kind}-{batch}-{r}-{i}"
