@@ -77,7 +77,8 @@ class Broker:
             self._locks_changed)
         self.queue_locks = QueueLocks(  # orderly consumption
             self.store, clock, config.queue_lock_expiry_s, groups=self.groups,
-            transition=self.transition, fence=self.fence, durable=self.durable)
+            transition=self.transition, fence=self.fence, durable=self.durable, files=files,
+            on_change=self._locks_changed)
         commits = CommitRule(self.transition, self.queue_locks)
         self.trace = DeliveryTrace(self.store, clock, self._on_internal_put)
         self.pulls = PullService(config, self.store, transition=self.transition,
@@ -140,6 +141,7 @@ class Broker:
         self.sequences.open()
         self.consumer_groups.started = self.clock()
         self.trace.load()
+        self.queue_locks.load()  # orderly locks: kept for their holders after a restart
         if self.transition.load():  # when the restore hold ends, the groups rebalance
             self._hold_timer = asyncio.get_running_loop().call_later(
                 self.config.access_lock_restore_hold_s, self._restore_hold_ended)
@@ -253,17 +255,18 @@ class Broker:
             self._locks_dirty.set()
 
     async def _save_locks(self) -> None:
-        """Write the access-lock holders whenever they change (one write at a time; changes
-        made during a write are written by the next one)."""
+        """Write the access-lock holders and the orderly queue locks whenever they change
+        (one write at a time; changes made during a write are written by the next one)."""
         assert self._locks_dirty is not None
+        locks = (self.transition, self.queue_locks)
         while True:
             await self._locks_dirty.wait()
             self._locks_dirty.clear()
             try:
-                await self._off_loop(self.transition.write_file, self.transition.file_data())
+                for kind in locks:
+                    await self._off_loop(kind.write_file, kind.file_data())
             except OSError as exc:
-                self.store.errors.error("locks", "cannot save the access locks: %s; "
-                                        "retrying", exc)
+                self.store.errors.error("locks", "cannot save the locks: %s; retrying", exc)
                 self._locks_dirty.set()
                 await asyncio.sleep(1.0)
 
@@ -314,10 +317,11 @@ class Broker:
         if self.flusher is not None:
             await self.flusher.stop()
             await asyncio.sleep(0)  # let the answers of sync-flush sends go out first
-        try:  # holders as they are now, before closing connections releases them
-            self.transition.write_file(self.transition.file_data())
-        except OSError as exc:
-            log.error("cannot save the access locks: %s", exc)
+        for kind in (self.transition, self.queue_locks):
+            try:  # holders as they are now, before closing connections releases them
+                kind.write_file(kind.file_data())
+            except OSError as exc:
+                log.error("cannot save the locks: %s", exc)
         for conn in list(self.connections):
             conn.close()
         try:
@@ -379,5 +383,6 @@ class Broker:
         self.sequences.table.drop_topic(topic)
         self.transition.drop_topic(topic)
         self.queue_locks.table.drop_topic(topic)
+        self.queue_locks.changed()
         self.fence.drop_topic(topic)
         self.pulls.wake_topic(topic)

@@ -151,8 +151,13 @@ class ConsumerGroupService:
         members += [  # holders saved before a restart, not reconnected yet
             {"client": cid, "model": CLUSTERING, "subs": {}, "peer": "(restored)",
              "last_heartbeat_ms": int(self.started * 1000), "restored": True}
-            for cid in self.transition.restored_members(group) if cid not in known]
+            for cid in self.restored_members(group) if cid not in known]
         return 0, {"group": group, "members": members}, b""
+
+    def restored_members(self, group: str) -> list[str]:
+        """Holders of access or orderly locks saved before a restart, not back yet."""
+        found = self.transition.restored_members(group)
+        return found + [c for c in self.queue_locks.restored_members(group) if c not in found]
 
     def h_list_groups(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
                       ) -> Response:
@@ -233,5 +238,6 @@ class ConsumerGroupService:
         targets = parse_targets(h.get("offsets"), self.store.get_topic(topic).queues)
         answer, end = reset_offsets(self.store, self.groups, self.transition, self.fence,
                                     self.clock, self.pulls.wake, group=group, topic=topic,
-                                    targets=targets, force=force)
+                                    targets=targets, force=force,
+                                    restored=self.restored_members(group))
         return self.durable.reply(conn, corr, answer, end=end)

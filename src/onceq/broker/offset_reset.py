@@ -129,11 +129,13 @@ def parse_targets(raw: object, queues: int) -> dict[int, int]:
 def reset_offsets(store: MessageStore, groups: GroupRegistry, transition: TransitionLock,
                   fence: ResetFence, clock: Callable[[], float],
                   wake: Callable[[str, int], None], *, group: str, topic: str,
-                  targets: dict[int, int], force: bool) -> tuple[dict[str, Any], int]:
+                  targets: dict[int, int], force: bool, restored: list[str]
+                  ) -> tuple[dict[str, Any], int]:
     """Apply a reset; returns the answer and the log position it is durable at.
-    ``wake(topic, queue)`` answers the pulls held on a reset queue (``LOCKED``)."""
+    ``wake(topic, queue)`` answers the pulls held on a reset queue (``LOCKED``);
+    ``restored`` are the members known from locks restored at start, not back yet."""
     members = [m.client_id for m in groups.members(group)]
-    members += [c for c in transition.restored_members(group) if c not in members]
+    members += [c for c in restored if c not in members]
     if members and not force:
         raise OnceqError(ErrorCode.GROUP_ACTIVE, (
             f"group {group!r} has {len(members)} live member(s) ({', '.join(members[:5])}"
