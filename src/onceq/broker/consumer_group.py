@@ -207,7 +207,7 @@ class ConsumerGroupService:
         client = str_field(h, "client")
         topic, queue = str_field(h, "topic"), int_field(h, "queue")
         if topic not in self.store.topics:  # deleted meanwhile: nothing left to release
-            self.transition.release(group, client, topic, queue)
+            self.transition.release(group=group, client=client, topic=topic, queue=queue)
             return 0, {"released": False}, b""
         offset = int_field(h, "offset", -1)
         self.pulls.give_up(client=client, topic=topic, queue=queue)
@@ -218,7 +218,8 @@ class ConsumerGroupService:
         may_commit = (self.commits.may_commit(group=group, client=client, topic=topic,
                                               queue=queue)  # before the release
                       and not self.fence.blocks(group, client, topic, queue))
-        released = self.transition.release(group, client, topic, queue)
+        released = self.transition.release(group=group, client=client, topic=topic,
+                                           queue=queue)
         end = 0
         if offset >= 0 and may_commit and (released or not applies):
             if applies:  # the holder's reads were corrected forward to the group's offset:
