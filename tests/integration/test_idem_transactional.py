@@ -14,7 +14,7 @@ from onceq import Admin, Producer
 from onceq.client.allocation import MessageQueue
 from onceq.client.push import ConsumeContext, ConsumeStatus, PushConsumer
 from onceq.idempotency import transactional
-from onceq.log.record import Message as MessageExt
+from onceq.log.record import MessageExt
 from tests.integration.test_idem_consumer import start_child
 from tests.integration.test_idem_stores import require_server
 from tests.integration.test_push_consumer import wait_until

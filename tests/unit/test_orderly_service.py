@@ -9,7 +9,7 @@ from onceq.client.consume import ConsumeStatus, is_orderly, orderly
 from onceq.client.consume_orderly import OrderlyConsumeService, suspend_seconds
 from onceq.client.process_queue import ProcessQueue
 from onceq.client.push import PushConsumer
-from onceq.log.record import Message as MessageExt
+from onceq.log.record import MessageExt
 from tests.clock import FakeClock
 
 MQ = MessageQueue("T", 0)

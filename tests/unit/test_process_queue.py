@@ -8,19 +8,19 @@ from hypothesis import strategies as st
 from onceq.client.allocation import MessageQueue
 from onceq.client.process_queue import ProcessQueue
 from onceq.client.push_config import PushConsumerConfig
-from onceq.log.record import Message
+from onceq.log.record import MessageExt
 
 MQ = MessageQueue("T", 0)
 CFG = PushConsumerConfig()
 LIMITS = (CFG.flow_count, CFG.flow_bytes, CFG.flow_span)
 
 
-def msg(offset: int, size: int = 1) -> Message:
-    return Message("T", 0, offset, b"x" * size, f"K{offset}")
+def msg(offset: int, size: int = 1) -> MessageExt:
+    return MessageExt("T", 0, offset, b"x" * size, f"K{offset}")
 
 
 def pulled(pq: ProcessQueue, offsets: list[int], next_offset: int | None = None,
-           size: int = 1) -> list[Message]:
+           size: int = 1) -> list[MessageExt]:
     """What the pull loop does with one pull result: add, then move next_offset."""
     msgs = [msg(o, size) for o in offsets]
     pq.add(msgs)
@@ -135,7 +135,7 @@ _ops = st.lists(
 @given(start=st.integers(0, 1000), ops=_ops)
 def test_ack_offset_never_decreases_nor_passes_lowest_in_flight(start, ops):
     pq = ProcessQueue(MQ, start, 0.0)
-    in_flight: dict[int, Message] = {}
+    in_flight: dict[int, MessageExt] = {}
     last_ack = pq.ack_offset
     assert last_ack == start
     for op in ops:

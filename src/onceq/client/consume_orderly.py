@@ -28,7 +28,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ..log.record import Message as MessageExt
+from ..log.record import MessageExt
 from ..protocol.codes import RequestCode
 from ..protocol.errors import OnceqError
 from .allocation import MessageQueue

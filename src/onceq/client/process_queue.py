@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..log.record import Message as MessageExt
+from ..log.record import MessageExt
 from .allocation import MessageQueue
 
 

@@ -38,7 +38,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from ..client.push import ConsumeContext, ConsumeStatus
-from ..log.record import Message as MessageExt
+from ..log.record import MessageExt
 from . import sa
 from .dialects import Dialect, dialect_for_url
 from .listener import DEFAULT_RETENTION_S, KeySpec, _stored_key, key_function
