@@ -192,7 +192,7 @@ async def test_push_consumer_takes_a_refused_commit_quietly(broker, caplog):
     try:
         for _ in range(200):
             pq = c.owned.get(mq)
-            if pq is not None and pq.ack_offset == 10:
+            if pq is not None and pq.commit_offset == 10:
                 break
             await asyncio.sleep(0.05)
         assert sorted(seen) == list(range(10))

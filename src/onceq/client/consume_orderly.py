@@ -278,6 +278,6 @@ class OrderlyConsumeService(ConsumeService):
         if not self.locking:
             await c.offsets.release(pq)
             return
-        item: list[Any] = [pq.mq.topic, pq.mq.queue_id, -1 if pq.reset else pq.ack_offset]
+        item: list[Any] = [pq.mq.topic, pq.mq.queue_id, -1 if pq.reset else pq.commit_offset]
         await c._req(RequestCode.UNLOCK_QUEUES, {"group": c.group, "client": c.client_id,
                                                  "queues": [item], **c._gen()})
