@@ -9,7 +9,11 @@ fresh dedup table (or key prefix). ``--runs R`` repeats every configuration R ti
 rounds; rates are medians, and ratios the median of each round's ratio to that round's
 "none" (on a shared machine the rates move between rounds; compare within a round).
 
+``--handler-us U`` gives the handler U microseconds of CPU work per message (a busy loop),
+to see what the layer costs next to a handler that does something.
+
 Usage: python benchmarks/idempotency.py [--n 20000] [--runs 1] [--stores none,sqlite,...]
+       [--handler-us 0]
 (stores: none, sqlite, sqlite_normal (synchronous=NORMAL), redis, mysql, postgresql,
 tx_sqlite, tx_postgresql: the transactional mode with a handler that writes nothing)
 Prints one JSON document.
@@ -48,7 +52,16 @@ URLS = {
 TX = {"tx_sqlite": "sqlite:///{dir}/shop.db", "tx_postgresql": URLS["postgresql"]}
 
 
-async def run_once(addr: str, store_kind: str, batch: int, n: int, tmp: str) -> float:
+def work(seconds: float) -> None:
+    """The handler's CPU work: a busy loop (it holds the GIL, as Python code does)."""
+    if seconds > 0:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+
+async def run_once(addr: str, store_kind: str, batch: int, n: int, tmp: str,
+                   handler_s: float = 0.0) -> float:
     topic = f"bench_{store_kind}_{batch}_{uuid.uuid4().hex[:6]}"
     async with Admin(addr) as admin:
         await admin.create_topic(topic, QUEUES)
@@ -61,6 +74,7 @@ async def run_once(addr: str, store_kind: str, batch: int, n: int, tmp: str) -> 
 
     async def handle(msgs, ctx):
         nonlocal count
+        work(handler_s * len(msgs))
         count += len(msgs)
         if count >= n:
             done.set()
@@ -70,6 +84,7 @@ async def run_once(addr: str, store_kind: str, batch: int, n: int, tmp: str) -> 
     if store_kind in TX:
         def handle_tx(m, conn):  # a worker thread; the watcher below ends the run
             nonlocal count
+            work(handler_s)
             count += 1
 
         store = transactional(handle_tx, db=TX[store_kind].format(dir=tmp),
@@ -132,7 +147,7 @@ async def main_async(a: argparse.Namespace) -> dict:
                         n = a.n if batch == 32 else max(1000, a.n // 4)
                         steps.next(f"store {kind}, listener batch {batch}, n={n}, "
                                    f"round {r + 1}/{a.runs}")
-                        rate = await run_once(addr, kind, batch, n, d)
+                        rate = await run_once(addr, kind, batch, n, d, a.handler_us / 1e6)
                         runs.setdefault(f"batch_{batch}", {}).setdefault(kind, []).append(rate)
         finally:
             broker.terminate()
@@ -145,7 +160,9 @@ async def main_async(a: argparse.Namespace) -> dict:
               for b, r in runs.items() if "none" in r}
     out = {
         "workload": {"n_batch_32": a.n, "n_batch_1": max(1000, a.n // 4), "queues": QUEUES,
-                     "body_bytes": 100, "pull_batch": 32, "handler": "no-op", "runs": a.runs},
+                     "body_bytes": 100, "pull_batch": 32, "runs": a.runs,
+                     "handler": f"{a.handler_us} us of CPU work per message"
+                     if a.handler_us else "no-op"},
         "msg_per_s": res,
         "vs_no_dedup": ratios,
         "goal": "batch 32: SQLite and Redis dedup cost <= 15% (ratio >= 0.85), "
@@ -162,6 +179,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=20_000)
     ap.add_argument("--runs", type=int, default=1,
                     help="rounds of every configuration; medians are reported")
+    ap.add_argument("--handler-us", type=float, default=0.0,
+                    help="CPU work of the handler per message, in microseconds")
     ap.add_argument("--stores", default="none,sqlite,sqlite_normal,redis,mysql,postgresql,"
                                         "tx_sqlite,tx_postgresql")
     print(json.dumps(asyncio.run(main_async(ap.parse_args())), indent=2))

@@ -234,7 +234,8 @@ class FakeBroker:
                      if x.header["client"] == client]:
             self._answer(held, self._locked(held.header))
         applies = self._applies(group, client)
-        released = self.table.release(group, topic, queue, client)
+        released = self.table.release(group=group, topic=topic, queue_id=queue,
+                                      client_id=client)
         if h.get("offset", -1) >= 0 and (released or not applies):
             offset = h["offset"]
             if applies:  # as the broker: a holder's release never moves the offset back
@@ -284,7 +285,8 @@ class FakeBroker:
             return True
         if h["offset"] >= len(records):
             if not final:
-                self.table.touch(*key, h["client"], self.clock())  # a held holder is alive
+                self.table.touch(group=key[0], topic=key[1], queue_id=key[2],  # a held holder
+                                client_id=h["client"], now=self.clock())  # is alive
                 return False
             self._answer(held, ({"st": int(PullStatus.NO_NEW_MESSAGE), "next": h["offset"]},
                                 b""))

@@ -14,7 +14,7 @@ from sqlalchemy.orm import DeclarativeBase
 from onceq.client.allocation import MessageQueue
 from onceq.client.push import ConsumeContext, ConsumeStatus
 from onceq.idempotency import transactional
-from onceq.log.record import Message as MessageExt
+from onceq.log.record import MessageExt
 from tests.integration.test_idem_stores import require_server
 
 MQ = MessageQueue("orders", 0)

@@ -356,7 +356,7 @@ async def test_two_idempotent_listeners_receive_the_same_message_at_once_500_tim
     from onceq.client.allocation import MessageQueue
     from onceq.client.push import ConsumeContext
     from onceq.idempotency import idempotent
-    from onceq.log.record import Message as MessageExt
+    from onceq.log.record import MessageExt
 
     a = make_store(kind, clock, tmp_path, name)
     b = a if kind == "memory" else make_store(kind, clock, tmp_path, name)

@@ -14,7 +14,7 @@ from onceq import Admin, Producer
 from onceq.client.allocation import MessageQueue
 from onceq.client.push import ConsumeContext, ConsumeStatus, PushConsumer
 from onceq.idempotency import transactional
-from onceq.log.record import Message as MessageExt
+from onceq.log.record import MessageExt
 from tests.integration.test_idem_consumer import start_child
 from tests.integration.test_idem_stores import require_server
 from tests.integration.test_push_consumer import wait_until
@@ -136,6 +136,56 @@ async def test_two_consumers_get_the_same_message_at_once_200_times(db):
     finally:
         await a.close()
         await b.close()
+
+
+async def test_concurrent_batches_share_a_commit_and_a_failed_group_is_run_again_apart(db):
+    """Group commit: batches arriving while the database is busy run in one transaction.
+    When that transaction fails (a database error, injected once into one batch), nothing
+    of it is committed and each batch runs again alone: one effect per message."""
+    ran: list[str] = []
+    handle = db.handler(fail_on={"U7"})
+
+    def counted(m, conn):
+        ran.append(m.unique_key)
+        handle(m, conn)
+
+    lst = transactional(counted, db=db.url, table=db.table)
+    commits = 0
+    tx, batch_tx = lst.engine._tx, lst._batch_tx
+    injected = False
+
+    def counting_tx(*a):
+        nonlocal commits
+        out = tx(*a)
+        commits += 1
+        return out
+
+    def failing_once(cur, now, group, items):
+        nonlocal injected
+        out = batch_tx(cur, now, group, items)
+        if items[0][0].unique_key == "U50" and not injected:
+            injected = True
+            raise RuntimeError("deadlock detected (injected)")  # after the handler ran
+        return out
+
+    lst.engine._tx = counting_tx
+    lst._batch_tx = failing_once
+    try:
+        await call(lst, msgs(3))  # done before: a duplicate in the burst below
+        results = await asyncio.gather(*(call(lst, msgs(i)) for i in range(40)))
+        assert results[7] == (ConsumeStatus.SUCCESS, -1, 0)  # its handler failed: retried
+        assert all(r == (ConsumeStatus.SUCCESS, 0, 0) for i, r in enumerate(results)
+                   if i != 7)
+        assert commits <= 1 + 40 // 2  # 40 batches in at most half as many commits
+        assert db.counts() == {f"U{i}": 1 for i in range(40) if i != 7}
+
+        results = await asyncio.gather(*(call(lst, msgs(i)) for i in range(40, 60)))
+        assert injected and all(r == (ConsumeStatus.SUCCESS, 0, 0) for r in results)
+        assert db.counts() == {f"U{i}": 1 for i in range(60) if i != 7}
+        assert ran.count("U50") == 2  # its group was rolled back, then it ran alone
+        assert (lst.stats["handled"], lst.stats["duplicate"], lst.stats["failed"]) == (59, 1, 1)
+    finally:
+        await lst.close()
 
 
 @pytest.mark.parametrize("point", ["before_commit", "after_commit"])

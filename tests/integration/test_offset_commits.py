@@ -192,7 +192,7 @@ async def test_push_consumer_takes_a_refused_commit_quietly(broker, caplog):
     try:
         for _ in range(200):
             pq = c.owned.get(mq)
-            if pq is not None and pq.ack_offset == 10:
+            if pq is not None and pq.commit_offset == 10:
                 break
             await asyncio.sleep(0.05)
         assert sorted(seen) == list(range(10))
@@ -201,7 +201,8 @@ async def test_push_consumer_takes_a_refused_commit_quietly(broker, caplog):
         before = broker.store.get_offset(G, T, 0)
         # the consumer loses the lock (as in a forced reset) and another member takes it
         # while the consumer's pull is held in long polling; its last commit is still due
-        assert broker.transition.table.release(G, T, 0, "push-a")
+        assert broker.transition.table.release(group=G, topic=T, queue_id=0,
+                                                 client_id="push-a")
         assert (await _pull(other, "zzz"))["st"] == PullStatus.FOUND
         c.offsets.unknown(mq)
         caplog.clear()

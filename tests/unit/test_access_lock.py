@@ -238,12 +238,12 @@ def test_takeover_resets_counters_and_records_new_holder():
 def test_release_only_by_holder():
     table = AccessLockTable()
     pull(table, "a")
-    assert table.release(G, T, Q, "b") is False
+    assert table.release(group=G, topic=T, queue_id=Q, client_id="b") is False
     assert table.holder(G, T, Q) == "a"
-    assert table.release(G, T, Q, "a") is True
+    assert table.release(group=G, topic=T, queue_id=Q, client_id="a") is True
     assert table.holder(G, T, Q) is None
-    assert table.release(G, T, Q, "a") is False
-    assert table.release(G, T, 99, "a") is False
+    assert table.release(group=G, topic=T, queue_id=Q, client_id="a") is False
+    assert table.release(group=G, topic=T, queue_id=99, client_id="a") is False
     assert pull(table, "b", requested=0, ack=6).takeover == "free"
 
 
@@ -279,7 +279,7 @@ def test_touch_keeps_suspended_long_poll_holder_alive():
     table = AccessLockTable(hold_timeout=30)
     pull(table, "a", deliver=10, ack=4, now=0.0)
     # a's pull is suspended in long polling; the broker refreshes it at t=25.
-    table.touch(G, T, Q, "a", now=25.0)
+    table.touch(group=G, topic=T, queue_id=Q, client_id="a", now=25.0)
     d = pull(table, "b", requested=4, ack=4, deliver=10, now=40.0)
     assert not d.granted
     assert d.holder == "a"
@@ -290,8 +290,9 @@ def test_touch_keeps_suspended_long_poll_holder_alive():
 def test_touch_by_non_holder_does_nothing():
     table = AccessLockTable(hold_timeout=30)
     pull(table, "a", deliver=10, now=0.0)
-    table.touch(G, T, Q, "b", now=25.0)
-    table.touch(G, T, 7, "a", now=25.0)  # unlocked queue: no entry created
+    table.touch(group=G, topic=T, queue_id=Q, client_id="b", now=25.0)
+    # an unlocked queue: no entry created
+    table.touch(group=G, topic=T, queue_id=7, client_id="a", now=25.0)
     assert table.snapshot(G)[0]["last_access"] == 0.0
     assert table.holder(G, T, 7) is None
     assert pull(table, "b", deliver=10, now=30.0).takeover == "timeout"
@@ -300,7 +301,7 @@ def test_touch_by_non_holder_does_nothing():
 def test_touch_never_moves_access_time_backwards():
     table = AccessLockTable()
     pull(table, "a", now=10.0)
-    table.touch(G, T, Q, "a", now=5.0)
+    table.touch(group=G, topic=T, queue_id=Q, client_id="a", now=5.0)
     table.touch_client("a", now=3.0)
     assert table.snapshot(G)[0]["last_access"] == 10.0
 
@@ -413,12 +414,12 @@ def test_property_single_holder_and_offsets(ops, hold_timeout, stable_checks):
             model[queue_id] = d.holder
         elif kind == "touch":
             now += op[3]
-            table.touch(G, T, queue_id, client, now)
+            table.touch(group=G, topic=T, queue_id=queue_id, client_id=client, now=now)
         elif kind == "touch_client":
             now += op[3]
             table.touch_client(client, now)
         elif kind == "release":
-            released = table.release(G, T, queue_id, client)
+            released = table.release(group=G, topic=T, queue_id=queue_id, client_id=client)
             assert released == (model[queue_id] == client)
             if released:
                 model[queue_id] = None

@@ -20,7 +20,7 @@ from onceq.idempotency import (
     idempotent,
     payload_hash,
 )
-from onceq.log.record import Message as MessageExt
+from onceq.log.record import MessageExt
 from tests.clock import FakeClock
 
 MQ = MessageQueue("orders", 0)

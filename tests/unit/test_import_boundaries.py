@@ -177,7 +177,7 @@ def test_client_importing_storage_or_broker_is_reported_with_file_and_import():
 
 
 def test_protocol_and_log_reaching_out_are_reported():
-    assert _check("onceq.protocol.frame", "from ..log.record import Message\n") == [
+    assert _check("onceq.protocol.frame", "from ..log.record import MessageExt\n") == [
         "src/onceq/protocol/frame.py:1: imports onceq.log.record "
         "(onceq.protocol may import from onceq only onceq.protocol)"]
     assert _check("onceq.protocol.frame", "import zstandard\n") == [
@@ -214,7 +214,7 @@ def test_pyspark_outside_the_spark_package_is_reported():
 
 def test_allowed_imports_pass():
     assert _check("onceq.log.segment", "import struct\nfrom ..protocol.errors import X\n"
-                  "from .record import Message\nimport msgpack\n") == []
+                  "from .record import MessageExt\nimport msgpack\n") == []
     assert _check("onceq.client.push", "from .._aio import wait_event\n"
-                  "from ..log.record import Message\nimport asyncio\n") == []
+                  "from ..log.record import MessageExt\nimport asyncio\n") == []
     assert _check("onceq.broker.broker", "from ..storage.store import MessageStore\n") == []

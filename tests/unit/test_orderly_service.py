@@ -9,7 +9,7 @@ from onceq.client.consume import ConsumeStatus, is_orderly, orderly
 from onceq.client.consume_orderly import OrderlyConsumeService, suspend_seconds
 from onceq.client.process_queue import ProcessQueue
 from onceq.client.push import PushConsumer
-from onceq.log.record import Message as MessageExt
+from onceq.log.record import MessageExt
 from tests.clock import FakeClock
 
 MQ = MessageQueue("T", 0)
@@ -97,3 +97,46 @@ def test_a_message_arriving_as_the_run_ends_starts_a_new_run_at_once():
 
     pq = asyncio.run(main())
     assert handled == [0, 1] and len(pq) == 0
+
+
+def test_after_an_offset_reset_the_new_run_waits_for_the_old_ones_listener_call():
+    """A forced reset drops the queue's process queue mid-call and takes the queue again
+    at once: the new run must not call the listener while the old call still runs."""
+    events: list[tuple[str, int]] = []
+    release = asyncio.Event()
+
+    async def listener(msgs, ctx):
+        events.append(("start", ctx.attempt))
+        if len(events) == 1:
+            await release.wait()  # the old run's call, still running at the reset
+        events.append(("end", ctx.attempt))
+
+    async def main():
+        c = PushConsumer("127.0.0.1:1", "g", listener, orderly=True)
+        s = OrderlyConsumeService(c)
+        s._locked_at[MQ] = c.clock()
+        old = ProcessQueue(MQ, 0, c.clock())
+        c.owned.take(old)
+        old.add([_msg(0)])
+        s.dispatch(old, [_msg(0)])
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert events == [("start", 1)]
+        c.owned.revoke(old)  # the reset (PushConsumer._on_reset, then _retake)
+        c.owned.forget(old)
+        s.forget(old)
+        new = ProcessQueue(MQ, 0, c.clock())
+        c.owned.take(new)
+        new.add([_msg(0)])
+        s.dispatch(new, [_msg(0)])
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert events == [("start", 1)]  # the new run waits
+        release.set()
+        for _ in range(50):
+            await asyncio.sleep(0)
+        return new
+
+    new = asyncio.run(main())
+    assert events == [("start", 1), ("end", 1), ("start", 1), ("end", 1)]
+    assert len(new) == 0

@@ -8,19 +8,19 @@ from hypothesis import strategies as st
 from onceq.client.allocation import MessageQueue
 from onceq.client.process_queue import ProcessQueue
 from onceq.client.push_config import PushConsumerConfig
-from onceq.log.record import Message
+from onceq.log.record import MessageExt
 
 MQ = MessageQueue("T", 0)
 CFG = PushConsumerConfig()
 LIMITS = (CFG.flow_count, CFG.flow_bytes, CFG.flow_span)
 
 
-def msg(offset: int, size: int = 1) -> Message:
-    return Message("T", 0, offset, b"x" * size, f"K{offset}")
+def msg(offset: int, size: int = 1) -> MessageExt:
+    return MessageExt("T", 0, offset, b"x" * size, f"K{offset}")
 
 
 def pulled(pq: ProcessQueue, offsets: list[int], next_offset: int | None = None,
-           size: int = 1) -> list[Message]:
+           size: int = 1) -> list[MessageExt]:
     """What the pull loop does with one pull result: add, then move next_offset."""
     msgs = [msg(o, size) for o in offsets]
     pq.add(msgs)
@@ -33,10 +33,10 @@ def test_defaults_match_the_reference():
     assert CFG.pull_expire_s == 120.0 and CFG.pull_batch_size == 32
 
 
-def test_ack_offset_is_lowest_in_flight():
+def test_commit_offset_is_lowest_in_flight():
     pq = ProcessQueue(MQ, 10, 0.0)
     m = pulled(pq, list(range(10, 20)))
-    assert pq.ack_offset == 10
+    assert pq.commit_offset == 10
     assert pq.remove([m[3], m[5]]) == 10  # a slow message holds the commit back
     assert pq.remove([m[0]]) == 11
     assert pq.remove([m[1], m[2]]) == 14  # 13 and 15 were done: 14 is the lowest left
@@ -44,26 +44,26 @@ def test_ack_offset_is_lowest_in_flight():
     assert len(pq) == 4
 
 
-def test_ack_offset_equals_next_offset_when_empty():
+def test_commit_offset_equals_next_offset_when_empty():
     pq = ProcessQueue(MQ, 7, 0.0)
-    assert pq.ack_offset == 7
+    assert pq.commit_offset == 7
     m = pulled(pq, [7, 8, 9])
     pq.remove(m)
-    assert pq.ack_offset == 10 == pq.next_offset
+    assert pq.commit_offset == 10 == pq.next_offset
     # a pull whose messages were all filtered out (tags) still moves the commit
     pq.next_offset = 42
-    assert pq.ack_offset == 42
+    assert pq.commit_offset == 42
 
 
-def test_ack_offset_moves_forward_only():
+def test_commit_offset_moves_forward_only():
     pq = ProcessQueue(MQ, 100, 0.0)
     m = pulled(pq, [100, 101])
     pq.remove(m)
-    assert pq.ack_offset == 102
+    assert pq.commit_offset == 102
     pq.next_offset = 50  # e.g. a bogus pull answer: the commit must not go back
-    assert pq.ack_offset == 102
+    assert pq.commit_offset == 102
     pq.add([msg(60)])  # below max_offset: ignored (already seen)
-    assert len(pq) == 0 and pq.ack_offset == 102
+    assert len(pq) == 0 and pq.commit_offset == 102
 
 
 def test_remove_twice_and_unknown_messages_are_harmless():
@@ -71,7 +71,7 @@ def test_remove_twice_and_unknown_messages_are_harmless():
     m = pulled(pq, [0, 1, 2], size=10)
     pq.remove([m[1]])
     pq.remove([m[1], msg(99)])
-    assert len(pq) == 2 and pq.cached_bytes == 20 and pq.ack_offset == 0
+    assert len(pq) == 2 and pq.cached_bytes == 20 and pq.commit_offset == 0
 
 
 def test_flow_control_count_threshold():
@@ -133,10 +133,10 @@ _ops = st.lists(
 
 @settings(max_examples=300, deadline=None)
 @given(start=st.integers(0, 1000), ops=_ops)
-def test_ack_offset_never_decreases_nor_passes_lowest_in_flight(start, ops):
+def test_commit_offset_never_decreases_nor_passes_lowest_in_flight(start, ops):
     pq = ProcessQueue(MQ, start, 0.0)
-    in_flight: dict[int, Message] = {}
-    last_ack = pq.ack_offset
+    in_flight: dict[int, MessageExt] = {}
+    last_ack = pq.commit_offset
     assert last_ack == start
     for op in ops:
         if op[0] == "pull":
@@ -154,7 +154,7 @@ def test_ack_offset_never_decreases_nor_passes_lowest_in_flight(start, ops):
             keys = sorted(in_flight)
             chosen = [keys[(pick + i * 7) % len(keys)] for i in range(n)]
             pq.remove([in_flight.pop(k) for k in set(chosen)])
-        ack = pq.ack_offset
+        ack = pq.commit_offset
         assert ack >= last_ack
         if in_flight:
             assert ack == min(in_flight)

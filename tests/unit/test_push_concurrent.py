@@ -13,7 +13,7 @@ from onceq.client.consume import ConsumeContext, ConsumeStatus, ListenerThreads
 from onceq.client.consume_concurrent import ConcurrentConsumeService
 from onceq.client.process_queue import ProcessQueue
 from onceq.client.push import PushConsumer
-from onceq.log.record import Message as MessageExt
+from onceq.log.record import MessageExt
 
 MQ = MessageQueue("T", 0)
 
@@ -74,11 +74,11 @@ async def test_at_most_concurrency_calls_run_at_once_and_all_complete():
     for _ in range(20):  # loop passes: nothing else starts while three run
         await asyncio.sleep(0)
     assert gate.running == 3 and gate.started == [0, 1, 2]
-    assert pq.ack_offset == 0  # the lowest in flight holds the commit back
+    assert pq.commit_offset == 0  # the lowest in flight holds the commit back
     gate.opened.set()
     await gate.until(lambda: len(pq) == 0)
     assert gate.most == 3 and sorted(gate.started) == list(range(10))
-    assert pq.ack_offset == 10 and c.stats["consumed"] == 10
+    assert pq.commit_offset == 10 and c.stats["consumed"] == 10
     await s.stop()
 
 
@@ -98,7 +98,7 @@ async def test_drain_waits_for_running_calls_and_skips_batches_not_started():
     for _ in range(20):  # the workers reach the other batches: dropped, never run
         await asyncio.sleep(0)
     assert sorted(gate.started) == [0, 1]
-    assert pq.ack_offset == 2  # the two finished; the rest is the next owner's
+    assert pq.commit_offset == 2  # the two finished; the rest is the next owner's
     await s.stop()
 
 
@@ -117,7 +117,7 @@ async def test_a_cancelled_drain_done_again_waits_for_the_same_calls():
     assert not again.done()
     gate.opened.set()
     await asyncio.wait_for(again, 5)
-    assert gate.running == 0 and pq.ack_offset == 2
+    assert gate.running == 0 and pq.commit_offset == 2
     await s.stop()
 
 
@@ -213,7 +213,7 @@ async def test_plain_listener_runs_on_threads_within_the_concurrency_bound():
     while len(pq):
         await asyncio.sleep(0.005)
     assert running[1] == 4 and sorted(calls) == list(range(40))
-    assert c.stats["consumed"] == 40 and pq.ack_offset == 40
+    assert c.stats["consumed"] == 40 and pq.commit_offset == 40
     c._threads.shutdown()
     await s.stop()
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from onceq.broker.queue_lock_table import QueueLockTable
+from onceq.broker.queue_lock_table import QueueLockTable, decode_lock_file, encode_lock_file
 from tests.clock import FakeClock
 
 G = "g"
@@ -159,3 +159,76 @@ def test_never_two_holders_and_a_grant_is_exactly_the_free_or_own(ops):
             clock.advance(dt)
         live = {q: h for q, (h, at) in model.items() if clock() - at <= 60.0}
         assert {q: t.holder(G, *q, clock()) for q in Q} == {q: live.get(q) for q in Q}
+
+
+# ---------------------------------------------------------------- across a broker restart
+def test_restored_locks_are_renewed_at_the_restore_and_kept_for_their_holders():
+    clock = FakeClock()
+    t = QueueLockTable(60.0)
+    t.lock(G, "a", Q[:2], clock())
+    t.lock(G, "b", Q[2:3], clock())
+    t.lock("other", "c", Q[:1], clock())
+    clock.advance(50)  # a's and b's locks are 50 s old when the broker goes down
+    rows = t.export(clock())
+    assert rows == [(G, "T", 0, "a"), (G, "T", 1, "a"), (G, "T", 2, "b"),
+                    ("other", "T", 0, "c")]
+
+    clock.advance(30)  # the broker is down 30 s: the old locks would be expired now
+    r = QueueLockTable(60.0)
+    r.restore(rows, clock())
+    assert r.restored_holders(G, clock()) == ["a", "b"]
+    assert r.lock(G, "b", Q, clock()) == {Q[2], Q[3]}  # b back first: a's stay a's
+    assert r.restored_holders(G, clock()) == ["a"]  # b locked again: a member as any
+    clock.advance(59)
+    assert r.lock(G, "a", Q[:2], clock()) == set(Q[:2])  # a is back within the expiry
+    assert r.restored_holders(G, clock()) == []
+    # a holder that never comes back frees its queues after the expiry from the restore
+    assert r.holder("other", *Q[0], clock()) == "c"
+    clock.advance(1.5)
+    assert r.holder("other", *Q[0], clock()) is None
+    assert r.restored_holders("other", clock()) == []
+    assert r.lock("other", "d", Q[:1], clock()) == {Q[0]}
+
+
+def test_changes_count_new_holders_and_releases_not_renewals():
+    clock = FakeClock()
+    t = QueueLockTable(60.0)
+    t.lock(G, "a", Q[:2], clock())
+    assert t.changes == 2
+    t.lock(G, "a", Q[:2], clock())  # renewal: the saved file would not change
+    t.lock(G, "b", Q[:2], clock())  # refused
+    assert t.changes == 2
+    t.unlock(G, "a", Q[:1], clock())
+    t.release_client("a")
+    t.drop_topic("T")
+    assert t.changes == 4
+    assert t.export(clock()) == []
+
+
+def test_export_leaves_out_expired_locks():
+    clock = FakeClock()
+    t = QueueLockTable(60.0)
+    t.lock(G, "a", Q[:1], clock())
+    clock.advance(60.5)
+    t.lock(G, "b", Q[1:2], clock())
+    assert t.export(clock()) == [(G, "T", 1, "b")]
+
+
+_rows = st.lists(st.tuples(st.text(max_size=8), st.text(max_size=8),
+                           st.integers(0, 2 ** 31), st.text(max_size=8)), max_size=20)
+
+
+@given(_rows)
+def test_lock_file_round_trip(rows):
+    assert decode_lock_file(encode_lock_file(rows)) == rows
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"\xff\xfe", b"[]", b'{"version": 2, "locks": []}', b'{"version": 1}',
+    b'{"version": 1, "locks": [["g", "t", -1, "a"]]}',
+    b'{"version": 1, "locks": [["g", "t", true, "a"]]}',
+    b'{"version": 1, "locks": [["g", "t", 0]]}',
+])
+def test_a_damaged_lock_file_is_refused_with_a_reason(data):
+    with pytest.raises(ValueError):
+        decode_lock_file(data)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from onceq.broker.offset_reset import ResetFence, clamp
 
 
@@ -50,3 +52,37 @@ def test_fences_go_with_the_topic_the_client_and_age():
 
 def test_clamp():
     assert [clamp(x, 3, 9) for x in (-1, 3, 5, 9, 12)] == [3, 3, 5, 9, 9]
+
+
+def test_fences_survive_encode_and_restore_and_changes_are_counted():
+    calls = []
+    f = ResetFence(on_change=lambda: calls.append(1))
+    gen = f.add("g", ["a", "b"], {("t", 0), ("t", 1)}, 1000.0)
+    f.seen("g", "b", gen)  # b handled it
+    assert f.changes == len(calls) == 2
+    f.seen("g", "b", gen)  # nothing left to clear: no change
+    f.drop_client("g", "nobody")
+    assert f.changes == 2
+
+    r = ResetFence()
+    assert r.restore(f.encode()) == 1
+    assert r.last_gen == f.last_gen == gen
+    assert r.blocks("g", "a", "t", 1) and not r.blocks("g", "b", "t", 1)
+    assert r.pending("g", "a") == {"group": "g", "gen": gen, "queues": [["t", 0], ["t", 1]]}
+    assert r.encode() == f.encode()
+    # a later reset still gets a higher generation than any saved one
+    assert r.add("g", ["a"], {("t", 0)}, 999.0) > gen
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"{", b"[]", b'{"version": 2, "last_gen": 1, "fences": []}',
+    b'{"version": 1, "last_gen": "1", "fences": []}',
+    b'{"version": 1, "last_gen": 1, "fences": [["g", "a", 1, 0.0, [["t", "0"]]]]}',
+    b'{"version": 1, "last_gen": 1, "fences": [["g", "a", 1]]}',
+])
+def test_a_damaged_fence_file_is_refused_with_a_reason(data):
+    f = ResetFence()
+    f.add("g", ["a"], {("t", 0)}, 5.0)
+    with pytest.raises(ValueError):
+        f.restore(data)
+    assert f.blocks("g", "a", "t", 0)  # left as it was

@@ -135,12 +135,12 @@ def test_touch_release_and_is_holder():
     lock, _, clock, changes = make()
     lock.check(G, "a", T, 0, 0)
     clock.advance(25)
-    lock.touch(G, "a", T, 0)
+    lock.touch(group=G, client="a", topic=T, queue=0)
     clock.advance(25)  # 50 s after the take, 25 s after the touch: still held
     assert not lock.check(G, "b", T, 0, 0).granted
     assert lock.is_holder(G, "a", T, 0)
-    assert not lock.release(G, "b", T, 0)
-    assert lock.release(G, "a", T, 0)
+    assert not lock.release(group=G, client="b", topic=T, queue=0)
+    assert lock.release(group=G, client="a", topic=T, queue=0)
     assert not lock.is_holder(G, "a", T, 0)
     assert len(changes) == 2
 

@@ -228,7 +228,8 @@ class AccessLockTable:
 
     # -- liveness ------------------------------------------------------------------------
 
-    def touch(self, group: str, topic: str, queue_id: int, client_id: str, now: float) -> None:
+    def touch(self, *, group: str, topic: str, queue_id: int, client_id: str, now: float
+              ) -> None:
         """The holder is alive (pull suspended in long polling, draining, committing).
 
         Refreshes the access time only if ``client_id`` is the holder; otherwise does nothing.
@@ -277,12 +278,13 @@ class AccessLockTable:
         for key in sorted(self._by_client.get(client_id, ())):
             if (key[0] == group and (key[1], key[2]) not in held
                     and self._entries[key].unconfirmed_until is not None):
-                self.release(key[0], key[1], key[2], client_id)
+                self.release(group=key[0], topic=key[1], queue_id=key[2],
+                             client_id=client_id)
         return result
 
     # -- release -------------------------------------------------------------------------
 
-    def release(self, group: str, topic: str, queue_id: int, client_id: str) -> bool:
+    def release(self, *, group: str, topic: str, queue_id: int, client_id: str) -> bool:
         """Release the queue if ``client_id`` holds it; return whether it did."""
         key = (group, topic, queue_id)
         entry = self._entries.get(key)

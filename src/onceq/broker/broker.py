@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,7 @@ from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.frame import REQUEST, decode_header, max_frame_for_body
 from ..storage.failures import storage_error
 from ..storage.files import OS_FILES, FileOps
+from ..storage.metadata import write_atomic
 from ..storage.sequences import SequenceStore
 from ..storage.store import MessageStore
 from .admin_ops import AdminOps
@@ -42,7 +44,7 @@ from .flush import Flusher
 from .groups import GroupRegistry
 from .limits import ConnectionGuard
 from .metrics import BrokerMetrics, start_metrics
-from .offset_reset import FENCE_MAX_AGE_S, ResetFence
+from .offset_reset import FENCE_FILE, FENCE_MAX_AGE_S, ResetFence
 from .pull import PullService
 from .queue_lock import QueueLocks
 from .retry import RetryService, parse_delay_levels
@@ -70,14 +72,18 @@ class Broker:
         self.durable = DurableReplies(self.store)  # answers once a write is fsynced
         self.groups = GroupRegistry(config.heartbeat_expiry_s,
                                     lambda *change: self.consumer_groups.on_group_change(*change))
-        self.fence = ResetFence()  # members that have not seen a forced offset reset yet
+        # members that have not seen a forced offset reset yet (saved like the locks)
+        self.fence = ResetFence(on_change=self._locks_changed)
+        self._fence_path = os.path.join(self.store.config.data_dir, FENCE_FILE)
+        self.files = files
         self.transition = TransitionLock(
             self.store, self.groups, config.access_lock, config.access_lock_hold_s,
             config.access_lock_stable_checks, clock, config.access_lock_restore_hold_s, files,
             self._locks_changed)
         self.queue_locks = QueueLocks(  # orderly consumption
             self.store, clock, config.queue_lock_expiry_s, groups=self.groups,
-            transition=self.transition, fence=self.fence, durable=self.durable)
+            transition=self.transition, fence=self.fence, durable=self.durable, files=files,
+            on_change=self._locks_changed)
         commits = CommitRule(self.transition, self.queue_locks)
         self.trace = DeliveryTrace(self.store, clock, self._on_internal_put)
         self.pulls = PullService(config, self.store, transition=self.transition,
@@ -140,6 +146,8 @@ class Broker:
         self.sequences.open()
         self.consumer_groups.started = self.clock()
         self.trace.load()
+        self.queue_locks.load()  # orderly locks: kept for their holders after a restart
+        self._load_fences()
         if self.transition.load():  # when the restore hold ends, the groups rebalance
             self._hold_timer = asyncio.get_running_loop().call_later(
                 self.config.access_lock_restore_hold_s, self._restore_hold_ended)
@@ -252,18 +260,44 @@ class Broker:
         if self._locks_dirty is not None:
             self._locks_dirty.set()
 
+    def _load_fences(self) -> None:
+        try:
+            n = self.fence.restore(self.files.read_file(self._fence_path))
+        except FileNotFoundError:
+            return
+        except ValueError as exc:
+            log.error("%s: %s; starting without saved reset fences", self._fence_path, exc)
+            return
+        if n:
+            log.info("offset resets: %d member(s) still fenced", n)
+
+    def _saved_states(self) -> list[tuple[int, Callable[[], bytes], Callable[[bytes], None]]]:
+        """What the broker saves when it changes: (change count, its data, its writer)."""
+        return [
+            (self.transition.table.changes, self.transition.file_data,
+             self.transition.write_file),
+            (self.queue_locks.table.changes, self.queue_locks.file_data,
+             self.queue_locks.write_file),
+            (self.fence.changes, self.fence.encode,
+             lambda data: write_atomic(self._fence_path, data, self.files)),
+        ]
+
     async def _save_locks(self) -> None:
-        """Write the access-lock holders whenever they change (one write at a time; changes
-        made during a write are written by the next one)."""
+        """Write the access-lock holders, the orderly queue locks and the reset fences
+        whenever they change, each file only when its own state changed (one write at a
+        time; changes made during a write are written by the next one)."""
         assert self._locks_dirty is not None
+        written: dict[int, int] = {}  # state index -> change count last written
         while True:
             await self._locks_dirty.wait()
             self._locks_dirty.clear()
             try:
-                await self._off_loop(self.transition.write_file, self.transition.file_data())
+                for i, (changes, data, write) in enumerate(self._saved_states()):
+                    if written.get(i) != changes:
+                        await self._off_loop(write, data())
+                        written[i] = changes
             except OSError as exc:
-                self.store.errors.error("locks", "cannot save the access locks: %s; "
-                                        "retrying", exc)
+                self.store.errors.error("locks", "cannot save the locks: %s; retrying", exc)
                 self._locks_dirty.set()
                 await asyncio.sleep(1.0)
 
@@ -314,10 +348,11 @@ class Broker:
         if self.flusher is not None:
             await self.flusher.stop()
             await asyncio.sleep(0)  # let the answers of sync-flush sends go out first
-        try:  # holders as they are now, before closing connections releases them
-            self.transition.write_file(self.transition.file_data())
-        except OSError as exc:
-            log.error("cannot save the access locks: %s", exc)
+        for _changes, data, write in self._saved_states():
+            try:  # holders as they are now, before closing connections releases them
+                write(data())
+            except OSError as exc:
+                log.error("cannot save the locks: %s", exc)
         for conn in list(self.connections):
             conn.close()
         try:
@@ -379,5 +414,6 @@ class Broker:
         self.sequences.table.drop_topic(topic)
         self.transition.drop_topic(topic)
         self.queue_locks.table.drop_topic(topic)
+        self.queue_locks.changed()
         self.fence.drop_topic(topic)
         self.pulls.wake_topic(topic)

@@ -151,8 +151,13 @@ class ConsumerGroupService:
         members += [  # holders saved before a restart, not reconnected yet
             {"client": cid, "model": CLUSTERING, "subs": {}, "peer": "(restored)",
              "last_heartbeat_ms": int(self.started * 1000), "restored": True}
-            for cid in self.transition.restored_members(group) if cid not in known]
+            for cid in self.restored_members(group) if cid not in known]
         return 0, {"group": group, "members": members}, b""
+
+    def restored_members(self, group: str) -> list[str]:
+        """Holders of access or orderly locks saved before a restart, not back yet."""
+        found = self.transition.restored_members(group)
+        return found + [c for c in self.queue_locks.restored_members(group) if c not in found]
 
     def h_list_groups(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
                       ) -> Response:
@@ -202,7 +207,7 @@ class ConsumerGroupService:
         client = str_field(h, "client")
         topic, queue = str_field(h, "topic"), int_field(h, "queue")
         if topic not in self.store.topics:  # deleted meanwhile: nothing left to release
-            self.transition.release(group, client, topic, queue)
+            self.transition.release(group=group, client=client, topic=topic, queue=queue)
             return 0, {"released": False}, b""
         offset = int_field(h, "offset", -1)
         self.pulls.give_up(client=client, topic=topic, queue=queue)
@@ -213,7 +218,8 @@ class ConsumerGroupService:
         may_commit = (self.commits.may_commit(group=group, client=client, topic=topic,
                                               queue=queue)  # before the release
                       and not self.fence.blocks(group, client, topic, queue))
-        released = self.transition.release(group, client, topic, queue)
+        released = self.transition.release(group=group, client=client, topic=topic,
+                                           queue=queue)
         end = 0
         if offset >= 0 and may_commit and (released or not applies):
             if applies:  # the holder's reads were corrected forward to the group's offset:
@@ -233,5 +239,6 @@ class ConsumerGroupService:
         targets = parse_targets(h.get("offsets"), self.store.get_topic(topic).queues)
         answer, end = reset_offsets(self.store, self.groups, self.transition, self.fence,
                                     self.clock, self.pulls.wake, group=group, topic=topic,
-                                    targets=targets, force=force)
+                                    targets=targets, force=force,
+                                    restored=self.restored_members(group))
         return self.durable.reply(conn, corr, answer, end=end)

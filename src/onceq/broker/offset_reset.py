@@ -14,10 +14,17 @@ over the running members, which keep their own positions in memory:
    (``reset``) for a member that missed the push while disconnected;
 3. a member that gets the notice drops those process queues without committing (results of
    listeners still running are thrown away) and takes them again from the broker's offset.
+
+The fences survive a broker restart: the broker saves them whenever they change
+(:meth:`ResetFence.encode`, ``reset_fences.json``) and restores them at start
+(:meth:`ResetFence.restore`). Otherwise a member that had not seen a reset when the broker
+went down would come back, re-take its queues at its old positions and commit them,
+undoing the reset.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +42,7 @@ log = logging.getLogger("onceq.broker")
 
 _Queue = tuple[str, int]
 FENCE_MAX_AGE_S = 3600.0  # a fence of a client that is no member is kept this long
+FENCE_FILE = "reset_fences.json"
 
 
 @dataclass(slots=True)
@@ -47,9 +55,47 @@ class _Fence:
 class ResetFence:
     """Per (group, member): the last forced reset it has not acknowledged yet."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_change: Callable[[], None] | None = None) -> None:
         self.last_gen = 0
         self._fences: dict[tuple[str, str], _Fence] = {}
+        self.changes = 0  # counts changes of what ``encode`` returns
+        self.on_change = on_change
+
+    def _changed(self) -> None:
+        self.changes += 1
+        if self.on_change is not None:
+            self.on_change()
+
+    def encode(self) -> bytes:
+        """The fences as saved in ``reset_fences.json``."""
+        return json.dumps({"version": 1, "last_gen": self.last_gen, "fences": [
+            [g, c, f.gen, f.since, sorted([t, q] for t, q in f.queues)]
+            for (g, c), f in sorted(self._fences.items())]}, separators=(",", ":")).encode()
+
+    def restore(self, data: bytes) -> int:
+        """Load saved fences (at broker start, replacing these); return how many. Raises
+        ValueError, naming what is wrong, for a file that is not a fence file."""
+        try:
+            doc = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"not JSON: {exc}") from None
+        if (not isinstance(doc, dict) or doc.get("version") != 1
+                or type(doc.get("last_gen")) is not int or not isinstance(doc.get("fences"),
+                                                                          list)):
+            raise ValueError("not a version 1 reset-fence file")
+        fences: dict[tuple[str, str], _Fence] = {}
+        for row in doc["fences"]:
+            ok = (isinstance(row, list) and len(row) == 5 and isinstance(row[0], str)
+                  and isinstance(row[1], str) and type(row[2]) is int
+                  and isinstance(row[3], int | float) and isinstance(row[4], list)
+                  and all(isinstance(x, list) and len(x) == 2 and isinstance(x[0], str)
+                          and type(x[1]) is int for x in row[4]))
+            if not ok:
+                raise ValueError(f"bad fence row {str(row)[:80]}")
+            fences[(row[0], row[1])] = _Fence(row[2], float(row[3]),
+                                              {(t, q) for t, q in row[4]})
+        self.last_gen, self._fences = doc["last_gen"], fences
+        return len(fences)
 
     def add(self, group: str, clients: list[str], queues: set[_Queue], now: float) -> int:
         """Fence ``clients`` on ``queues``; return the reset's generation. Generations grow
@@ -60,6 +106,8 @@ class ResetFence:
             f = self._fences.setdefault((group, c), _Fence(gen, now))
             f.gen, f.since = gen, now
             f.queues |= queues
+        if clients:
+            self._changed()
         return gen
 
     def expire(self, now: float, max_age: float, is_member: Callable[[str, str], bool]
@@ -69,6 +117,7 @@ class ResetFence:
         for key, f in list(self._fences.items()):
             if now - f.since > max_age and not is_member(*key):
                 del self._fences[key]
+                self._changed()
 
     def seen(self, group: str, client: str | None, gen: object) -> None:
         """The member reports it has handled resets up to ``gen``."""
@@ -77,6 +126,7 @@ class ResetFence:
         f = self._fences.get((group, client))
         if f is not None and gen >= f.gen:
             del self._fences[(group, client)]
+            self._changed()
 
     def blocks(self, group: str | None, client: str | None, topic: str, queue: int) -> bool:
         if group is None or client is None:
@@ -93,13 +143,17 @@ class ResetFence:
 
     def drop_client(self, group: str, client: str) -> None:
         """The member left for good (unregistered): nothing to fence any more."""
-        self._fences.pop((group, client), None)
+        if self._fences.pop((group, client), None) is not None:
+            self._changed()
 
     def drop_topic(self, topic: str) -> None:
         for key, f in list(self._fences.items()):
-            f.queues = {k for k in f.queues if k[0] != topic}
-            if not f.queues:
-                del self._fences[key]
+            kept = {k for k in f.queues if k[0] != topic}
+            if kept != f.queues:
+                f.queues = kept
+                if not kept:
+                    del self._fences[key]
+                self._changed()
 
 
 def clamp(offset: int, lo: int, hi: int) -> int:
@@ -129,11 +183,13 @@ def parse_targets(raw: object, queues: int) -> dict[int, int]:
 def reset_offsets(store: MessageStore, groups: GroupRegistry, transition: TransitionLock,
                   fence: ResetFence, clock: Callable[[], float],
                   wake: Callable[[str, int], None], *, group: str, topic: str,
-                  targets: dict[int, int], force: bool) -> tuple[dict[str, Any], int]:
+                  targets: dict[int, int], force: bool, restored: list[str]
+                  ) -> tuple[dict[str, Any], int]:
     """Apply a reset; returns the answer and the log position it is durable at.
-    ``wake(topic, queue)`` answers the pulls held on a reset queue (``LOCKED``)."""
+    ``wake(topic, queue)`` answers the pulls held on a reset queue (``LOCKED``);
+    ``restored`` are the members known from locks restored at start, not back yet."""
     members = [m.client_id for m in groups.members(group)]
-    members += [c for c in transition.restored_members(group) if c not in members]
+    members += [c for c in restored if c not in members]
     if members and not force:
         raise OnceqError(ErrorCode.GROUP_ACTIVE, (
             f"group {group!r} has {len(members)} live member(s) ({', '.join(members[:5])}"

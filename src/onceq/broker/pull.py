@@ -134,7 +134,7 @@ class PullService:
         if res is None:
             seconds = min(req["suspend_ms"] / 1000, self.config.long_poll_max_s)
             if req["client"] is not None:  # a suspended holder is alive: keep its lock
-                self.transition.touch(group, client, topic, queue)
+                self.transition.touch(group=group, client=client, topic=topic, queue=queue)
             self.holds.hold((topic, queue), HeldPull(conn, corr, req), seconds)
             return None
         return res

@@ -15,12 +15,15 @@ holds either. See docs/consumer.md, "Orderly consumption".
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..protocol.errors import ErrorCode, OnceqError
+from ..storage.files import OS_FILES, FileOps
+from ..storage.metadata import write_atomic
 from ..storage.store import check_name
-from .queue_lock_table import QueueLockTable
+from .queue_lock_table import QueueLockTable, decode_lock_file, encode_lock_file
 
 if TYPE_CHECKING:
     from ..storage.store import MessageStore
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("onceq.broker")
 
 MAX_QUEUES = 4096  # queues in one lock or unlock request
+LOCK_FILE = "queue_locks.json"
 
 
 def _queues(h: dict[str, Any], with_offset: bool) -> list[tuple[str, int, int]]:
@@ -52,7 +56,8 @@ def _queues(h: dict[str, Any], with_offset: bool) -> list[tuple[str, int, int]]:
 class QueueLocks:
     def __init__(self, store: MessageStore, clock: Callable[[], float], expiry_s: float, *,
                  groups: GroupRegistry, transition: TransitionLock, fence: ResetFence,
-                 durable: DurableReplies) -> None:
+                 durable: DurableReplies, files: FileOps = OS_FILES,
+                 on_change: Callable[[], None] | None = None) -> None:
         self.store = store
         self.clock = clock
         self.groups = groups
@@ -60,6 +65,46 @@ class QueueLocks:
         self.fence = fence
         self.durable = durable
         self.table = QueueLockTable(expiry_s)
+        self.files = files
+        self.on_change = on_change  # the holders changed: save them (``file_data``)
+        self.path = os.path.join(store.config.data_dir, LOCK_FILE)
+        self._seen_changes = 0
+
+    # ---------------------------------------------------------------- persistence
+    def load(self) -> int:
+        """Restore the saved locks (at broker start); return how many. A damaged file is
+        logged and ignored: the holders then lock again as after any reconnect."""
+        try:
+            rows = decode_lock_file(self.files.read_file(self.path))
+        except FileNotFoundError:
+            return 0
+        except ValueError as exc:
+            log.error("%s: %s; starting without saved queue locks", self.path, exc)
+            return 0
+        rows = [r for r in rows if self._exists(r[1], r[2])]
+        self.table.restore(rows, self._now())
+        self._seen_changes = self.table.changes
+        if rows:
+            log.info("queue locks: %d restored, held for their holders for %.0fs", len(rows),
+                     self.table.expiry)
+        return len(rows)
+
+    def file_data(self) -> bytes:
+        return encode_lock_file(self.table.export(self._now()))
+
+    def write_file(self, data: bytes) -> None:
+        write_atomic(self.path, data, self.files)
+
+    def changed(self) -> None:
+        """After anything that may change holders: ask for a save when it did."""
+        if self.table.changes != self._seen_changes:
+            self._seen_changes = self.table.changes
+            if self.on_change is not None:
+                self.on_change()
+
+    def restored_members(self, group: str) -> list[str]:
+        """Holders of restored locks that have not locked again since the restart."""
+        return self.table.restored_holders(group, self._now())
 
     def _now(self) -> float:
         return self.clock()
@@ -89,6 +134,7 @@ class QueueLocks:
             return access.holder(group, topic, queue)
 
         held = self.table.lock(group, client, wanted, self._now(), taken)
+        self.changed()
         return 0, {"locked": [[t, q] for t, q in sorted(held)]}, b""
 
     def h_unlock(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes) -> Response:
@@ -111,6 +157,7 @@ class QueueLocks:
                 end = max(end, store.commit_offset(group, *queue, off))
 
         released = self.table.unlock(group, client, list(offsets), self._now(), commit)
+        self.changed()
         return self.durable.reply(conn, corr,
                                   {"unlocked": [[t, q] for t, q in sorted(released)]}, end=end)
 
@@ -125,6 +172,7 @@ class QueueLocks:
         for _g, topic, queue in self.table.release_client(client, group):
             log.info("queue lock %s %s:%d released: holder %s %s", group, topic, queue,
                      client, reason)
+        self.changed()
 
     def status(self, group: str) -> list[dict[str, Any]]:
         return self.table.snapshot(group, self._now())

@@ -11,6 +11,16 @@ commit. When a client unregisters, its connection closes or its heartbeat expire
 locks go at once (:meth:`QueueLockTable.release_client`), so a new owner does not wait for
 the expiry.
 
+The broker saves the holders whenever they change (:meth:`QueueLockTable.export`,
+:func:`encode_lock_file`) and restores them at start (:meth:`QueueLockTable.restore`). A
+restored lock counts as renewed at the restore: its holder, still consuming what it pulled
+before the broker went down, keeps the queue when it locks again after reconnecting, and a
+holder that died meanwhile frees it after ``expiry`` seconds. Without this, the first member
+back could lock a queue that its old holder, not yet reconnected, still consumes for up to
+the 30 s its client trusts a lock. Until their holder locks again, restored locks count
+their holders as members (:meth:`QueueLockTable.restored_holders`), so the members that
+reconnect first keep their allocation.
+
 This is the second kind of lock on a queue of a group; the first is the transition-state
 access lock (``access_lock.py``), which concurrent members take implicitly by pulling.
 A queue has at most one holder of either kind at a time: :meth:`lock` is given the access
@@ -21,12 +31,42 @@ broker refuses a pull of a queue whose orderly lock another client holds (see
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-__all__ = ["QueueLockTable"]
+__all__ = ["QueueLockTable", "decode_lock_file", "encode_lock_file"]
 
 _Queue = tuple[str, int]
+_Row = tuple[str, str, int, str]  # group, topic, queue, holder
+_VERSION = 1
+
+
+def encode_lock_file(rows: Iterable[_Row]) -> bytes:
+    """The saved form of the locks (``queue_locks.json``)."""
+    return json.dumps({"version": _VERSION, "locks": [list(r) for r in rows]},
+                      separators=(",", ":")).encode()
+
+
+def decode_lock_file(data: bytes) -> list[_Row]:
+    """The rows of a saved lock file; raises ValueError naming what is wrong."""
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("version") != _VERSION:
+        raise ValueError(f"not a version {_VERSION} queue-lock file")
+    rows = doc.get("locks")
+    if not isinstance(rows, list):
+        raise ValueError("'locks' must be a list")
+    out = []
+    for r in rows:
+        if not (isinstance(r, list) and len(r) == 4 and isinstance(r[0], str)
+                and isinstance(r[1], str) and type(r[2]) is int and r[2] >= 0
+                and isinstance(r[3], str)):
+            raise ValueError(f"bad lock row {str(r)[:80]}")
+        out.append((r[0], r[1], r[2], r[3]))
+    return out
 
 
 @dataclass(slots=True)
@@ -34,12 +74,14 @@ class _Lock:
     holder: str
     since: float  # granted (a renewal keeps it)
     renewed: float  # last lock or renewal
+    restored: bool = False  # restored at broker start, not locked again by its holder yet
 
 
 class QueueLockTable:
     def __init__(self, expiry: float = 60.0) -> None:
         self.expiry = expiry
         self._locks: dict[str, dict[_Queue, _Lock]] = {}  # group -> queue -> lock
+        self.changes = 0  # counts changes of holders (what the saved file holds)
 
     def _live(self, group: str, queue: _Queue, now: float) -> _Lock | None:
         lock = self._locks.get(group, {}).get(queue)
@@ -68,8 +110,10 @@ class QueueLockTable:
                 continue
             if lock is None:
                 table[q] = _Lock(client, now, now)
+                self.changes += 1
             else:
                 lock.renewed = now
+                lock.restored = False
             held.add(q)
         return held
 
@@ -87,6 +131,7 @@ class QueueLockTable:
             if commit is not None:
                 commit(q)  # an error here leaves the lock held: the client retries
             del table[q]
+            self.changes += 1
             released.add(q)
         return released
 
@@ -99,6 +144,7 @@ class QueueLockTable:
             for q in [q for q, lock in table.items() if lock.holder == client]:
                 del table[q]
                 gone.append((g, *q))
+        self.changes += len(gone)
         return gone
 
     def expire(self, now: float) -> list[tuple[str, str, int, str]]:
@@ -107,12 +153,30 @@ class QueueLockTable:
         for g, table in self._locks.items():
             for q in [q for q, lock in table.items() if now - lock.renewed > self.expiry]:
                 gone.append((g, *q, table.pop(q).holder))
+        self.changes += len(gone)
         return gone
 
     def drop_topic(self, topic: str) -> None:
         for table in self._locks.values():
             for q in [q for q in table if q[0] == topic]:
                 del table[q]
+                self.changes += 1
+
+    def export(self, now: float) -> list[_Row]:
+        """The live locks, sorted: what survives a broker restart."""
+        return sorted((g, t, q, lock.holder) for g, table in self._locks.items()
+                      for (t, q), lock in table.items() if now - lock.renewed <= self.expiry)
+
+    def restore(self, rows: Iterable[_Row], now: float) -> None:
+        """Load saved locks at broker start (replacing the table), each renewed ``now``."""
+        self._locks = {}
+        for g, t, q, holder in rows:
+            self._locks.setdefault(g, {})[(t, q)] = _Lock(holder, now, now, restored=True)
+
+    def restored_holders(self, group: str, now: float) -> list[str]:
+        """Holders of live locks restored at start that have not locked again since."""
+        return sorted({lock.holder for lock in self._locks.get(group, {}).values()
+                       if lock.restored and now - lock.renewed <= self.expiry})
 
     def snapshot(self, group: str, now: float) -> list[dict]:
         """The live locks of ``group``: holder, age (since granted), seconds since renewal."""

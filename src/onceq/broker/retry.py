@@ -23,7 +23,7 @@ import re
 from collections.abc import Callable
 
 from .._aio import wait_event
-from ..log.record import Message, decode_records, encode_part
+from ..log.record import MessageExt, decode_records, encode_part
 from ..protocol.codes import (
     MAX_DLQ_REASON,
     PROP_DELIVER_AT,
@@ -139,7 +139,7 @@ class RetryService:
         self._wake.set()
         return {"dlq": False, "reconsume": recons, "level": level}
 
-    def _put(self, topic: str, queue: int, m: Message, props: dict, recons: int) -> None:
+    def _put(self, topic: str, queue: int, m: MessageExt, props: dict, recons: int) -> None:
         part = encode_part(m.body, m.unique_key, m.born_ts_ms, m.tags, m.keys, props, m.flags,
                            recons)
         # the schedule topic is shared by all groups: dedup there would merge two groups'
@@ -212,7 +212,7 @@ class RetryService:
                 store.commit_offset(SCHEDULE_GROUP, SCHEDULE_TOPIC, level, offset)
         return next_due
 
-    def _deliver(self, m: Message) -> None:
+    def _deliver(self, m: MessageExt) -> None:
         props = dict(m.properties)
         topic = props.pop(PROP_REAL_TOPIC, "")
         queue = int(props.pop(PROP_REAL_QUEUE, "0"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..protocol.codes import RETRY_PREFIX
 from ..protocol.errors import ErrorCode, OnceqError
 from ..storage.store import check_name
 from .fields import Response, int_field, split_parts, str_field, user_topic
@@ -38,10 +39,15 @@ class SendService:
         self.metrics: BrokerMetrics | None = None
 
     def topic_for_write(self, topic: str) -> None:
-        """Refuse the internal offsets topic; create a missing topic when topics are
-        created on first use (``auto_create_topics``)."""
+        """Refuse the internal offsets topic; create a missing group retry topic (e.g. for
+        ``onceq dlq resend`` before any member registered), or any missing topic when
+        topics are created on first use (``auto_create_topics``)."""
         user_topic(topic)
-        if topic not in self.store.topics and self.config.auto_create_topics:
+        if topic in self.store.topics:
+            return
+        if topic.startswith(RETRY_PREFIX) and self.retry is not None:
+            self.retry.ensure_group_topics(check_name("group", topic[len(RETRY_PREFIX):]))
+        elif self.config.auto_create_topics:
             check_name("topic", topic)
             self.store.create_topic(topic, self.config.default_queues)
 

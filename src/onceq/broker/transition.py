@@ -135,14 +135,16 @@ class TransitionLock:
     def is_holder(self, group: str, client: str, topic: str, queue: int) -> bool:
         return self.table.holder(group, topic, queue) == client
 
-    def touch(self, group: str, client: str, topic: str, queue: int) -> None:
-        self.table.touch(group, topic, queue, client, self.clock())
+    def touch(self, *, group: str, client: str, topic: str, queue: int) -> None:
+        self.table.touch(group=group, topic=topic, queue_id=queue, client_id=client,
+                         now=self.clock())
 
     def touch_client(self, client: str) -> None:
         self.table.touch_client(client, self.clock())
 
-    def release(self, group: str, client: str, topic: str, queue: int) -> bool:
-        released = self.table.release(group, topic, queue, client)
+    def release(self, *, group: str, client: str, topic: str, queue: int) -> bool:
+        released = self.table.release(group=group, topic=topic, queue_id=queue,
+                                      client_id=client)
         if released:
             log.info("access lock %s %s:%d released by %s (drained)", group, topic, queue,
                      client)
@@ -175,7 +177,7 @@ class TransitionLock:
         pull takes it from the group's new offset."""
         holder = self.table.holder(group, topic, queue)
         if holder is not None:
-            self.table.release(group, topic, queue, holder)
+            self.table.release(group=group, topic=topic, queue_id=queue, client_id=holder)
             log.info("access lock %s %s:%d dropped (offsets reset); holder was %s", group,
                      topic, queue, holder)
         self.deliver.pop((group, topic, queue), None)

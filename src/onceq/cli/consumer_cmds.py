@@ -23,7 +23,7 @@ from rich.text import Text
 from ..client.admin import Admin, QueueStatus
 from ..client.push import ConsumeContext, ConsumeStatus, PushConsumer
 from ..client.push_config import ConsumeFrom, MessageModel
-from ..log.record import Message as MessageExt
+from ..log.record import MessageExt
 from ..protocol.codes import (
     PROP_DLQ_REASON,
     PROP_ORIGIN_OFFSET,

@@ -7,8 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..log.record import Message as MessageExt
-from ..log.record import decode_records, encode_part
+from ..log.record import MessageExt, decode_records, encode_part
 from ..protocol.codes import (
     PROP_ORIGIN_TOPIC,
     RETRY_PREFIX,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..log.record import Message as MessageExt
+from ..log.record import MessageExt
 from .allocation import MessageQueue
 from .connection import BrokerConnection
 from .process_queue import ProcessQueue

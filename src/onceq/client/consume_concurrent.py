@@ -11,7 +11,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from ..log.record import Message as MessageExt
+from ..log.record import MessageExt
 from ..protocol.codes import MAX_DLQ_REASON, PROP_ORIGIN_TOPIC, RETRY_PREFIX, RequestCode
 from ..protocol.errors import OnceqError
 from .consume import ConsumeContext, ConsumeService, ConsumeStatus

@@ -28,7 +28,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ..log.record import Message as MessageExt
+from ..log.record import MessageExt
 from ..protocol.codes import RequestCode
 from ..protocol.errors import OnceqError
 from .allocation import MessageQueue
@@ -59,6 +59,9 @@ class OrderlyConsumeService(ConsumeService):
         self.locking = consumer.clustering  # broadcasting: no broker lock
         self._sem = asyncio.Semaphore(consumer.config.concurrency)
         self._runs: dict[ProcessQueue, asyncio.Task[None]] = {}  # one per queue at a time
+        # runs of process queues dropped by an offset reset, maybe still in a listener call:
+        # the next run of the same queue starts after them
+        self._ending: dict[MessageQueue, asyncio.Task[None]] = {}
         self._locked_at: dict[MessageQueue, float] = {}  # last grant or renewal
         self._late: dict[MessageQueue, asyncio.Task[None]] = {}  # runs past the drain
         self._later: set[asyncio.Task[None]] = set()  # their unlocks (a reference each)
@@ -163,6 +166,9 @@ class OrderlyConsumeService(ConsumeService):
 
     async def _run(self, pq: ProcessQueue) -> None:
         try:
+            ending = self._ending.pop(pq.mq, None)
+            if ending is not None:  # never two listener calls on one queue at once
+                await asyncio.wait([ending])
             await self._run_batches(pq)
         finally:
             # at once, not in a done callback: messages dispatched between this run's last
@@ -250,7 +256,9 @@ class OrderlyConsumeService(ConsumeService):
             self._late[pq.mq] = task
 
     def forget(self, pq: ProcessQueue) -> None:
-        self._runs.pop(pq, None)
+        task = self._runs.pop(pq, None)
+        if task is not None and not task.done():
+            self._ending[pq.mq] = task  # it stops after its current call (pq is inactive)
 
     async def release(self, pq: ProcessQueue) -> None:
         mq = pq.mq
@@ -278,6 +286,6 @@ class OrderlyConsumeService(ConsumeService):
         if not self.locking:
             await c.offsets.release(pq)
             return
-        item: list[Any] = [pq.mq.topic, pq.mq.queue_id, -1 if pq.reset else pq.ack_offset]
+        item: list[Any] = [pq.mq.topic, pq.mq.queue_id, -1 if pq.reset else pq.commit_offset]
         await c._req(RequestCode.UNLOCK_QUEUES, {"group": c.group, "client": c.client_id,
                                                  "queues": [item], **c._gen()})

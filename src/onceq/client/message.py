@@ -10,8 +10,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..log.record import Message as MessageExt
-from ..log.record import encode_part
+from ..log.record import MessageExt, encode_part
 
 __all__ = ["Message", "MessageExt", "SendResult", "UniqueKeyGenerator"]
 

@@ -53,7 +53,7 @@ class OffsetStore:
 
     async def release(self, pq: ProcessQueue) -> None:
         """End of a revoke: store the final offset of ``pq`` and give the queue up."""
-        await self.commit(pq.mq, pq.ack_offset)
+        await self.commit(pq.mq, pq.commit_offset)
 
     async def flush(self) -> None:
         """Make the commits so far durable where that is the store's job."""
@@ -145,7 +145,7 @@ class BrokerOffsets(OffsetStore):
         mq = pq.mq
         await self.c._req(RequestCode.RELEASE_QUEUE, {
             **self._query(mq), "client": self.c.client_id,
-            "offset": -1 if pq.reset else pq.ack_offset, **self.c._gen()})
+            "offset": -1 if pq.reset else pq.commit_offset, **self.c._gen()})
 
     async def reconnected(self, conn: BrokerConnection, holds: list[list[Any]],
                           owned: list[tuple[MessageQueue, ProcessQueue]]) -> None:
@@ -158,8 +158,8 @@ class BrokerOffsets(OffsetStore):
         """
         group = self.c.group
         refused = {(t, q) for g, t, q, h in holds if g == group and not h}
-        todo = [(mq, pq.ack_offset) for mq, pq in owned
-                if not pq.released and pq.ack_offset >= 0
+        todo = [(mq, pq.commit_offset) for mq, pq in owned
+                if not pq.released and pq.commit_offset >= 0
                 and (mq.topic, mq.queue_id) not in refused]
 
         async def one(mq: MessageQueue, ack: int) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..log.record import Message as MessageExt
+from ..log.record import MessageExt
 from .allocation import MessageQueue
 
 
@@ -47,7 +47,7 @@ class ProcessQueue:
         for m in msgs:
             if d.pop(m.queue_offset, None) is not None:
                 self._bytes -= len(m.body)
-        return self.ack_offset
+        return self.commit_offset
 
     def head(self, n: int) -> list[MessageExt]:
         """The ``n`` lowest-offset messages in flight (orderly consumption takes these)."""
@@ -67,7 +67,9 @@ class ProcessQueue:
         self._ack = offset
 
     @property
-    def ack_offset(self) -> int:
+    def commit_offset(self) -> int:
+        """The offset to commit: the lowest one still in flight, else the next to pull.
+        (The broker's committed offset is the group's *ack offset*.)"""
         low = next(iter(self._msgs)) if self._msgs else self.next_offset
         if low > self._ack:
             self._ack = low

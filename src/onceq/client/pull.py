@@ -9,8 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..log.record import Message as MessageExt
-from ..log.record import decode_records
+from ..log.record import MessageExt, decode_records
 from ..protocol.codes import PullStatus, RequestCode
 from .base import BrokerClient
 

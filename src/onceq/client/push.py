@@ -465,7 +465,7 @@ class PushConsumer(BrokerClient):
             # revoked meanwhile (it committed on release; another member may own it now):
             # a late commit of the old process queue would move the offset back
             if self.owned.active(pq):
-                await self.offsets.commit(mq, pq.ack_offset)
+                await self.offsets.commit(mq, pq.commit_offset)
         await self.offsets.flush()
 
     # ================================================================ pulling
@@ -495,7 +495,7 @@ class PushConsumer(BrokerClient):
             if tags:
                 header["tags"] = tags
             header.update(self._gen())
-            commit = self.offsets.piggyback(mq, pq.ack_offset)
+            commit = self.offsets.piggyback(mq, pq.commit_offset)
             if commit is not None:
                 header["commit"] = commit
             try:

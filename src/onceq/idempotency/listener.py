@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from ..client.push import ConsumeContext, ConsumeStatus, Listener
-from ..log.record import Message as MessageExt
+from ..log.record import MessageExt
 from .policy import Action, Ambiguous, Verdict, batch_reply, decide_action
 from .record import Claim, ClaimResult, Outcome, Ticket, payload_hash
 from .retention import RetentionChecked

@@ -13,6 +13,13 @@ connection and in one transaction:
    are retried;
 3. one commit makes the dedup rows and the writes durable together.
 
+Group commit: listener batches that arrive while the database is busy run in one
+transaction, each under its own savepoints, and share one commit (one fsync). If that
+transaction fails (a database error, not a handler's: those roll back their own savepoint),
+nothing of it is committed and each batch runs again in a transaction of its own, so its
+handlers run a second time, after their first writes were rolled back: effects inside the
+database stay exactly once, as with any transaction retried after a serialisation failure.
+
 A crash before the commit leaves nothing behind and the redelivery runs the handler; after
 the commit the redelivery finds the rows. Two consumers with the same message at once:
 the second insert waits on the first transaction's row (SQLite serialises writers) and
@@ -31,7 +38,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from ..client.push import ConsumeContext, ConsumeStatus
-from ..log.record import Message as MessageExt
+from ..log.record import MessageExt
 from . import sa
 from .dialects import Dialect, dialect_for_url
 from .listener import DEFAULT_RETENTION_S, KeySpec, _stored_key, key_function
@@ -132,9 +139,8 @@ class TransactionalListener(RetentionChecked):
         try:
             if self.sa_engine is not None:
                 verdicts, counts = await self._sa_run(group, items)
-            else:  # not grouped with other batches: a failed group would run handlers twice
-                verdicts, counts = await self.engine._run(self._batch_tx, group, items,
-                                                          coalesce=False)
+            else:  # group commit with the batches queued meanwhile (see the docstring)
+                verdicts, counts = await self.engine._run(self._batch_tx, group, items)
         except StoreError as exc:
             self.stats["store_errors"] += 1
             log.warning("transaction failed, batch of %d consumed later: %s", len(msgs), exc)

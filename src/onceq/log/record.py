@@ -261,8 +261,9 @@ def first_mismatch(buf: bytes, picked: list[tuple[int, int, int]], topic_bytes: 
 
 
 @dataclass(slots=True)
-class Message:
-    """A stored message as a consumer sees it."""
+class MessageExt:
+    """A stored message as a consumer sees it (RocketMQ's name; ``onceq.Message`` is what a
+    producer sends)."""
 
     topic: str
     queue_id: int
@@ -283,7 +284,7 @@ class Message:
         return self.keys.split()
 
 
-def decode_records(buf: bytes | memoryview, verify: bool = True) -> Iterator[Message]:
+def decode_records(buf: bytes | memoryview, verify: bool = True) -> Iterator[MessageExt]:
     """Decode concatenated stored records (a pull payload) into messages.
 
     Raises RecordError (and nothing else) on a record that does not decode.
@@ -327,6 +328,6 @@ def decode_records(buf: bytes | memoryview, verify: bool = True) -> Iterator[Mes
             raise RecordError(f"undecodable record: {exc}") from None
         if type(props) is not dict:
             raise RecordError("record properties are not a map")
-        yield Message(topic, qid, qoff, body, uk, tags, keys, props, born, sts, recons, flags,
-                      rpos)
+        yield MessageExt(topic, qid, qoff, body, uk, tags, keys, props, born, sts, recons,
+                         flags, rpos)
         pos = end

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ...client.push import ConsumeContext, PushConsumer
 from ...idempotency import idempotent
-from ...log.record import Message as MessageExt
+from ...log.record import MessageExt
 from .recording import DeliveryLog, RecordingListener
 from .shop import Order, Shop
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ...client.push import ConsumeContext, ConsumeStatus
-from ...log.record import Message as MessageExt
+from ...log.record import MessageExt
 from ...protocol.codes import PROP_ORIGIN_TOPIC
 
 
