@@ -121,6 +121,40 @@ async def test_gaps_and_bad_markers_are_refused(tmp_path):
             conn.close()
 
 
+async def test_internal_copies_never_carry_a_writers_sequence(tmp_path):
+    """Neither a forged flag sent to the schedule topic (it would reach the real topic when
+    due) nor the broker's own copies of a sequenced message (retry, dead letter) carry
+    the flag that the log's replay takes for a writer's sequence."""
+    async with running_broker(str(tmp_path / "d")) as b:
+        addr = f"127.0.0.1:{b.port}"
+        async with Admin(addr) as a:
+            await a.create_topic(T, 1)
+        conn = await BrokerConnection.open(addr)
+        try:
+            forged = encode_part(b"x", "k", 1, properties={
+                SEQ_PROPERTY: "999:0:w", "REAL_TOPIC": T, "REAL_QID": "0",
+                "DELIVER_AT_MS": "0"}, flags=SEQUENCED)
+            with pytest.raises(OnceqError) as e:
+                await conn.request(RequestCode.SEND, {"topic": "%SCHEDULE%", "queue": 0},
+                                   len(forged).to_bytes(4, "little") + forged)
+            assert e.value.code == ErrorCode.INVALID_SEQUENCE
+            await send(addr, "w", 0, [(0, 0, 1)])  # stored with the flag, at offset 0
+            await conn.request(RequestCode.HEARTBEAT, {"client": "c", "groups": [
+                {"group": "g", "model": "CLUSTERING", "subs": {T: "*"}}]})
+            for level in (1, -1):  # a retry through the schedule, and a dead letter
+                await conn.request(RequestCode.CONSUMER_SEND_BACK, {
+                    "group": "g", "topic": T, "queue": 0, "offset": 0,
+                    "delay_level": level})
+        finally:
+            conn.close()
+        async with PullConsumer(addr, "check") as c:
+            copies = [m for topic in ("%SCHEDULE%", "%DLQ%g") for q in range(18)
+                      if topic in b.store.topics and q < b.store.topics[topic].queues
+                      for m in (await c.pull(topic, q, 0, 32)).messages]
+        assert len(copies) == 2 and all(not m.flags & SEQUENCED for m in copies)
+        assert all(SEQ_PROPERTY in m.properties for m in copies)  # only the flag goes
+
+
 async def test_table_survives_restart_and_the_dedup_window(tmp_path):
     """A replay long after the dedup window (here: window off) and after a restart
     stores nothing again; a deleted and re-created topic starts afresh."""

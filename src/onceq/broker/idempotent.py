@@ -16,6 +16,7 @@ import msgpack
 
 from ..log.record import PART_FIXED, PART_FIXED_SIZE
 from ..log.sequence import SEQ_PROPERTY, SEQUENCED, SequenceError, check_writer_id, marker
+from ..protocol.codes import RETRY_PREFIX
 from ..protocol.errors import ErrorCode, OnceqError
 
 if TYPE_CHECKING:
@@ -35,10 +36,12 @@ def _flagged(parts: list[memoryview]) -> list[int]:
 
 
 def refuse_sequenced(topic: str, parts: list[memoryview]) -> None:
-    """An ordinary send to a user topic must not carry the flag that marks a writer's
-    sequence (a dead letter sent back to its retry topic keeps its flags: internal topics
-    hold no writers' sequences)."""
-    if not topic.startswith("%") and _flagged(parts):
+    """An ordinary send must not carry the flag that marks a writer's sequence. (A send to
+    a group's retry topic may: dead letters stored before the broker cleared the flag on
+    its internal copies are resent with their flags, and no writer writes there.) A flag
+    smuggled into ``%SCHEDULE%`` would reach the real topic when the message is due, and
+    fake a writer's sequence there at the next restart."""
+    if not topic.startswith(RETRY_PREFIX) and _flagged(parts):
         raise OnceqError(ErrorCode.INVALID_SEQUENCE, "the SEQUENCED message flag is "
                          "reserved for sequenced sends (SEND_SEQUENCED)")
 

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 from .._aio import wait_event
 from ..log.record import MessageExt, decode_records, encode_part
+from ..log.sequence import SEQUENCED
 from ..protocol.codes import (
     MAX_DLQ_REASON,
     PROP_DELIVER_AT,
@@ -140,8 +141,10 @@ class RetryService:
         return {"dlq": False, "reconsume": recons, "level": level}
 
     def _put(self, topic: str, queue: int, m: MessageExt, props: dict, recons: int) -> None:
-        part = encode_part(m.body, m.unique_key, m.born_ts_ms, m.tags, m.keys, props, m.flags,
-                           recons)
+        # a copy is never a writer's sequence: without the flag, the replay of the log
+        # does not take it for one (retry, dead letter, or due for the real topic)
+        part = encode_part(m.body, m.unique_key, m.born_ts_ms, m.tags, m.keys, props,
+                           m.flags & ~SEQUENCED, recons)
         # the schedule topic is shared by all groups: dedup there would merge two groups'
         # retries of one message; a retry or dead-letter topic belongs to one group
         self.store.put(topic, queue, [part], dedup=topic != SCHEDULE_TOPIC)

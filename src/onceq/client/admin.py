@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..log.record import MessageExt, decode_records, encode_part
+from ..log.sequence import SEQUENCED
 from ..protocol.codes import (
     PROP_ORIGIN_TOPIC,
     RETRY_PREFIX,
@@ -336,7 +337,7 @@ class Admin(BrokerClient):
         res.topic = retry_topic(group)
         try:
             part = encode_part(m.body, m.unique_key, m.born_ts_ms, m.tags, m.keys,
-                               m.properties, m.flags, m.reconsume_times)
+                               m.properties, m.flags & ~SEQUENCED, m.reconsume_times)
             hdr, _ = await self._request(RequestCode.SEND, {"topic": res.topic, "queue": 0},
                                          _U32.pack(len(part)) + part)
         except ConnectionLost:
