@@ -110,6 +110,8 @@ class Broker:
         self._tasks: list[asyncio.Task[None]] = []
         self._io: set[asyncio.Future[Any]] = set()
         self._offsets_lock = asyncio.Lock()  # one offsets snapshot write at a time
+        # one writers.json write at a time; retention waits for a write under way
+        self._sequences_lock = asyncio.Lock()
         self._closing = False
         self.port = config.port
         self.metrics: BrokerMetrics | None = None  # counters, when metrics_port is set
@@ -244,10 +246,11 @@ class Broker:
 
     async def _save_sequences(self) -> None:
         """Expire idle writers; snapshot the sequence table when it changed."""
-        self.sequences.expire()
-        data = self.sequences.snapshot()
-        if data is not None:
-            await self._off_loop(self.sequences.write, data)
+        async with self._sequences_lock:
+            self.sequences.expire()
+            data = self.sequences.snapshot()
+            if data is not None:
+                await self._off_loop(self.sequences.write, data)
 
     def _restore_hold_ended(self) -> None:
         """Members that did not come back drop out of the member lists now: tell the groups."""
