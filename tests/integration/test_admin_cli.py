@@ -128,6 +128,18 @@ def test_message_scan_limit_is_reported(baddr, orders):
         admin(baddr, bad)
 
 
+def test_message_search_stops_at_max_results(baddr):
+    admin(baddr, lambda a: a.create_topic("adm-same", 1))
+    with SyncProducer(baddr) as p:
+        for i in range(5):
+            p.send("adm-same", Message(f"v{i}".encode(), keys="same-key"), queue=0)
+
+    async def go(a: Admin):
+        return await a.query_message("adm-same", "same-key", by="keys", max_results=2)
+    doc = admin(baddr, go)
+    assert [m["offset"] for m in doc["messages"]] == [0, 1]
+
+
 def test_message_show_dedup_record(baddr, orders, tmp_path):
     url = f"sqlite:///{tmp_path / 'dedup.db'}"
     key = orders[2].unique_key

@@ -199,6 +199,9 @@ class AdminOps:
                                 "born_ms": m.born_ts_ms, "store_ms": m.store_ts_ms,
                                 "reconsume": m.reconsume_times, "size": len(m.body),
                                 "properties": m.properties})
+                            if len(found) >= max_results:
+                                past_end = True  # enough: the answer stops here
+                                break
                 except RecordError:  # verified by the store already: skip the rest
                     pass
                 offset = r.next_offset
