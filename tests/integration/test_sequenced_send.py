@@ -14,7 +14,7 @@ from onceq.log.record import encode_part
 from onceq.log.sequence import SEQ_PROPERTY, SEQUENCED
 from onceq.protocol.codes import PullStatus, RequestCode
 from onceq.protocol.errors import ErrorCode, OnceqError
-from tests.helpers import running_broker
+from tests.helpers import free_port, running_broker
 
 T = "seq"
 
@@ -223,3 +223,34 @@ async def test_cut_connections_are_resent_without_duplicates(tmp_path):
         assert len(got) == len(set(got)) == 60 * 25
         # sends stored before their reply was lost came back as duplicates when re-sent
         assert w.stored + w.duplicates == 60 * 25 and w.duplicates > 0
+
+
+async def test_a_writer_waits_for_a_broker_out_of_reach_within_its_timeout(tmp_path):
+    """The broker is down when the writer starts and submits: the writer keeps trying
+    (the queue count and the batch) until it is back, within its timeout."""
+    data, port = str(tmp_path / "d"), free_port()
+    async with running_broker(data, port=port) as b, Admin(f"127.0.0.1:{b.port}") as a:
+        await a.create_topic(T, 2)
+    addr = f"127.0.0.1:{port}"
+    w = SequencedWriter(addr, "w", 0, timeout=20)
+
+    async def back_later():
+        await asyncio.sleep(1.0)
+        async with running_broker(data, port=port):
+            await done.wait()
+
+    done = asyncio.Event()
+    broker = asyncio.create_task(back_later())
+    try:
+        assert await w.queue_count(T) == 2
+        await w.submit(T, 0, 0, msgs(0, 3))
+        await w.flush()
+        assert (w.stored, w.duplicates) == (3, 0)
+        with pytest.raises(ValueError):
+            await w.submit(T, 0, 3, [])
+    finally:
+        await w.close()
+        done.set()
+        await broker
+    async with running_broker(data) as b:
+        assert len(await bodies(f"127.0.0.1:{b.port}", T, 2)) == 3

@@ -84,6 +84,8 @@ def send_sequenced(store: MessageStore, sequences: SequenceStore, h: dict[str, A
     if topic.startswith("%"):
         raise OnceqError(ErrorCode.INVALID_ARGUMENT, f"topic {topic!r} is internal to the "
                          "broker: sequenced sends go to user topics")
+    if not parts:
+        raise OnceqError(ErrorCode.BAD_REQUEST, "a sequenced batch must not be empty")
     last = seq + len(parts) - 1
     check_marker(parts, writer, epoch, last)
     store.get_topic(topic)  # TOPIC_NOT_EXIST before a sequence error

@@ -75,10 +75,13 @@ class SendService:
         topic = str_field(h, "topic")
         qid = int_field(h, "queue")
         self.topic_for_write(topic)
-        header, end = send_sequenced(self.store, self.sequences, h, split_parts(p),
-                                     topic=topic, queue=qid)
+        parts = split_parts(p)
+        header, end = send_sequenced(self.store, self.sequences, h, parts, topic=topic,
+                                     queue=qid)
         if header["n"]:
             self.on_put(topic, qid)
+        if self.metrics is not None:
+            self.metrics.on_send(topic, len(parts), len(p), header["dup"])
         return self.durable.reply(conn, corr, header, end=end)
 
     def h_send_back(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes

@@ -59,6 +59,10 @@ class _Batch:
     fut: asyncio.Future[tuple[dict[str, Any], bytes]] | None = field(default=None)
 
 
+def _retriable(exc: OnceqError) -> bool:
+    return exc.retriable or isinstance(exc, ConnectionLost)
+
+
 class SequencedWriter(BrokerClient):
     """Sends numbered batches of one writer id and epoch; counts what was stored."""
 
@@ -74,8 +78,18 @@ class SequencedWriter(BrokerClient):
         self._queued: deque[_Batch] = deque()
 
     async def queue_count(self, topic: str) -> int:
-        hdr, _ = await self._request(RequestCode.GET_TOPIC, {"topic": topic})
-        return int(hdr["queues"])
+        """The topic's queue count; a broker out of reach is retried within the timeout."""
+        deadline = time.monotonic() + self.timeout
+        delay = 0.05
+        while True:
+            try:
+                hdr, _ = await self._request(RequestCode.GET_TOPIC, {"topic": topic})
+                return int(hdr["queues"])
+            except OnceqError as exc:
+                if not _retriable(exc) or time.monotonic() + delay >= deadline:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     async def submit(self, topic: str, queue: int, seq: int, messages: Sequence[Fields]
                      ) -> None:
@@ -88,11 +102,13 @@ class SequencedWriter(BrokerClient):
     async def submit_payload(self, topic: str, queue: int, seq: int, count: int,
                              payload: bytes) -> None:
         """``submit`` of a payload encoded already (``encode_sequenced`` or the like)."""
+        if count < 1:
+            raise ValueError("a sequenced batch must not be empty")
         batch = _Batch({"topic": topic, "queue": queue, "writer": self.writer,
                         "epoch": self.epoch, "seq": seq}, payload, count)
         while len(self._queued) >= self.window:
             await self._settle_oldest()
-        await self._send(batch)
+        await self._send_or_fail(batch)
         self._queued.append(batch)
         await asyncio.sleep(0)  # the request goes out now: the broker stores it meanwhile
 
@@ -104,6 +120,17 @@ class SequencedWriter(BrokerClient):
     async def _send(self, batch: _Batch) -> None:
         conn = await self._connection()
         batch.fut = conn.send_request(RequestCode.SEND_SEQUENCED, batch.header, batch.payload)
+
+    async def _send_or_fail(self, batch: _Batch) -> None:
+        """Send; a broker out of reach fails the batch's answer instead, which is then
+        retried in turn, within the timeout, like any failed answer."""
+        try:
+            await self._send(batch)
+        except OnceqError as exc:
+            if not _retriable(exc):
+                raise
+            batch.fut = asyncio.get_running_loop().create_future()
+            batch.fut.set_exception(exc)
 
     async def _settle_oldest(self) -> None:
         deadline = time.monotonic() + self.timeout
@@ -118,8 +145,7 @@ class SequencedWriter(BrokerClient):
                 raise OnceqError(ErrorCode.SERVICE_UNAVAILABLE, (
                     f"writer {self.writer}: no answer within {self.timeout}s")) from None
             except OnceqError as exc:
-                retry = exc.retriable or isinstance(exc, ConnectionLost)
-                if not retry or time.monotonic() >= deadline:
+                if not _retriable(exc) or time.monotonic() >= deadline:
                     raise
                 log.debug("writer %s: batch failed (%s); sending it and the later ones again",
                           self.writer, exc)
@@ -147,11 +173,6 @@ class SequencedWriter(BrokerClient):
             if b.fut.done() and not b.fut.cancelled() and b.fut.exception() is None:
                 kept.append(b)  # acknowledged: counted when it is settled
                 continue
-            try:
-                await self._send(b)
-            except OnceqError:  # not connected yet: settled (and retried) in turn
-                loop = asyncio.get_running_loop()
-                b.fut = loop.create_future()
-                b.fut.set_exception(ConnectionLost("not connected"))
+            await self._send_or_fail(b)  # not connected yet: settled (and retried) in turn
             kept.append(b)
         self._queued = kept
