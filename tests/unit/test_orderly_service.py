@@ -140,3 +140,44 @@ def test_after_an_offset_reset_the_new_run_waits_for_the_old_ones_listener_call(
     new = asyncio.run(main())
     assert events == [("start", 1), ("end", 1), ("start", 1), ("end", 1)]
     assert len(new) == 0
+
+
+def test_messages_the_listener_dead_letters_go_to_the_dlq_and_the_queue_moves_on(
+        monkeypatch):
+    """The idempotency layer answers SUCCESS with ``ack_index`` before a message it cannot
+    take (no key, another payload) and delay level -1: that message goes to the DLQ with
+    its reason, instead of being retried in place for ever."""
+    import onceq.client.consume_orderly as mod
+
+    sent: list[tuple[int, int, str | None]] = []
+
+    async def fake_send_back(c, pq, m, delay_level, dlq_reason=None):
+        sent.append((m.queue_offset, delay_level, dlq_reason))
+
+    monkeypatch.setattr(mod, "send_back", fake_send_back)
+    calls: list[list[int]] = []
+
+    async def listener(msgs, ctx):
+        calls.append([m.queue_offset for m in msgs])
+        if msgs[0].queue_offset == 1:
+            ctx.ack_index, ctx.delay_level = -1, -1
+            ctx.dlq_reasons[0] = "idempotency: no dedup key"
+        return ConsumeStatus.SUCCESS
+
+    async def main():
+        c = PushConsumer("127.0.0.1:1", "g", listener, orderly=True)
+        s = OrderlyConsumeService(c)
+        s._locked_at[MQ] = c.clock()
+        pq = ProcessQueue(MQ, 0, c.clock())
+        c.owned.take(pq)
+        batch = [_msg(i) for i in range(3)]
+        pq.add(batch)
+        s.dispatch(pq, batch)
+        for _ in range(50):
+            await asyncio.sleep(0)
+        return c, pq
+
+    c, pq = asyncio.run(main())
+    assert calls == [[0], [1], [2]]  # each message once: 1 was not retried in place
+    assert sent == [(1, -1, "idempotency: no dedup key")]
+    assert len(pq) == 0 and c.stats["dlq"] == 1 and c.stats["consumed"] == 2

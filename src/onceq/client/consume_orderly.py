@@ -217,6 +217,12 @@ class OrderlyConsumeService(ConsumeService):
                     attempt = 0  # the first message not done is tried again afresh
                 if not batch:
                     return True
+                if ctx.delay_level < 0:  # the rest is for the DLQ (e.g. the idempotency
+                    # layer's verdict: no key, or another payload): retrying cannot help
+                    reasons = [ctx.dlq_reasons.get(acked + i) for i in range(len(batch))]
+                    if await self._to_dlq(pq, batch, reasons):
+                        pq.remove(batch)
+                        return True
             c.stats["suspended"] += 1
             limit = cfg.orderly_max_retries
             if limit is not None and attempt > limit and await self._to_dlq(pq, batch):
@@ -227,16 +233,18 @@ class OrderlyConsumeService(ConsumeService):
             if not (c.owned.active(pq) and self.locked(pq.mq)):
                 return False
 
-    async def _to_dlq(self, pq: ProcessQueue, batch: list[MessageExt]) -> bool:
-        """Out of retries: the messages go to the group's DLQ (broadcasting: skipped)."""
+    async def _to_dlq(self, pq: ProcessQueue, batch: list[MessageExt],
+                      reasons: list[str | None] | None = None) -> bool:
+        """Out of retries, or dead-lettered by the listener: the messages go to the group's
+        DLQ, each with its reason when it has one (broadcasting: skipped)."""
         c = self.consumer
         if not c.clustering:
             log.warning("broadcasting: %d message(s) on %s failed %d times; skipped",
                         len(batch), pq.mq, c.config.orderly_max_retries)
             return True
         try:
-            for m in batch:
-                await send_back(c, pq, m, -1)
+            for i, m in enumerate(batch):
+                await send_back(c, pq, m, -1, reasons[i] if reasons else None)
         except OnceqError as exc:  # suspend again and retry the whole batch later
             log.warning("%s: dead-lettering on %s failed: %s", c.client_id, pq.mq, exc)
             return False
