@@ -181,3 +181,37 @@ def test_messages_the_listener_dead_letters_go_to_the_dlq_and_the_queue_moves_on
     assert calls == [[0], [1], [2]]  # each message once: 1 was not retried in place
     assert sent == [(1, -1, "idempotency: no dedup key")]
     assert len(pq) == 0 and c.stats["dlq"] == 1 and c.stats["consumed"] == 2
+
+
+def test_a_lost_connection_stops_consumption_until_the_locks_are_renewed():
+    """The broker frees a disconnected member's locks at once: the member stops taking
+    new batches then, not 30 s later when its locks would be too old."""
+    class Conn:
+        def __init__(self) -> None:
+            self.lost = asyncio.get_running_loop().create_future()
+
+    async def main():
+        c = PushConsumer("127.0.0.1:1", "g", lambda m, ctx: None, orderly=True)
+        s = OrderlyConsumeService(c)
+
+        async def renew(conn=None):
+            s._locked_at[MQ] = c.clock()  # granted again
+        s.renew = renew
+        old = Conn()
+        c._conn = old
+        await s.reconnected(old)
+        assert s.locked(MQ)
+        old.lost.set_result(None)
+        await asyncio.sleep(0)
+        assert not s.locked(MQ)  # stopped at once
+        new = Conn()
+        c._conn = new
+        await s.reconnected(new)
+        assert s.locked(MQ)
+        other = Conn()  # an old connection that closes late changes nothing
+        await s.reconnected(other)
+        other.lost.set_result(None)
+        await asyncio.sleep(0)
+        assert s.locked(MQ)
+
+    asyncio.run(main())

@@ -129,10 +129,18 @@ class OrderlyConsumeService(ConsumeService):
         """Lock the owned queues again at once (a restarted broker has no locks), rather
         than at the next renewal; queues another member locked meanwhile are dropped."""
         if self.locking:
+            conn.lost.add_done_callback(lambda _f: self._connection_lost(conn))
             try:
                 await self.renew(conn)
             except OnceqError as exc:  # the renewal loop tries again
                 log.debug("relock after reconnect failed: %s", exc)
+
+    def _connection_lost(self, conn: BrokerConnection) -> None:
+        """The broker frees a disconnected member's locks at once, so another member may
+        take its queues now: stop consuming them after the calls running (not when the
+        locks reach their maximum age); they are locked again after the reconnect."""
+        if self.consumer._conn in (conn, None):  # not an old connection closed late
+            self._locked_at.clear()
 
     async def renew(self, conn: BrokerConnection | None = None) -> None:
         """Renew the locks of every owned queue; drop the queues whose lock was refused."""
