@@ -331,6 +331,7 @@ class FakeConnection:
         self.on_push = on_push
         self.clients: set[str] = set()
         self.closed = False
+        self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._ids = itertools.count(1)
 
     async def request(self, code: int, header: dict[str, Any] | None = None,
@@ -363,4 +364,5 @@ class FakeConnection:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            self.lost.set_result(None)
             self.broker.disconnect(self)
