@@ -215,3 +215,54 @@ def test_a_lost_connection_stops_consumption_until_the_locks_are_renewed():
         assert s.locked(MQ)
 
     asyncio.run(main())
+
+
+def test_a_plain_listener_over_the_consume_timeout_is_waited_for_before_the_retry():
+    """A thread cannot be stopped: after the consume timeout, the orderly service waits
+    for the call to end before it tries the batch again (never two calls at once)."""
+    import threading
+
+    from onceq.client.consume import ListenerThreads
+
+    running = 0
+    most = 0
+    calls = 0
+    lock = threading.Lock()
+    first_may_end = threading.Event()
+
+    def listener(msgs, ctx):
+        nonlocal running, most, calls
+        with lock:
+            running += 1
+            calls += 1
+            most = max(most, running)
+            first = calls == 1
+        if first:
+            first_may_end.wait(5)  # over the timeout
+        with lock:
+            running -= 1
+        return ConsumeStatus.SUCCESS
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        c = PushConsumer("127.0.0.1:1", "g", listener, orderly=True, consume_timeout_s=0.05,
+                         suspend_s=0.01)
+        c._threads = ListenerThreads(4, loop)
+        s = OrderlyConsumeService(c)
+        s._locked_at[MQ] = c.clock()
+        pq = ProcessQueue(MQ, 0, c.clock())
+        c.owned.take(pq)
+        pq.add([_msg(0)])
+        s.dispatch(pq, [_msg(0)])
+        await asyncio.sleep(0.3)  # the timeout passed long ago; the retry waits
+        assert calls == 1
+        first_may_end.set()
+        for _ in range(100):
+            if len(pq) == 0:
+                break
+            await asyncio.sleep(0.02)
+        c._threads.shutdown()
+        return pq
+
+    pq = asyncio.run(main())
+    assert len(pq) == 0 and calls == 2 and most == 1

@@ -209,16 +209,25 @@ class ConsumeService:
                 result = await listener(batch, ctx)  # type: ignore[misc]
             else:
                 result = await c._threads.submit(listener, batch, ctx)
-            if result is None:
-                return ConsumeStatus.SUCCESS
-            if inspect.isawaitable(result):  # e.g. an object with an async __call__
-                result = await result
-            return ConsumeStatus.SUCCESS if result is None else ConsumeStatus(result)
+            return await self.status_of(result)
         except Exception:
-            # includes a result that is no ConsumeStatus: it must not leave the batch in
-            # flight forever, holding the queue's commit offset back
-            log.exception("listener failed on %s; retrying the batch", ctx.queue)
-            return self.failure
+            return self.listener_failed(ctx)
+
+    @staticmethod
+    async def status_of(result: Any) -> ConsumeStatus:
+        """The status a listener's result stands for (raises for a result that is none)."""
+        if result is None:
+            return ConsumeStatus.SUCCESS
+        if inspect.isawaitable(result):  # e.g. an object with an async __call__
+            result = await result
+        return ConsumeStatus.SUCCESS if result is None else ConsumeStatus(result)
+
+    def listener_failed(self, ctx: ConsumeContext) -> ConsumeStatus:
+        """In an ``except`` block: the listener raised. Includes a result that is no
+        ConsumeStatus: it must not leave the batch in flight forever, holding the queue's
+        commit offset back."""
+        log.exception("listener failed on %s; retrying the batch", ctx.queue)
+        return self.failure
 
     def timed_out(self, ctx: ConsumeContext) -> ConsumeStatus:
         log.warning("listener exceeded the consume timeout of %.0fs on %s; retrying",

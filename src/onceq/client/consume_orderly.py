@@ -241,6 +241,25 @@ class OrderlyConsumeService(ConsumeService):
             if not (c.owned.active(pq) and self.locked(pq.mq)):
                 return False
 
+    async def call_listener(self, batch: list[MessageExt], ctx: ConsumeContext
+                            ) -> ConsumeStatus:
+        """As for any service, but a plain listener's call over the consume timeout is
+        waited for before the batch is tried again: a thread cannot be stopped, and one
+        queue never has two calls at once."""
+        c = self.consumer
+        if c._threads is None:
+            return await super().call_listener(batch, ctx)
+        fut = c._threads.submit(c.listener, batch, ctx)
+        done, _ = await asyncio.wait([fut], timeout=c.config.consume_timeout_s)
+        if not done:
+            status = self.timed_out(ctx)
+            await asyncio.wait([fut])  # its result is dropped
+            return status
+        try:
+            return await self.status_of(fut.result())
+        except Exception:
+            return self.listener_failed(ctx)
+
     async def _to_dlq(self, pq: ProcessQueue, batch: list[MessageExt],
                       reasons: list[str | None] | None = None) -> bool:
         """Out of retries, or dead-lettered by the listener: the messages go to the group's
