@@ -64,6 +64,17 @@ def test_keys_array_of_non_null_strings():
     assert encode_chunk(batch, "w", 0, 0, "p", born_ms=1) == want
 
 
+def test_null_keys_in_an_array_are_left_out_and_a_null_body_is_refused():
+    keys = pa.array([["a", None, "b"], [None]], type=pa.list_(pa.string()))
+    batch = pa.RecordBatch.from_arrays([pa.array([b"x"] * 2), keys], names=["body", "keys"])
+    want = encode_sequenced("w", 0, 0, [(b"x", "p0", "", "a b", None),
+                                        (b"x", "p1", "", "", None)], 1)
+    assert encode_chunk(batch, "w", 0, 0, "p", born_ms=1) == want
+    nulls = pa.RecordBatch.from_arrays([pa.array([b"x", None])], names=["body"])
+    with pytest.raises(ValueError, match="null body"):
+        encode_chunk(nulls, "w", 0, 0, "p", born_ms=1)
+
+
 def test_route_and_split():
     batch = pa.RecordBatch.from_pydict({
         "body": [b"a"] * 6, "queue": [None, 2, None, None, 0, None],

@@ -34,7 +34,11 @@ def _binary(batch: pa.RecordBatch, name: str) -> pa.Array | None:
     col = batch.column(i)
     if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
         # Spark's arrays may say "element not null": binary_join wants the plain type
-        col = pc.binary_join(col.cast(pa.list_(pa.string())), " ")
+        col = col.cast(pa.list_(pa.string()))
+        if pc.list_flatten(col).null_count:  # binary_join would make the whole row null
+            col = pa.array([None if v is None else [x for x in v if x is not None]
+                            for v in col.to_pylist()], pa.list_(pa.string()))
+        col = pc.binary_join(col, " ")
     if not pa.types.is_binary(col.type):
         col = col.cast(pa.binary())
     return pc.fill_null(col, _EMPTY) if col.null_count else col
@@ -107,10 +111,12 @@ def encode_chunk(rows: pa.RecordBatch, writer: str, epoch: int, seq: int, key_pr
     keys ``<key_prefix><seq>``; the last message carries the batch's sequence."""
     n = rows.num_rows
     born = int(time.time() * 1000) if born_ms is None else born_ms
-    body = _binary(rows, "body")
-    assert body is not None and n > 0
-    if body.null_count:
+    i = rows.schema.get_field_index("body")
+    assert i >= 0 and n > 0
+    if rows.column(i).null_count:  # (before _binary makes nulls empty)
         raise ValueError("onceq sink: a row has a null body")
+    body = _binary(rows, "body")
+    assert body is not None
     numbers = pa.array(np.arange(seq, seq + n, dtype=np.int64)).cast(pa.string())
     keys = pc.binary_join_element_wise(pa.scalar(key_prefix.encode()), numbers.cast(pa.binary()),
                                        b"")
