@@ -72,6 +72,22 @@ def _msg(offset: int) -> MessageExt:
     return MessageExt("T", 0, offset, b"x", f"k{offset}")
 
 
+def _locked_queue(listener, **options) -> tuple[PushConsumer, OrderlyConsumeService,
+                                                 ProcessQueue]:
+    """An orderly consumer (never started) whose service holds MQ's lock, and a process
+    queue of MQ it owns (call inside a running loop)."""
+    c = PushConsumer("127.0.0.1:1", "g", listener, orderly=True, **options)
+    s = OrderlyConsumeService(c)
+    s._locked_at[MQ] = c.clock()
+    return c, s, _take(c)
+
+
+def _take(c: PushConsumer) -> ProcessQueue:
+    pq = ProcessQueue(MQ, 0, c.clock())
+    c.owned.take(pq)
+    return pq
+
+
 def test_a_message_arriving_as_the_run_ends_starts_a_new_run_at_once():
     handled: list[int] = []
 
@@ -112,11 +128,7 @@ def test_after_an_offset_reset_the_new_run_waits_for_the_old_ones_listener_call(
         events.append(("end", ctx.attempt))
 
     async def main():
-        c = PushConsumer("127.0.0.1:1", "g", listener, orderly=True)
-        s = OrderlyConsumeService(c)
-        s._locked_at[MQ] = c.clock()
-        old = ProcessQueue(MQ, 0, c.clock())
-        c.owned.take(old)
+        c, s, old = _locked_queue(listener)
         old.add([_msg(0)])
         s.dispatch(old, [_msg(0)])
         for _ in range(5):
@@ -125,8 +137,7 @@ def test_after_an_offset_reset_the_new_run_waits_for_the_old_ones_listener_call(
         c.owned.revoke(old)  # the reset (PushConsumer._on_reset, then _retake)
         c.owned.forget(old)
         s.forget(old)
-        new = ProcessQueue(MQ, 0, c.clock())
-        c.owned.take(new)
+        new = _take(c)
         new.add([_msg(0)])
         s.dispatch(new, [_msg(0)])
         for _ in range(20):
@@ -165,11 +176,7 @@ def test_messages_the_listener_dead_letters_go_to_the_dlq_and_the_queue_moves_on
         return ConsumeStatus.SUCCESS
 
     async def main():
-        c = PushConsumer("127.0.0.1:1", "g", listener, orderly=True)
-        s = OrderlyConsumeService(c)
-        s._locked_at[MQ] = c.clock()
-        pq = ProcessQueue(MQ, 0, c.clock())
-        c.owned.take(pq)
+        c, s, pq = _locked_queue(listener)
         batch = [_msg(i) for i in range(3)]
         pq.add(batch)
         s.dispatch(pq, batch)
@@ -245,13 +252,8 @@ def test_a_plain_listener_over_the_consume_timeout_is_waited_for_before_the_retr
 
     async def main():
         loop = asyncio.get_running_loop()
-        c = PushConsumer("127.0.0.1:1", "g", listener, orderly=True, consume_timeout_s=0.05,
-                         suspend_s=0.01)
+        c, s, pq = _locked_queue(listener, consume_timeout_s=0.05, suspend_s=0.01)
         c._threads = ListenerThreads(4, loop)
-        s = OrderlyConsumeService(c)
-        s._locked_at[MQ] = c.clock()
-        pq = ProcessQueue(MQ, 0, c.clock())
-        c.owned.take(pq)
         pq.add([_msg(0)])
         s.dispatch(pq, [_msg(0)])
         await asyncio.sleep(0.3)  # the timeout passed long ago; the retry waits
