@@ -81,11 +81,8 @@ class TopicAdmin:
         t = store.get_topic(topic)
         queues = []
         for q in range(t.queues):
-            cq = store._queue(topic, q)  # the index entries hold the store times
-            lo, hi = cq.min_offset, cq.max_offset
-            first = last = None
-            if hi > lo:
-                first, last = cq.entry(lo)[3], cq.entry(hi - 1)[3]
+            lo, hi = store.min_max(topic, q)
+            first, last = store.store_times(topic, q)
             queues.append({"queue": q, "min": lo, "max": hi, "first_store_ms": first,
                            "last_store_ms": last})
         return 0, {"topic": topic, "queues": queues}, b""

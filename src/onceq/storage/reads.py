@@ -120,6 +120,15 @@ class Reads:
         cq = self._queue(topic, queue_id)
         return cq.min_offset, cq.max_offset
 
+    def store_times(self, topic: str, queue_id: int) -> tuple[int | None, int | None]:
+        """Store times (ms) of the queue's first and last message (None when empty); the
+        index entries hold them."""
+        cq = self._queue(topic, queue_id)
+        lo, hi = cq.min_offset, cq.max_offset
+        if hi <= lo:
+            return None, None
+        return cq.entry(lo)[3], cq.entry(hi - 1)[3]
+
     def search_offset(self, topic: str, queue_id: int, ts_ms: int) -> int:
         """First offset whose store time is >= ts_ms (max offset when none)."""
         return self._queue(topic, queue_id).first_offset_where(3, ts_ms)
