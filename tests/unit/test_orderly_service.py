@@ -256,6 +256,10 @@ def test_a_plain_listener_over_the_consume_timeout_is_waited_for_before_the_retr
         c._threads = ListenerThreads(4, loop)
         pq.add([_msg(0)])
         s.dispatch(pq, [_msg(0)])
+        for _ in range(250):  # the first call starts on a thread
+            if calls:
+                break
+            await asyncio.sleep(0.02)
         await asyncio.sleep(0.3)  # the timeout passed long ago; the retry waits
         assert calls == 1
         first_may_end.set()
