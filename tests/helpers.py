@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import resource
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from onceq.broker.broker import Broker
 from onceq.broker.config import BrokerConfig
+from onceq.client.admin import Admin
 from onceq.storage.config import StoreConfig
 from onceq.storage.files import OS_FILES, FileOps
 from onceq.storage.store import MessageStore
@@ -81,3 +84,22 @@ def kill_store(store: MessageStore) -> None:
     for cq in store.queues.values():
         cq.close()
     store.open_files.close_all()
+
+
+def module_broker(tmp_path_factory: Any, name: str, *args: str) -> Iterator[str]:
+    """The body of a module-scoped broker fixture: a child broker with ``args``, its
+    address yielded, terminated afterwards."""
+    proc, addr = spawn_broker(str(tmp_path_factory.mktemp(name) / "data"), *args)
+    try:
+        yield addr
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def admin(addr: str, fn: Callable[[Admin], Awaitable[Any]]) -> Any:
+    """``await fn(admin)`` on an Admin client of ``addr``, from synchronous test code."""
+    async def go() -> Any:
+        async with Admin(addr) as a:
+            return await fn(a)
+    return asyncio.run(go())

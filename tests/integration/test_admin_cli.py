@@ -13,25 +13,13 @@ from onceq import Admin, Message, SyncProducer
 from onceq.idempotency import open_store
 from onceq.idempotency.record import Claim
 from onceq.protocol.codes import RequestCode
-from tests.helpers import spawn_broker
+from tests.helpers import admin, module_broker
 from tests.integration.test_cli import ok, run, run_many, table_rows
 
 
 @pytest.fixture(scope="module")
 def baddr(tmp_path_factory) -> Iterator[str]:
-    proc, addr = spawn_broker(str(tmp_path_factory.mktemp("adm") / "data"))
-    try:
-        yield addr
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
-def admin(addr: str, fn):
-    async def go():
-        async with Admin(addr) as a:
-            return await fn(a)
-    return asyncio.run(go())
+    yield from module_broker(tmp_path_factory, "adm")
 
 
 def failed(r, code: str) -> str:

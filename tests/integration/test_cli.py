@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from tests.helpers import free_port, spawn_broker
+from tests.helpers import free_port, module_broker, spawn_broker
 
 CLI = [sys.executable, "-m", "onceq.cli.main"]
 ENV = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
@@ -38,12 +38,7 @@ def run_many(commands: Sequence[Sequence[str]], timeout: float = 30
 
 @pytest.fixture(scope="module")
 def baddr(tmp_path_factory) -> Iterator[str]:
-    proc, addr = spawn_broker(str(tmp_path_factory.mktemp("cli") / "data"))
-    try:
-        yield addr
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    yield from module_broker(tmp_path_factory, "cli")
 
 
 def ok(r: subprocess.CompletedProcess[str]) -> str:

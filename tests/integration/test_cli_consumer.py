@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -14,9 +13,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from onceq import Admin, Message, SyncProducer
+from onceq import Message, SyncProducer
 from onceq.client.allocation import MessageQueue, allocate_average
-from tests.helpers import free_port, spawn_broker
+from tests.helpers import admin, free_port, module_broker
 from tests.integration.test_cli import CLI, ENV, ok, run, run_many, table_rows
 
 LINE = re.compile(r"^(\S+)\[(\d+)\]@(\d+) key=([0-9A-F]+) tags='([^']*)' reconsume=(\d+) (.*)$")
@@ -24,20 +23,8 @@ LINE = re.compile(r"^(\S+)\[(\d+)\]@(\d+) key=([0-9A-F]+) tags='([^']*)' reconsu
 
 @pytest.fixture(scope="module")
 def baddr(tmp_path_factory) -> Iterator[str]:
-    proc, addr = spawn_broker(str(tmp_path_factory.mktemp("clic") / "data"),
-                              "--delay-levels", "50ms 50ms 50ms 50ms 50ms")
-    try:
-        yield addr
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
-def admin(addr: str, fn):
-    async def go():
-        async with Admin(addr) as a:
-            return await fn(a)
-    return asyncio.run(go())
+    yield from module_broker(tmp_path_factory, "clic", "--delay-levels",
+                             "50ms 50ms 50ms 50ms 50ms")
 
 
 def send(addr: str, topic: str, bodies: list[str], **kw) -> list:

@@ -4,7 +4,6 @@ duplicate past the watermark, a stop mid-stream, a replayed batch, three databas
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import uuid
 from dataclasses import replace
@@ -19,29 +18,14 @@ from onceq.client.sync import SyncProducer
 from onceq.spark.inventory import InventoryStore
 from onceq.spark.orders import OrderEvent, expected_totals, make_orders, send_orders
 from onceq.spark.pipeline import PipelineConfig, run_pipeline
+from tests.integration.test_idem_stores import require_server
 
 from .conftest import create_topic
 
 pytestmark = pytest.mark.timeout(300)
 
-SERVERS = {
-    "sqlite": None,
-    "postgresql": ("postgresql://postgres@127.0.0.1:5432/test", 5432),
-    "mysql": ("mysql://root@127.0.0.1:3306/test", 3306),
-}
-
-
 def database_url(kind: str, tmp_path) -> str:
-    if SERVERS[kind] is None:
-        return f"sqlite:///{tmp_path}/inventory.db"
-    url, port = SERVERS[kind]
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=2):
-            pass
-    except OSError as exc:
-        pytest.fail(f"{kind} is not reachable on 127.0.0.1:{port} ({exc}): start it with "
-                    f"`bash scripts/services.sh {'mariadb' if kind == 'mysql' else kind}`")
-    return url
+    return f"sqlite:///{tmp_path}/inventory.db" if kind == "sqlite" else require_server(kind)
 
 
 def _forget_last_commit(checkpoint) -> int:
