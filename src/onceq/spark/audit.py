@@ -25,6 +25,11 @@ duplicate ``d`` is attributed to one cause, from the trace fields alone:
   - ``producer_resend``: ``d.reconsume == 0``: the origin topic holds the key twice, a
     producer sent it again after the broker's dedup window (or to another queue).
 
+Only the broker's records count: each carries the property ``src=broker``, which only the
+broker writes into ``%TRACE%`` (clients can neither send to the topic nor delete it, see
+``broker/trace.py``); records without it are ignored, so no record the broker did not
+write adds deliveries, events or causes.
+
 So per group, duplicates == deliveries - distinct unique keys, and the causes add up to
 the duplicates. Deliveries are the broker's: a message pulled by a consumer counts even if
 the consumer dropped it before its handler ran (a queue taken away, a crash).
@@ -42,7 +47,7 @@ from typing import Any
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
-from ..protocol.codes import TRACE_TOPIC
+from ..protocol.codes import PROP_TRACE_SOURCE, TRACE_SOURCE_BROKER, TRACE_TOPIC
 
 CAUSES = ("rebalance", "crash", "broker_restart", "retry", "producer_resend")
 _ROW = ["group", "topic", "queue", "offset", "client", "ts", "reconsume"]  # one delivery
@@ -71,9 +76,11 @@ def audit_session(master: str = "local[2]") -> tuple[SparkSession, bool]:
 def read_trace(spark: SparkSession, servers: str, topic: str = TRACE_TOPIC) -> DataFrame:
     """The trace topic as rows, one per delivered message and one per event: kind, group,
     client, topic, queue, offset, handover, event, unique_key, reconsume, ts (delivery or
-    event time), seq (orders the records of one broker run within a millisecond)."""
+    event time), seq (orders the records of one broker run within a millisecond). Records
+    without the broker's mark are left out (module doc)."""
     raw = spark.read.format("onceq").option("servers", servers).option("topic", topic).load()
     p = F.col("properties")
+    raw = raw.filter(F.coalesce(p[PROP_TRACE_SOURCE] == TRACE_SOURCE_BROKER, F.lit(False)))
     common = [p["kind"].alias("kind"), p["group"].alias("group"), p["client"].alias("client"),
               p["topic"].alias("topic"), p["queue"].cast("int").alias("queue"),
               F.coalesce(p["seq"].cast("long"), F.lit(0)).alias("seq")]

@@ -53,6 +53,7 @@ class SourceOptions:
     body_format: str = "binary"  # or "json": decoded with body_schema
     body_schema: str | None = None  # Spark DDL of the decoded columns
     include_body: bool = True  # keep the body column beside the decoded ones
+    read_timeout_s: int = 60  # how long the broker may fail every attempt (retry.py)
 
     def subscribes(self, topic: str) -> bool:
         return _reads(self.topics, self.topic_pattern, topic)
@@ -111,6 +112,7 @@ class SourceOptions:
             body_format=body_format,
             body_schema=body_schema,
             include_body=include_body,
+            read_timeout_s=_int_option(opts, "readtimeout", 60, "readTimeout", minimum=1) or 60,
         )
 
 

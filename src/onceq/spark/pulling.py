@@ -9,10 +9,13 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from ..client.connection import ConnectionLost, retriable
 from ..client.pull import PullConsumer
 from ..protocol.codes import PullStatus
+from ..protocol.errors import OnceqError
 from .arrow import records_to_batch
 from .options import check_loss
+from .retry import Backoff
 
 log = logging.getLogger("onceq.spark")
 
@@ -30,42 +33,57 @@ class QueueRange:
     fail_on_data_loss: bool = True
     pull_batch: int = 1024
     verify_checksums: bool = True
+    timeout_s: float = 60.0  # how long the broker may fail every pull (retry.py)
 
 
 async def pull_range(r: QueueRange) -> AsyncIterator[pa.RecordBatch]:
     """Record batches of ``[r.start, r.end)``, one pull always in flight (the broker reads
-    the next batch while this one is converted and handed to Spark)."""
-    if r.end <= r.start:
-        return
-    consumer = PullConsumer(r.servers, r.group, verify_checksums=r.verify_checksums)
-    try:
-        offset = r.start
-        stream = consumer.stream(r.topic, r.queue, r.start, r.pull_batch, suspend=0.0,
-                                 commit=False, decode=False)
+    the next batch while this one is converted and handed to Spark). A pull that fails with
+    a retriable error or a lost connection is sent again on a new connection from the first
+    offset not yet handed out, until the broker has failed every attempt for
+    ``r.timeout_s``: a broker restart costs a wait, never a message twice or a gap."""
+    offset = r.start
+    backoff = Backoff(r.timeout_s, f"reading {r.topic}/{r.queue} at {r.servers}")
+    while offset < r.end:
+        consumer = PullConsumer(r.servers, r.group, verify_checksums=r.verify_checksums)
         try:
-            async for res in stream:
-                if res.status == PullStatus.OFFSET_MOVED:
-                    offset = check_loss(r.topic, r.queue, offset, res.min_offset,
-                                        r.fail_on_data_loss)
-                    log.warning("onceq: %s/%d: skipped to offset %d (messages deleted)",
-                                r.topic, r.queue, offset)
-                elif res.status == PullStatus.DAMAGED:
-                    check_loss(r.topic, r.queue, offset, res.next_offset, r.fail_on_data_loss)
-                elif res.status != PullStatus.FOUND:
-                    raise RuntimeError(
-                        f"onceq: {r.topic}/{r.queue} ends at {res.max_offset} while offsets "
-                        f"up to {r.end} were planned (was the topic deleted and re-created?)")
-                if res.payload:
-                    batch = records_to_batch(res.payload, r.verify_checksums, r.end)
-                    if batch.num_rows:
-                        yield batch
-                offset = res.next_offset
-                if offset >= r.end:
-                    break
+            stream = consumer.stream(r.topic, r.queue, offset, r.pull_batch, suspend=0.0,
+                                     commit=False, decode=False)
+            try:
+                async for res in stream:
+                    backoff.ok()
+                    if res.status == PullStatus.OFFSET_MOVED:
+                        offset = check_loss(r.topic, r.queue, offset, res.min_offset,
+                                            r.fail_on_data_loss)
+                        log.warning("onceq: %s/%d: skipped to offset %d (messages deleted)",
+                                    r.topic, r.queue, offset)
+                    elif res.status == PullStatus.DAMAGED:
+                        check_loss(r.topic, r.queue, offset, res.next_offset,
+                                   r.fail_on_data_loss)
+                    elif res.status != PullStatus.FOUND:
+                        raise RuntimeError(
+                            f"onceq: {r.topic}/{r.queue} ends at {res.max_offset} while "
+                            f"offsets up to {r.end} were planned (was the topic deleted and "
+                            "re-created?)")
+                    if res.payload:
+                        batch = records_to_batch(res.payload, r.verify_checksums, r.end)
+                        if batch.num_rows:
+                            yield batch
+                    offset = res.next_offset
+                    if offset >= r.end:
+                        break
+            finally:
+                await stream.aclose()
+        except TimeoutError:
+            # no answer to a pull: the connection is dropped and the pull sent again
+            await asyncio.sleep(backoff.failed(ConnectionLost(
+                f"no answer to a pull of {r.topic}/{r.queue} at offset {offset}")))
+        except OnceqError as exc:
+            if not retriable(exc):
+                raise
+            await asyncio.sleep(backoff.failed(exc))
         finally:
-            await stream.aclose()
-    finally:
-        await consumer.close()
+            await consumer.close()
 
 
 def read_range(r: QueueRange) -> Iterator[pa.RecordBatch]:

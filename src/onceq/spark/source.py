@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator, Sequence
-from typing import Any
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import pyarrow as pa
 from pyspark.sql.datasource import (
@@ -28,7 +29,9 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from ..client.admin import Admin
+from ..client.connection import ConnectionLost, retriable
 from ..client.sync import SyncPullConsumer
+from ..protocol.errors import ErrorCode, OnceqError
 from .arrow import ARROW_SCHEMA, SCHEMA_DDL
 from .decode import BodyDecoder
 from .options import (
@@ -43,9 +46,11 @@ from .options import (
     to_offsets,
 )
 from .pulling import QueueRange, read_range
+from .retry import Backoff
 from .sink import SinkMixin
 
 log = logging.getLogger("onceq.spark")
+T = TypeVar("T")
 
 
 class RangePartition(InputPartition):
@@ -105,11 +110,13 @@ class OnceqDataSource(SinkMixin, DataSource):
 
 class _Planner:
     """The driver's view of the topic: queues and their offsets (one connection, opened
-    when first needed and never pickled)."""
+    when first needed and never pickled). Every call to the broker rides out a restart:
+    it is tried again until the broker has failed every attempt for ``readTimeout``."""
 
     def __init__(self, opts: SourceOptions) -> None:
         self.opts = opts
         self._client: SyncPullConsumer | None = None
+        self.backoff = Backoff(opts.read_timeout_s, f"planning {opts.label} at {opts.servers}")
 
     @property
     def client(self) -> SyncPullConsumer:
@@ -117,14 +124,34 @@ class _Planner:
             self._client = SyncPullConsumer(self.opts.servers, self.opts.group)
         return self._client
 
+    def call(self, fn: Callable[[SyncPullConsumer], T]) -> T:
+        """``fn(client)``, tried again after a retriable error or a lost connection (on a
+        new connection) until ``readTimeout`` runs out."""
+        return self.retrying(lambda: fn(self.client))
+
+    def retrying(self, fn: Callable[[], T]) -> T:
+        while True:
+            try:
+                value = fn()
+            except OnceqError as exc:
+                if not retriable(exc):
+                    raise
+                if isinstance(exc, ConnectionLost):
+                    self.close()
+                time.sleep(self.backoff.failed(exc))
+                continue
+            self.backoff.ok()
+            return value
+
     def queues(self) -> list[TopicQueue]:
         """The queues read, topic by topic (a pattern is matched again at every call:
         a topic created since is read from its earliest offset)."""
         o = self.opts
         if o.topic_pattern is None:
-            counts = {t: self.client.queue_count(t) for t in o.topics}
+            counts = {t: self.call(lambda c, t=t: c.queue_count(t)) for t in o.topics}
         else:
-            counts = {t["topic"]: int(t["queues"]) for t in asyncio.run(_list_topics(o.servers))
+            topics = self.retrying(lambda: asyncio.run(_list_topics(o.servers)))
+            counts = {t["topic"]: int(t["queues"]) for t in topics
                       if not t["topic"].startswith("%")  # retry and dead-letter topics
                       and o.subscribes(t["topic"])}
         if o.queues is None:
@@ -137,31 +164,35 @@ class _Planner:
         return [(topic, q) for q in o.queues]
 
     def bounds(self, queues: Sequence[TopicQueue]) -> dict[TopicQueue, tuple[int, int]]:
-        return {(t, q): self.client.queue_offsets(t, q) for t, q in queues}
+        return {(t, q): self.call(lambda c, t=t, q=q: c.queue_offsets(t, q)) for t, q in queues}
 
     def starting(self, queues: Sequence[TopicQueue],
                  bounds: dict[TopicQueue, tuple[int, int]]) -> dict[TopicQueue, int]:
         ts = self.opts.starting_timestamp
         if ts is not None:
-            return {(t, q): self.client.search_offset(t, q, ts) for t, q in queues}
+            return {(t, q): self.call(lambda c, t=t, q=q: c.search_offset(t, q, ts))
+                    for t, q in queues}
         return {tq: resolve(self.opts.starting, tq, bounds[tq]) for tq in queues}
 
     def range(self, tq: TopicQueue, start: int, end: int) -> list[QueueRange]:
         o = self.opts
         return [QueueRange(o.servers, o.group, tq[0], tq[1], s, e, o.fail_on_data_loss,
-                           o.pull_batch, o.verify_checksums)
+                           o.pull_batch, o.verify_checksums, o.read_timeout_s)
                 for s, e in split_range(start, end, o.max_messages_per_partition)]
 
     def close(self) -> None:
         if self._client is not None:
-            self._client.close()
-            self._client = None
+            client, self._client = self._client, None
+            try:
+                client.close()
+            except OnceqError as exc:  # a connection already broken: nothing to tell it
+                log.debug("onceq: closing the planning connection: %s", exc)
 
     def __getstate__(self) -> dict[str, Any]:  # a connection does not travel
-        return {"opts": self.opts, "_client": None}
+        return {"opts": self.opts}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        _Planner.__init__(self, state["opts"])
 
 
 async def _list_topics(servers: str) -> list[dict[str, Any]]:
@@ -261,12 +292,21 @@ class OnceqStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._report(from_offsets(self.opts, end))
 
     def _report(self, offsets: dict[TopicQueue, int]) -> None:
-        """Commit finished offsets to the broker (lag reporting; failures only logged)."""
+        """Commit finished offsets to the broker (lag reporting: a broker that fails is
+        retried within ``readTimeout``, then the failure is logged and the offsets are
+        reported with the next batch)."""
         for (t, q), off in sorted(offsets.items()):
             if self._reported.get((t, q), -1) >= off:
                 continue
             try:
-                self.planner.client.commit_offset(t, q, off)
+                self.planner.call(lambda c, t=t, q=q, off=off: c.commit_offset(t, q, off))
+            except OnceqError as exc:
+                if exc.code != ErrorCode.OFFSET_BEHIND:
+                    log.warning("onceq: could not commit %s/%d=%d for group %s: %s",
+                                t, q, off, self.opts.group, exc)
+                    return
+                # the group's offset is further on (a query replaying from an older
+                # checkpoint): only a reset moves it back, and there is nothing to report
             except Exception as exc:  # the checkpoint is the truth: report, go on
                 log.warning("onceq: could not commit %s/%d=%d for group %s: %s",
                             t, q, off, self.opts.group, exc)
