@@ -7,12 +7,19 @@ window). Then ``onceq broker start`` is spawned on it and timed from spawn until
 a connection and answers a ping:
 
 * ``clean``: after a clean shutdown (the checkpoint is at the log end);
-* ``crash``: after a crash that left ``--tail-mib`` of log after the last checkpoint.
+* ``crash``: after a crash that left ``--tail-mib`` of log after the last checkpoint;
+* ``powercut``: after a power cut: a broker of that tree runs in a child process on the
+  data, on the test suite's power-cut model (``tests/powercut.py``), while three producers
+  send messages of 1 KiB as fast as they are answered for 1.5-3 s (``benchmarks/
+  powercut.py``; ``powercut_log_gib`` is the log size then); the power goes (what was
+  not fsynced then is gone), the broker is killed, and the next start is timed; with the
+  records its recovery scanned and whether it rebuilt every index from the whole log.
 
 ``--src`` runs another source tree (e.g. a ``git worktree`` of an older commit) for a
 before/after comparison; the same data directory is used for both trees.
 
 Usage: python benchmarks/startup.py [--sizes-gib 1 4] [--tail-mib 64] [--src DIR ...]
+       [--no-powercut]
 Prints one JSON document. Needs about the largest size free in the data directory's file
 system; the data is deleted at the end.
 """
@@ -23,6 +30,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -31,7 +39,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SRC = os.path.join(os.path.dirname(HERE), "src")
+ROOT = os.path.dirname(HERE)
+SRC = os.path.join(ROOT, "src")
 sys.path.insert(0, HERE)
 
 from _progress import Steps, note  # noqa: E402
@@ -51,6 +60,8 @@ data_dir, total, tail = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 clock = lambda: time.time() - 3600  # older than the dedup window
 store = MessageStore(StoreConfig(data_dir), clock=clock)
 store.open()
+if store.log.end:  # data kept: append an unchecked tail to it
+    total = max(total, store.log.end + tail)
 if "bench" not in store.topics:
     store.create_topic("bench", 8)
 body = os.urandom(2048)
@@ -76,6 +87,27 @@ print(n)
 """
 
 
+# a broker of the tree first on sys.path under load on the data, then a power cut
+_POWERCUT = r"""
+import asyncio, json, random, sys
+sys.path[:0] = sys.argv[1:4]  # the tree, the repository (tests/), benchmarks/
+from powercut import load_and_cut
+from onceq.storage.config import StoreConfig
+acked, _cut = asyncio.run(load_and_cut(sys.argv[4], StoreConfig(sys.argv[4]),
+                                       random.Random(int(sys.argv[5])), topic="cut",
+                                       seconds=(1.5, 3)))
+print(json.dumps({"acked": sum(len(a) for a in acked.values())}))
+"""
+
+
+def power_cut(src: str, data_dir: str, seed: int) -> int:
+    """Load the broker of ``src`` on ``data_dir`` and cut the power; messages acked."""
+    out = subprocess.run([sys.executable, "-c", _POWERCUT, src, ROOT, HERE, data_dir,
+                          str(seed)], check=True, stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": src})
+    return json.loads(out.stdout.strip().splitlines()[-1])["acked"]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -90,30 +122,49 @@ async def _ping(port: int) -> None:
         await admin.ping()
 
 
-def time_start(src: str, data_dir: str) -> float:
-    """Seconds from spawning a broker on ``data_dir`` until it answers a ping; stops it."""
+def time_start(src: str, data_dir: str, log: list[str] | None = None) -> float:
+    """Seconds from spawning a broker on ``data_dir`` until it answers a ping; stops it.
+    ``log``: receives the broker's log lines (INFO and above) of the whole run."""
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": src}
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "onceq.cli.main", "broker", "start", "--data-dir", data_dir,
-         "--port", str(port), "--log-level", "WARNING"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
-    )
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(proc.stderr.read().decode()[-2000:])
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    break
-            except OSError:
-                time.sleep(0.01)
-        asyncio.run(_ping(port))
-        return time.perf_counter() - t0
-    finally:
-        proc.terminate()  # SIGTERM: a clean shutdown (writes the checkpoint)
-        proc.wait(timeout=600)
+    with tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "onceq.cli.main", "broker", "start", "--data-dir",
+             data_dir, "--port", str(port), "--log-level",
+             "WARNING" if log is None else "INFO"],
+            stdout=subprocess.DEVNULL, stderr=err, env=env,
+        )
+        try:
+            while True:
+                if proc.poll() is not None:
+                    err.seek(0)
+                    raise RuntimeError(err.read().decode()[-2000:])
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                        break
+                except OSError:
+                    time.sleep(0.01)
+            asyncio.run(_ping(port))
+            return time.perf_counter() - t0
+        finally:
+            proc.terminate()  # SIGTERM: a clean shutdown (writes the checkpoint)
+            proc.wait(timeout=600)
+            if log is not None:
+                err.seek(0)
+                log.extend(err.read().decode(errors="replace").splitlines())
+
+
+def recovery_report(lines: list[str]) -> dict:
+    """What a start's log says of its recovery: records scanned, and whether it rebuilt
+    every index from the whole log."""
+    scanned = None
+    for line in lines:
+        m = re.search(r"recovered (\d+) records from position (\d+)", line)
+        if m and scanned is None:
+            scanned = int(m.group(1))
+    return {"scanned_records": scanned,
+            "full_rebuild": any("rebuilding" in line for line in lines)}
 
 
 def build(src: str, data_dir: str, size: int, tail: int) -> int:
@@ -129,6 +180,8 @@ def main() -> None:
     ap.add_argument("--src", nargs="+", default=[SRC],
                     help="source trees to time (default: this one)")
     ap.add_argument("--dir", default=None, help="where to put the data (default: a temp dir)")
+    ap.add_argument("--no-powercut", action="store_true",
+                    help="skip the start after a power cut")
     args = ap.parse_args()
     results = []
     steps = Steps(len(args.sizes_gib) * (1 + len(args.src)))
@@ -152,6 +205,23 @@ def main() -> None:
                 note(f"  start after a crash {crash_s:.2f}s, after a clean stop {clean_s:.2f}s")
                 row["trees"][src] = {"crash_start_s": round(crash_s, 3),
                                      "clean_start_s": round(clean_s, 3)}
+                if not args.no_powercut:
+                    note("  load, then a power cut")
+                    acked = power_cut(src, data, seed=int(gib * 1000))
+                    log_dir = os.path.join(data, "commitlog")
+                    log_gib = sum(os.path.getsize(os.path.join(log_dir, n))
+                                  for n in os.listdir(log_dir)) / 1024 ** 3
+                    lines: list[str] = []
+                    cut_s = time_start(src, data, lines)
+                    rec = recovery_report(lines)
+                    note(f"  start after a power cut {cut_s:.2f}s ({acked} messages sent "
+                         f"under load, {rec['scanned_records']} records scanned, full "
+                         f"rebuild: {rec['full_rebuild']})")
+                    row["trees"][src].update({
+                        "powercut_start_s": round(cut_s, 3), "powercut_acked": acked,
+                        "powercut_log_gib": round(log_gib, 2),
+                        "powercut_scanned_records": rec["scanned_records"],
+                        "powercut_full_rebuild": rec["full_rebuild"]})
                 # the next tree finds a crashed store again
                 note("  appending an unchecked tail again")
                 build(SRC, data, size + tail, tail)

@@ -135,3 +135,15 @@ class FaultFiles(FileOps):
         if self.usage is not None:
             return self.usage
         return super().disk_usage(path)
+
+
+class CountingFiles(FileOps):
+    """The real file layer, counting the bytes read (what recovery had to read)."""
+
+    def __init__(self) -> None:
+        self.read = 0
+
+    def pread(self, fd: int, size: int, offset: int) -> bytes:
+        data = super().pread(fd, size, offset)
+        self.read += len(data)
+        return data

@@ -20,6 +20,7 @@ from onceq.storage.files import OS_FILES, FileOps
 from onceq.storage.store import MessageStore
 from onceq.storage.verify import verify_store
 from tests.clock import FakeClock
+from tests.faultfiles import CountingFiles
 from tests.helpers import kill_store as crash
 from tests.powercut import PowerCutFiles
 
@@ -307,16 +308,6 @@ def test_power_cut_model_loses_unsynced_writes(tmp_path):
     store = open_store(root, files)
     assert store.min_max("T", 0) == (0, 10)
     store.close()
-
-
-class CountingFiles(FileOps):
-    def __init__(self) -> None:
-        self.read = 0
-
-    def pread(self, fd: int, size: int, offset: int) -> bytes:
-        data = super().pread(fd, size, offset)
-        self.read += len(data)
-        return data
 
 
 def test_open_reads_only_the_tail_after_the_checkpoint(tmp_path):

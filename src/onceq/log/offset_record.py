@@ -96,11 +96,21 @@ def decode_snapshot(raw: Any) -> tuple[Offsets, int]:
         groups, covered = raw.get("groups", {}), raw.get("covered", 0)
     else:
         groups, covered = raw, 0
-    if not isinstance(covered, int) or covered < 0 or not isinstance(groups, dict):
-        raise ValueError("malformed offsets snapshot")
-    try:
-        out = {str(g): {str(t): {str(q): int(o) for q, o in qs.items()}
-                        for t, qs in topics.items()} for g, topics in groups.items()}
-    except (AttributeError, TypeError, ValueError):
-        raise ValueError("malformed offsets snapshot") from None
-    return out, covered
+    if not _count(covered) or not isinstance(groups, dict):
+        raise ValueError("malformed offsets snapshot (covered records or groups)")
+    for g, topics in groups.items():
+        if not isinstance(topics, dict):
+            raise ValueError(f"malformed offsets snapshot: group {g!r} is not a map")
+        for t, qs in topics.items():
+            if not isinstance(qs, dict):
+                raise ValueError(f"malformed offsets snapshot: {g!r}/{t!r} is not a map")
+            for q, o in qs.items():
+                if not (q.isdigit() and q.isascii()) or not _count(o):
+                    raise ValueError(f"malformed offsets snapshot: {g!r}/{t!r} queue {q!r} "
+                                     f"offset {o!r}")
+    return groups, covered
+
+
+def _count(value: Any) -> bool:
+    """An integer >= 0 (JSON ``true`` is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -5,11 +5,17 @@ A checkpoint fsyncs the log and the index files written since the last one, then
 the log end (and each queue's entry count) atomically; the dedup window's new entries up to
 that end are then appended to its journal (``dedup_journal``). At open, the journal
 restores the window, and only the log after its end is read again.
+
+The queues' entry counts are taken on the loop together with the index files to fsync
+(``dirty_index_files``), never off the loop while sends go on: every entry counted is then
+in a file that this checkpoint (or an earlier one) fsyncs, so after a power cut no index
+holds fewer entries than the checkpoint says, and the restart reads only the log after it.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .dedup_journal import DedupJournal, PendingChunk
@@ -26,6 +32,17 @@ if TYPE_CHECKING:
     from .files import FileOps
 
 log = logging.getLogger("onceq.storage")
+
+
+@dataclass(frozen=True, slots=True)
+class DirtyIndexes:
+    """What a checkpoint needs of the indexes, taken on the loop in one step: the index
+    files written since the last take (to fsync) and each queue's next offset then
+    (``"topic/queue" -> offset``), every entry of which those files or earlier checkpoints
+    hold."""
+
+    paths: list[str]
+    ends: dict[str, int]
 
 
 class Checkpoints:
@@ -49,19 +66,21 @@ class Checkpoints:
         self.log.sync()
         self.checkpoint_at(end, self.dirty_index_files(), chunk)
 
-    def dirty_index_files(self) -> list[str]:
-        """The index files written since the last call (to fsync before a checkpoint)."""
-        return [p for cq in self.queues.values() for p in cq.dirty_paths()]
+    def dirty_index_files(self) -> DirtyIndexes:
+        """The index files written since the last call (to fsync before a checkpoint) and
+        the queues' ends they cover; take it on the loop, after the log end ``end`` that
+        the checkpoint records, and pass it to ``checkpoint_at``."""
+        paths = [p for cq in self.queues.values() for p in cq.dirty_paths()]
+        ends = {f"{t}/{q}": cq.max_offset for (t, q), cq in self.queues.items()}
+        return DirtyIndexes(paths, ends)
 
-    def checkpoint_at(self, end: int, index_files: list[str],
+    def checkpoint_at(self, end: int, indexes: DirtyIndexes,
                       dedup_chunk: PendingChunk | None = None) -> None:
-        """Fsync ``index_files`` and record ``end`` as indexed, then append ``dedup_chunk``
-        to the dedup window's journal (safe to run off the loop)."""
-        fsync_paths(self.files, index_files)
-        # every entry counted here was written before: after a crash the index holds at
-        # least as many (a power cut losing unsynced entries costs a full rebuild)
-        ends = {f"{t}/{q}": cq.max_offset for (t, q), cq in list(self.queues.items())}
-        write_atomic(self._checkpoint_path, encode_checkpoint(end, ends), self.files)
+        """Fsync the index files of ``indexes`` and record ``end`` as indexed with the
+        queue ends of ``indexes``, then append ``dedup_chunk`` to the dedup window's
+        journal (safe to run off the loop: nothing here reads what the loop changes)."""
+        fsync_paths(self.files, indexes.paths)
+        write_atomic(self._checkpoint_path, encode_checkpoint(end, indexes.ends), self.files)
         if dedup_chunk is not None:
             d = self.dedup
             self.dedup_journal.append(dedup_chunk, d.window_ms, d.max_keys,

@@ -9,6 +9,11 @@ Only the active (last) segment keeps a descriptor of its own; older segments are
 opened on demand through the store's bounded cache of open files (``OpenFiles``), so the
 descriptors held do not grow with the data kept. A sealed segment that was written and not
 yet fsynced is fsynced by path.
+
+A power cut must cost only a suffix of the log: segments are fsynced in the order of their
+positions, one fsync sequence at a time, so no byte becomes durable through an fsync before
+every earlier byte has; and at open, segments that hold no record after a segment that lost
+its tail (in the log after the checkpoint) are the remains of that lost tail, not a gap.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import contextlib
 import errno
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -42,6 +48,10 @@ log = logging.getLogger("onceq.storage")
 
 READ_CHUNK = 8 * 1024 * 1024
 _MAGIC = bytes([RECORD_MAGIC])
+# one fsync sequence of commit-log segments at a time (the flush service's, off the loop,
+# and a sync on the loop): a later segment's records never reach the disk through one
+# sequence while an earlier segment's tail waits in another
+_SYNC_LOCK = threading.Lock()
 
 
 @dataclass(slots=True)
@@ -76,7 +86,8 @@ class CommitLog:
         files.makedirs(directory)
 
     # ---------------------------------------------------------------- recovery
-    def open(self, empty_base: int = 0) -> list[tuple[int, int]]:
+    def open(self, empty_base: int = 0, tail_from: int | None = None
+             ) -> list[tuple[int, int]]:
         """Open every segment without reading its records; return the missing ranges.
 
         Older segments are trusted at start (their records are checked on read and by
@@ -84,9 +95,14 @@ class CommitLog:
         damaged file header is rewritten from the file name (records carry their own
         position and checksum). A segment missing between two others leaves a gap of
         positions, returned as ``(start, end)`` ranges; later segments are kept.
+
+        ``tail_from``: the position from which the log is not known durable (the
+        checkpoint). A segment that ends there or later before the next segment's base
+        lost its tail in a power cut; when every later segment holds no record (a roll
+        made them durable, empty, before the tail reached the disk), they are removed: the
+        log ends where the lost tail starts, with no gap.
         """
         fs = self.files
-        gaps: list[tuple[int, int]] = []
         for name in _segment_names(self.dir, fs):
             path = os.path.join(self.dir, name)
             base = int(name)
@@ -104,19 +120,48 @@ class CommitLog:
                 log.error("commit log: segment %s overlaps the previous one; ignored", name)
                 fs.close(fd)
                 continue
-            if self.segments and base > self.segments[-1].end:
-                gaps.append((self.segments[-1].end, base))
-                log.error("commit log: positions [%d, %d) are missing (a segment file was "
-                          "lost); later segments are kept", self.segments[-1].end, base)
             size = max(0, fs.size(fd) - FILE_HEADER_SIZE)
             if self.segments:  # the previous one is not the last: sealed
                 prev = self.segments[-1]
                 fs.close(prev.fd)
                 prev.fd = None
             self.segments.append(Segment(base, path, fd, size, fs.mtime(fd)))
+        if tail_from is not None:
+            self._drop_after_lost_tail(tail_from)
         if not self.segments:
             self._new_segment(empty_base)
+        gaps: list[tuple[int, int]] = []
+        for prev, seg in zip(self.segments, self.segments[1:], strict=False):
+            if seg.base > prev.end:
+                gaps.append((prev.end, seg.base))
+                log.error("commit log: positions [%d, %d) are missing (a segment file was "
+                          "lost); later segments are kept", prev.end, seg.base)
         return gaps
+
+    def _drop_after_lost_tail(self, tail_from: int) -> None:
+        """Remove the segments that hold no record after the first segment, at or after
+        ``tail_from``, that ends before the next one starts (see ``open``)."""
+        segs = self.segments
+        i = next((i for i in range(1, len(segs))
+                  if segs[i].base > segs[i - 1].end >= tail_from), None)
+        if i is None or any(isinstance(ev, RecordHead) for seg in segs[i:]
+                            for ev in self.scan_segment(seg)):
+            return
+        last = segs[i - 1]
+        dropped = segs[i:]
+        log.warning("commit log: segment %s lost its tail after position %d (%d bytes, a "
+                    "power cut); %d later segment(s) without records removed",
+                    file_name(last.base), last.end, dropped[0].base - last.end, len(dropped))
+        for seg in dropped:
+            if seg.fd is not None:
+                self.files.close(seg.fd)
+                seg.fd = None
+            self.open_files.close(seg.path)
+            self.files.unlink(seg.path)
+        del segs[i:]
+        self.files.fsync_dir(self.dir)
+        self.open_files.close(last.path)
+        last.fd = self.files.open(last.path, os.O_RDWR)  # the active segment again
 
     def scan_tail(self, start: int, on_record: Callable[[RecordHead], None],
                   on_damage: Callable[[int, int], None]) -> int:
@@ -148,13 +193,11 @@ class CommitLog:
             cut = max(last_valid, pending[0][0])
             for seg in self.segments:
                 if seg.end > cut:
-                    keep = max(0, cut - seg.base)
                     log.warning("commit log: truncating a torn tail of segment %s at %d "
-                                "(was %d bytes of data)", file_name(seg.base), keep, seg.size)
-                    fd = self._fd(seg)
-                    self.files.ftruncate(fd, FILE_HEADER_SIZE + keep)
-                    self.files.fsync(fd)
-                    seg.size = keep
+                                "(was %d bytes of data)", file_name(seg.base),
+                                max(0, cut - seg.base), seg.size)
+            # later segments go too: the log ends at ``cut`` with no gap before its end
+            self.truncate_to(cut)
         return self.end
 
     def _fd(self, seg: Segment) -> int:
@@ -375,9 +418,10 @@ class CommitLog:
 
     # ---------------------------------------------------------------- durability
     def take_dirty(self) -> list[int | str]:
-        """What was written since the last call: the active segment's descriptor and the
-        paths of sealed segments, for ``fsync_all``."""
-        out: list[int | str] = [*self._dirty, *self._dirty_sealed]
+        """What was written since the last call, for ``fsync_all``, in log order: the paths
+        of sealed segments by position, then the active segment's descriptor (a power cut
+        during the fsyncs then loses a suffix of the log, never bytes before kept ones)."""
+        out: list[int | str] = [*sorted(self._dirty_sealed), *self._dirty]
         self._dirty.clear()
         self._dirty_sealed.clear()
         return out
@@ -413,21 +457,21 @@ class CommitLog:
 
 
 def fsync_all(files: FileOps, targets: list[int | str]) -> None:
-    """Fsync what ``take_dirty`` returned: descriptors, and sealed segments by path.
+    """Fsync what ``take_dirty`` returned, in its order: sealed segments by path, then
+    descriptors; one call at a time (``_SYNC_LOCK``), so bytes reach the disk in log order.
 
     A descriptor closed meanwhile (``EBADF``) or a file deleted meanwhile belongs to a
     segment that retention or a rollback removed: nothing to sync."""
-    paths = []
-    for t in targets:
-        if isinstance(t, str):
-            paths.append(t)
-            continue
-        try:
-            files.fsync(t)
-        except OSError as exc:
-            if exc.errno != errno.EBADF:
-                raise  # a real I/O error: the bytes are not known to be on disk
-    fsync_paths(files, paths)
+    with _SYNC_LOCK:
+        for t in targets:
+            if isinstance(t, str):
+                fsync_paths(files, [t])
+                continue
+            try:
+                files.fsync(t)
+            except OSError as exc:
+                if exc.errno != errno.EBADF:
+                    raise  # a real I/O error: the bytes are not known to be on disk
 
 
 def _segment_names(directory: str, files: FileOps) -> list[str]:

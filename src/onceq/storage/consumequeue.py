@@ -28,7 +28,7 @@ from .openfiles import OpenFiles
 
 class ConsumeQueue:
     __slots__ = ("_bases", "_dirty", "_open", "_paths", "dir", "files", "lost_entries",
-                 "max_offset", "min_offset", "per_file")
+                 "lost_tail", "max_offset", "min_offset", "per_file")
 
     def __init__(self, directory: str, entries_per_file: int, open_files: OpenFiles) -> None:
         self.dir = directory
@@ -40,19 +40,26 @@ class ConsumeQueue:
         self._dirty: set[str] = set()  # paths written since the last dirty_paths()
         self.min_offset = 0
         self.max_offset = 0  # next offset to be written
-        self.lost_entries = False  # ``load`` found damaged files: rebuild from the log
+        self.lost_entries = False  # ``load`` dropped entries before kept ones: damage
+        self.lost_tail = False  # ``load`` dropped the last entries (a power cut, or damage)
         files.makedirs(directory)
 
     def load(self) -> None:
-        """Open existing files; drop a torn trailing partial entry; find min/max offsets."""
+        """Open existing files; drop a torn trailing partial entry; find min/max offsets.
+
+        Files that cannot continue the index are removed: after a power cut the last ones
+        may be short or empty (their entries past the last checkpoint come back from the
+        log: ``lost_tail``); a file lost or damaged before a kept one is damage
+        (``lost_entries``)."""
         fs = self.files
         bases = sorted(int(n) for n in fs.listdir(self.dir) if n.isdigit() and len(n) == 20)
         good: list[int] = []
+        dropped: list[int] = []
         for base in bases:
             path = os.path.join(self.dir, file_name(base))
             if base % self.per_file or (good and base != good[-1] + self.per_file):
                 fs.unlink(path)
-                self.lost_entries = True
+                dropped.append(base)
                 continue
             fd = self._open.get(path)
             try:
@@ -60,16 +67,18 @@ class ConsumeQueue:
             except FileHeaderError:
                 self._open.close(path)
                 fs.unlink(path)
-                self.lost_entries = True
+                dropped.append(base)
                 continue
             self._bases.add(base)
             self._paths[base] = path
             good.append(base)
+        self.lost_tail = bool(dropped)
+        self.lost_entries = bool(good) and any(b < good[-1] for b in dropped)
         # only the last file may be partial; a short earlier file ends the index there
         for base in good[:-1]:
             if self._entries_in(base) < self.per_file:
                 self._cut(base + self._entries_in(base))
-                self.lost_entries = True
+                self.lost_tail = True
                 break
         if not self._bases:
             self.min_offset = self.max_offset = 0

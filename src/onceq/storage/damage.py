@@ -47,16 +47,21 @@ class DamageRegistry:
         self.queues: dict[tuple[str, int], list[list[int]]] = {}  # queue offsets [lo, hi)
 
     def load(self) -> None:
+        self.log_ranges = []
+        self.queues = {}
         try:
             raw = load_json(self.path, {}, self.files)
-        except ValueError as exc:  # the index markers still know the damaged offsets
-            log.error("store: %s; starting with an empty damage list", exc)
-            raw = {}
-        self.log_ranges = [[int(a), int(b)] for a, b in raw.get("log", [])]
-        self.queues = {}
-        for topic, qs in raw.get("queues", {}).items():
-            for qid, ranges in qs.items():
-                self.queues[(topic, int(qid))] = [[int(a), int(b)] for a, b in ranges]
+            log_ranges = [[int(a), int(b)] for a, b in raw.get("log", [])]
+            queues = {}
+            for topic, qs in raw.get("queues", {}).items():
+                for qid, ranges in qs.items():
+                    queues[(str(topic), int(qid))] = [[int(a), int(b)] for a, b in ranges]
+        except (ValueError, TypeError, AttributeError) as exc:
+            # the index markers still know the damaged offsets
+            msg = str(exc) if self.path in str(exc) else f"{self.path}: malformed ({exc})"
+            log.error("store: %s; starting with an empty damage list", msg)
+            return
+        self.log_ranges, self.queues = log_ranges, queues
 
     def to_json(self) -> dict:
         queues: dict[str, dict[str, list[list[int]]]] = {}

@@ -38,7 +38,7 @@ from ..log.offset_record import (
 from ..log.record import RecordError, decode_records
 from ..protocol.codes import PullStatus
 from ..protocol.errors import OnceqError
-from .metadata import write_atomic
+from .metadata import load_json, write_atomic
 from .topics import check_name
 
 if TYPE_CHECKING:
@@ -155,10 +155,19 @@ class OffsetTable:
 
     # ------------------------------------------------------------------ open
     def load(self, raw: object) -> None:
-        """The parsed ``offsets.json`` (None when missing)."""
+        """The parsed ``offsets.json`` (None when missing); raises ``ValueError`` when it
+        is not a snapshot whose names and offsets a commit could have written."""
         if raw is None:
             return
-        self.groups, self.covered = decode_snapshot(raw)
+        groups, covered = decode_snapshot(raw)
+        try:
+            for g, topics in groups.items():
+                check_name("group", g)
+                for t in topics:
+                    check_name("topic", t)
+        except OnceqError as exc:
+            raise ValueError(f"malformed offsets snapshot: {exc.message}") from None
+        self.groups, self.covered = groups, covered
 
     def replay(self) -> bool:
         """Apply the journal records after the snapshot; True when a snapshot must be
@@ -232,13 +241,32 @@ class ConsumerOffsets:
     offset_table: OffsetTable
     _offsets_path: str
 
-    def _open_offsets(self) -> None:
+    def _load_offsets(self) -> bool:
+        """Load the offsets snapshot; False when it is damaged (logged at ERROR): the
+        offsets are then rebuilt from their whole journal (``_open_offsets``)."""
+        try:
+            self.offset_table.load(load_json(self._offsets_path, None, self.files))
+        except ValueError as exc:
+            msg = str(exc)
+            if self._offsets_path not in msg:
+                msg = f"{self._offsets_path}: {msg}"
+            log.error("offsets: %s; the offsets are rebuilt from their journal in the "
+                      "commit log", msg)
+            return False
+        return True
+
+    def _open_offsets(self, rewrite: bool = False) -> None:
         """Replay the offset commits after the snapshot; offsets beyond a recovered queue
-        end move back to it. The snapshot is written now when either changed the past."""
+        end move back to it. The snapshot is written now when either changed the past, or
+        when ``rewrite`` (the snapshot was damaged)."""
         table = self.offset_table
-        if table.replay() | table.clamp_to_queue_ends():
+        if table.replay() | table.clamp_to_queue_ends() | rewrite:
             table.dirty = True
-            self.save_offsets()
+            try:
+                self.save_offsets()
+            except OSError as exc:  # written by the periodic save or at close
+                table.dirty = True
+                log.error("store: cannot save the consumer offsets at start: %s", exc)
 
     @property
     def offsets(self) -> dict[str, dict[str, dict[str, int]]]:

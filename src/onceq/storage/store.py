@@ -31,7 +31,7 @@ from .dedup import DedupWindow
 from .dedup_journal import DedupJournal
 from .failures import DiskGuard, RateLimitedLog, WriteGate
 from .files import OS_FILES, FileOps
-from .metadata import decode_checkpoint, decode_checkpoint_ends, load_json
+from .metadata import decode_checkpoint, decode_checkpoint_ends
 from .offsets import ConsumerOffsets, OffsetTable
 from .openfiles import OpenFiles, default_capacity
 from .put import PutPath, PutResult
@@ -68,6 +68,7 @@ class MessageStore(Topics, PutPath, Reads, IndexRepair, ConsumerOffsets, WriteGa
         self.log = CommitLog(os.path.join(root, "commitlog"), config.segment_size, files,
                              self.open_files)
         self.topics: dict[str, TopicConfig] = {}
+        self.skipped_topics: dict[str, object] = {}  # entries of topics.json out of bounds
         self.queues: dict[tuple[str, int], ConsumeQueue] = {}
         self.offset_table = OffsetTable(self)
         self.dedup = DedupWindow(config.dedup_window_s, config.dedup_max_keys)
@@ -91,14 +92,14 @@ class MessageStore(Topics, PutPath, Reads, IndexRepair, ConsumerOffsets, WriteGa
         read, so opening takes the same time whatever the amount of data kept.
         """
         self._load_topics()
-        self.offset_table.load(load_json(self._offsets_path, None, self.files))
+        offsets_whole = self._load_offsets()
         self.damage.load()
         try:
             raw_checkpoint = self.files.read_file(self._checkpoint_path)
         except FileNotFoundError:
             raw_checkpoint = b""
         checkpoint = decode_checkpoint(raw_checkpoint)
-        ends = decode_checkpoint_ends(raw_checkpoint) or {}
+        ends = decode_checkpoint_ends(raw_checkpoint)
         lost_index = False
         for name, t in self.topics.items():
             for qid in range(t.queues):
@@ -109,12 +110,17 @@ class MessageStore(Topics, PutPath, Reads, IndexRepair, ConsumerOffsets, WriteGa
                     lost_index = lost_index or checkpoint is None or (
                         t.created_position < checkpoint)
                 cq = self._open_queue(name, qid)
-                # fewer entries than the checkpoint saw: an index file was cut
+                # entries lost before kept ones, or fewer entries than the checkpoint
+                # counted: an index file was cut or lost. Entries past that count may be
+                # missing after a power cut (no checkpoint fsynced them yet): the tail scan
+                # rebuilds them. Without the counts, any lost last entry may have been
+                # below the checkpoint.
                 lost_index = lost_index or cq.lost_entries or (
-                    cq.max_offset < ends.get(f"{name}/{qid}", 0))
+                    cq.lost_tail if ends is None
+                    else cq.max_offset < ends.get(f"{name}/{qid}", 0))
         self._drop_unknown_queue_dirs()
         loaded_max = {key: cq.max_offset for key, cq in self.queues.items()}
-        for a, b in self.log.open(empty_base=checkpoint or 0):
+        for a, b in self.log.open(empty_base=checkpoint or 0, tail_from=checkpoint):
             self.damage.add_log(a, b)
         full = checkpoint is None or lost_index
         self._restore_dedup(None if full else checkpoint)
@@ -138,7 +144,7 @@ class MessageStore(Topics, PutPath, Reads, IndexRepair, ConsumerOffsets, WriteGa
                 if cq.max_offset == 0 and loaded_max[key] > 0:
                     cq.reset(loaded_max[key])  # no record left: never reuse its offsets
         self._move_back_topics()
-        self._open_offsets()
+        self._open_offsets(rewrite=not offsets_whole)
         self._keep_live_damage()
         # the scanned tail and the rebuilt index entries are fsynced here, before the broker
         # answers anything (a "duplicate" answer promises a durable first copy)

@@ -5,6 +5,11 @@ record below it belongs to an older topic of the same name (deleted since), so r
 and reads never take it for this one's. The table is written atomically before anything
 changes in memory; a queue's index directory is created before the table names it, and an
 index directory of a topic the table does not name is dropped at open.
+
+Each entry of the table is checked at open against the bounds of a topic creation (a valid
+name, 1..``MAX_QUEUES`` queues, a position and a time >= 0): an entry out of them is
+skipped (logged at ERROR), nothing is created for it, its index directory is left alone and
+the entry is kept as it is when the table is written again, for the operator to repair.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..protocol.errors import ErrorCode, OnceqError
 from .consumequeue import ConsumeQueue
@@ -21,6 +26,8 @@ from .failures import storage_error
 from .metadata import RenameNotDurable, load_json, save_json
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .config import StoreConfig
     from .files import FileOps
 
@@ -47,13 +54,54 @@ class TopicConfig:
     created_ms: int
 
     @classmethod
-    def from_json(cls, name: str, raw: dict) -> TopicConfig:
-        return cls(name, int(raw["queues"]), int(raw["created_position"]),
-                   int(raw["created_ms"]))
+    def from_json(cls, name: object, raw: object) -> TopicConfig:
+        """An entry of the topics table; ``ValueError`` when it is outside what a topic
+        creation accepts (see ``create_topic``)."""
+        try:
+            check_name("topic", name)
+        except OnceqError as exc:
+            raise ValueError(exc.message) from None
+        assert isinstance(name, str)
+        if not isinstance(raw, dict):
+            raise ValueError(f"entry {raw!r} is not a map")
+        queues, position, ms = (raw.get(k) for k in ("queues", "created_position",
+                                                     "created_ms"))
+        if not _count(queues) or not 1 <= queues <= MAX_QUEUES:
+            raise ValueError(f"queue count {queues!r} is not 1..{MAX_QUEUES}")
+        if not _count(position):
+            raise ValueError(f"created_position {position!r} is not an integer >= 0")
+        if not _count(ms):
+            raise ValueError(f"created_ms {ms!r} is not an integer >= 0")
+        return cls(name, queues, position, ms)
 
     def to_json(self) -> dict:
         return {"queues": self.queues, "created_position": self.created_position,
                 "created_ms": self.created_ms}
+
+
+def _count(value: object) -> bool:
+    """An integer >= 0 (JSON ``true`` is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def load_topics_table(path: str, files: FileOps) -> tuple[dict[str, TopicConfig],
+                                                          dict[str, Any]]:
+    """The topics of the table at ``path`` that pass the checks of a topic creation, and
+    the raw entries that do not (each logged at ERROR, naming the file and the entry).
+    Raises ``ValueError`` when the file is not a JSON map."""
+    raw = load_json(path, {}, files)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: the topics table is not a map")
+    topics: dict[str, TopicConfig] = {}
+    skipped: dict[str, Any] = {}
+    for name, entry in raw.items():
+        try:
+            topics[name] = TopicConfig.from_json(name, entry)
+        except ValueError as exc:
+            log.error("store: %s: topic %r skipped: %s; nothing is created for it and its "
+                      "index files are kept until the entry is repaired", path, name, exc)
+            skipped[name] = entry
+    return topics, skipped
 
 
 class Topics:
@@ -62,8 +110,11 @@ class Topics:
 
     config: StoreConfig
     files: FileOps
+    clock: Callable[[], float]
     topics: dict[str, TopicConfig]
     queues: dict[tuple[str, int], ConsumeQueue]
+    # entries of the table that failed the checks at open, written back as they are
+    skipped_topics: dict[str, Any]
 
     def create_topic(self, name: str, queues: int) -> TopicConfig:
         check_name("topic", name)
@@ -111,6 +162,7 @@ class Topics:
         for qid, cq in enumerate(new, start=old.queues if old else 0):
             self.queues[(name, qid)] = cq
         self.topics[name] = t
+        self.skipped_topics.pop(name, None)  # replaced by the new topic
         return t
 
     def delete_topic(self, name: str) -> None:
@@ -140,13 +192,61 @@ class Topics:
         return t
 
     def _load_topics(self) -> None:
-        for name, t in load_json(self._topics_path, {}, self.files).items():
-            self.topics[name] = TopicConfig.from_json(name, t)
+        try:
+            topics, self.skipped_topics = load_topics_table(self._topics_path, self.files)
+        except ValueError as exc:
+            log.error("store: %s; the topics are rebuilt from the index directories", exc)
+            topics = self._topics_from_index_dirs()
+            log.error("store: topics rebuilt from the index directories: %s",
+                      ", ".join(f"{t.name} ({t.queues} queues)" for t in topics.values())
+                      or "none")
+            try:
+                self._save_topics(topics)
+            except OSError as save_exc:  # rebuilt again at the next start
+                log.error("store: cannot save the rebuilt topics table: %s", save_exc)
+        self.topics.update(topics)
+
+    def _topics_from_index_dirs(self) -> dict[str, TopicConfig]:
+        """The topics table as the index directories show it: one topic per directory
+        with a valid name, queues 0..n-1 from its queue directories. A topic's creation
+        position is its first indexed record's (0 when its index holds none), so records
+        of an older topic of the same name stay apart."""
+        topics: dict[str, TopicConfig] = {}
+        now_ms = int(self.clock() * 1000)
+        for name in sorted(self.files.listdir(self._queues_dir)):
+            try:
+                check_name("topic", name)
+                qids = set(self.files.listdir(os.path.join(self._queues_dir, name)))
+            except (OnceqError, OSError):
+                continue
+            queues = 0
+            while queues < MAX_QUEUES and str(queues) in qids:
+                queues += 1
+            if not queues:
+                continue
+            first: list[int] = []
+            for qid in range(queues):
+                cq = self._consume_queue(name, qid)
+                try:
+                    cq.load()
+                    if cq.max_offset > cq.min_offset:
+                        pos, size, _th, _ts = cq.entry(cq.min_offset)
+                        if size:
+                            first.append(pos)
+                except (OSError, KeyError):
+                    pass
+                finally:
+                    cq.close()
+            topics[name] = TopicConfig(name, queues, min(first, default=0), now_ms)
+        return topics
 
     def _save_topics(self, table: dict[str, TopicConfig] | None = None) -> None:
-        """Write ``table`` (None: the topics in memory) as the topics table."""
+        """Write ``table`` (None: the topics in memory) as the topics table, with the
+        skipped entries that no topic of ``table`` replaces."""
         table = self.topics if table is None else table
-        save_json(self._topics_path, {n: t.to_json() for n, t in table.items()}, self.files)
+        out = {n: e for n, e in self.skipped_topics.items() if n not in table}
+        out.update((n, t.to_json()) for n, t in table.items())
+        save_json(self._topics_path, out, self.files)
 
     def _write_topics(self, table: dict[str, TopicConfig]) -> None:
         """Make ``table`` the durable topics table, or raise with the old one in place.
@@ -190,7 +290,7 @@ class Topics:
 
     def _drop_unknown_queue_dirs(self) -> None:
         for name in self.files.listdir(self._queues_dir):
-            if name not in self.topics:
+            if name not in self.topics and name not in self.skipped_topics:
                 self.files.rmtree(os.path.join(self._queues_dir, name))
 
     def _move_back_topics(self) -> None:

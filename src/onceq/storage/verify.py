@@ -25,7 +25,8 @@ from ..log.segment import (
 )
 from .commitlog import CommitLog, Segment
 from .files import OS_FILES, FileOps
-from .metadata import decode_checkpoint, load_json
+from .metadata import decode_checkpoint
+from .topics import load_topics_table
 
 
 @dataclass(slots=True)
@@ -146,7 +147,8 @@ class _QueueCheck:
 def verify_store(data_dir: str, files: FileOps = OS_FILES) -> VerifyReport:
     """Read every segment and index of ``data_dir``; report what is damaged."""
     report = VerifyReport()
-    topics = load_json(os.path.join(data_dir, "topics.json"), {}, files)
+    # the entries a start would skip are skipped here too (a deleted topic's records)
+    topics, _skipped = load_topics_table(os.path.join(data_dir, "topics.json"), files)
     log_ = CommitLog(os.path.join(data_dir, "commitlog"), 4096, files)
     for gap_start, gap_end, reason in _open_readonly(log_):
         report.log.append(LogDamage(gap_start, gap_end, reason))
@@ -159,7 +161,7 @@ def verify_store(data_dir: str, files: FileOps = OS_FILES) -> VerifyReport:
         checkpoint = None
     checks = {}
     for name, t in topics.items():
-        for qid in range(int(t["queues"])):
+        for qid in range(t.queues):
             checks[(name, qid)] = _QueueCheck(
                 name, qid, os.path.join(data_dir, "queues", name, str(qid)), files, start,
                 report)
@@ -173,7 +175,7 @@ def verify_store(data_dir: str, files: FileOps = OS_FILES) -> VerifyReport:
                     continue
                 report.records += 1
                 t = topics.get(ev.topic)
-                if t is None or ev.position < int(t["created_position"]):
+                if t is None or ev.position < t.created_position:
                     continue  # a deleted topic's record
                 check = checks.get((ev.topic, ev.queue_id))
                 if check is not None:
