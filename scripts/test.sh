@@ -7,4 +7,4 @@ bash scripts/setup.sh dev,spark
 bash scripts/chromium.sh
 bash scripts/services.sh redis mariadb postgresql
 .venv/bin/ruff check src tests benchmarks
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"

@@ -4,6 +4,9 @@ Every handled message appends ``<unique key> <reconsume times>`` as one line to 
 flushed per message, so a parent that SIGKILLs this process still sees what was handled.
 SIGTERM/SIGINT shut the consumer down gracefully (commit offsets, unregister) and exit 0.
 Prints ``READY <client id>`` once started and ``DONE`` after a graceful shutdown.
+``--pause-at N``: the listener prints ``IN-HANDLER`` when it is handed its N-th message
+and then takes ``--pause-sleep`` seconds over it, so that the parent can SIGSTOP this
+process inside a listener call.
 """
 
 from __future__ import annotations
@@ -28,20 +31,34 @@ async def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offset-dir", default=None)
     ap.add_argument("--rebalance-interval", type=float, default=20.0)
     ap.add_argument("--heartbeat-interval", type=float, default=10.0)
+    ap.add_argument("--commit-interval", type=float, default=5.0)
+    ap.add_argument("--concurrency", type=int, default=20)
+    ap.add_argument("--handler-ms", type=float, default=0.0)
+    ap.add_argument("--pause-at", type=int, default=0)
+    ap.add_argument("--pause-sleep", type=float, default=1.0)
     args = ap.parse_args(argv)
 
     out = open(args.out, "a", buffering=1)  # noqa: SIM115 - open for the process lifetime
+    handled = 0
 
     async def listener(msgs, ctx):
+        nonlocal handled
         for m in msgs:
             out.write(f"{m.unique_key} {m.reconsume_times}\n")
             out.flush()
+            handled += 1
+            if handled == args.pause_at:
+                print("IN-HANDLER", flush=True)
+                await asyncio.sleep(args.pause_sleep)
+        if args.handler_ms:
+            await asyncio.sleep(args.handler_ms / 1000)
 
     consumer = PushConsumer(
         args.addr, args.group, listener, model=args.model, consume_from=args.consume_from,
         instance_name=args.instance, offset_dir=args.offset_dir,
         rebalance_interval_s=args.rebalance_interval,
         heartbeat_interval_s=args.heartbeat_interval,
+        commit_interval_s=args.commit_interval, concurrency=args.concurrency,
     )
     consumer.subscribe(args.topic, "*")
     stop = asyncio.Event()

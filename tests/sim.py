@@ -4,10 +4,10 @@
 the clock jumps to the next timer, so a 10-minute scenario takes milliseconds and runs the
 same way every time. ``FakeBroker`` answers the requests a push consumer makes (heartbeat,
 members, topics, offsets, long-polled pulls, commits, releases, orderly queue locks) from
-memory, with the real ``AccessLockTable`` and ``QueueLockTable`` deciding who may pull a
-queue; ``FakeConnection`` has the interface of
-``client.connection.BrokerConnection`` and is what ``PushConsumer(connect=broker.connect)``
-opens.
+memory, with the broker's real queue-ownership core (``QueueOwnership``: access lock,
+orderly lock, commit rule) deciding who may pull and commit a queue; ``FakeConnection``
+has the interface of ``client.connection.BrokerConnection`` and is what
+``PushConsumer(connect=broker.connect)`` opens.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from onceq.broker.access_lock import AccessLockTable
-from onceq.broker.queue_lock_table import QueueLockTable
+from onceq.broker.ownership import QueueOwnership, Refusal
 from onceq.client.connection import ConnectionLost
 from onceq.log.record import build_record, encode_part
 from onceq.protocol.codes import PullStatus, PushCode, RequestCode, retry_topic
@@ -102,14 +101,13 @@ class FakeBroker:
     topics: dict[str, int] = field(default_factory=dict)
     log: dict[tuple[str, int], list[bytes]] = field(default_factory=dict)
     offsets: dict[tuple[str, str, int], int] = field(default_factory=dict)
-    deliver: dict[tuple[str, str, int], int] = field(default_factory=dict)
     members: dict[str, dict[str, _Member]] = field(default_factory=dict)
     black_holes: set[tuple[str, int]] = field(default_factory=set)  # pulls never answered
     requests: list[tuple[str, RequestCode, dict[str, Any]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.table = AccessLockTable(self.hold_timeout)
-        self.qlocks = QueueLockTable(60.0)
+        self.core = QueueOwnership(hold_timeout=self.hold_timeout, lock_expiry=60.0)
+        self.qlocks = self.core.orderly
         self._held: dict[tuple[str, int], list[_HeldPull]] = {}
 
     # -------------------------------------------------------- test side
@@ -137,7 +135,20 @@ class FakeBroker:
         return FakeConnection(self, on_push)
 
     def holder(self, group: str, topic: str, queue: int) -> str | None:
-        return self.table.holder(group, topic, queue)
+        return self.core.access.holder(group, topic, queue)
+
+    def _commit_rule(self, h: dict[str, Any], offset: int, checked: bool = False
+                     ) -> Refusal | None:
+        """The core's commit rule; stores what it allows."""
+        key = (h["group"], h["topic"], h["queue"])
+        d = self.core.commit(h["group"], h.get("client"), h["topic"], h["queue"], offset,
+                             locked=self._applies(h["group"], h.get("client")),
+                             stored=self.offsets.get(key, -1),
+                             queue_max=len(self.log[key[1:]]), now=self.clock(),
+                             checked=checked)
+        if d.write is not None:
+            self.offsets[key] = d.write
+        return d.refused
 
     # -------------------------------------------------------- requests
     def handle(self, conn: FakeConnection, code: RequestCode, h: dict[str, Any]
@@ -160,28 +171,27 @@ class FakeBroker:
         if code == RequestCode.QUERY_OFFSETS:
             return {"min": 0, "max": len(self.log[(h["topic"], h["queue"])])}, b""
         if code == RequestCode.COMMIT_OFFSET:
-            key = (h["group"], h["topic"], h["queue"])
-            if (self._applies(h["group"], h["client"]) and \
-                    self.table.holder(*key) != h["client"]) or self._orderly_other(h):
+            refused = self._commit_rule(h, h["offset"])
+            if refused is Refusal.BEHIND:
+                raise OnceqError(ErrorCode.OFFSET_BEHIND, "below the committed offset")
+            if refused is not None:
                 raise OnceqError(ErrorCode.NOT_HOLDER, "not the holder")
-            self._commit(key, h["offset"])
             return {}, b""
         if code == RequestCode.RELEASE_QUEUE:
             return self._release(h), b""
         if code == RequestCode.LOCK_QUEUES:
-            group = h["group"]
-            held = self.qlocks.lock(group, h["client"], [tuple(x) for x in h["queues"]],
-                                    self.clock(), lambda t, q: self.table.holder(group, t, q))
+            held = self.core.lock(h["group"], h["client"], [tuple(x) for x in h["queues"]],
+                                  self.clock())
             return {"locked": [list(x) for x in sorted(held)]}, b""
         if code == RequestCode.UNLOCK_QUEUES:
             offsets = {(t, q): off for t, q, off in h["queues"]}
 
             def commit(tq: tuple[str, int]) -> None:
                 if offsets[tq] >= 0:
-                    self._commit((h["group"], *tq), offsets[tq])
+                    self._commit_rule({**h, "topic": tq[0], "queue": tq[1]}, offsets[tq])
 
-            done = self.qlocks.unlock(h["group"], h["client"], list(offsets), self.clock(),
-                                      commit)
+            done = self.core.unlock(h["group"], h["client"], list(offsets), self.clock(),
+                                    commit)
             return {"unlocked": [list(x) for x in sorted(done)]}, b""
         if code == RequestCode.PULL:
             return self._pull(h)
@@ -190,6 +200,7 @@ class FakeBroker:
     def _heartbeat(self, conn: FakeConnection, h: dict[str, Any]) -> dict[str, Any]:
         client = h["client"]
         conn.clients.add(client)
+        answer: dict[str, Any] = {"expiry_s": 120, "holds": []}
         for g in h["groups"]:
             group = g["group"]
             if retry_topic(group) not in self.topics:
@@ -201,13 +212,19 @@ class FakeBroker:
                                       bool(meta.get("orderly")))
             if new:
                 self._changed(group)
-        self.table.touch_client(client, self.clock())
-        return {"expiry_s": 120}
+            locked = self._applies(group, client)
+            held = [tuple(x) for x in g["held"]] if "held" in g else None
+            holds, _ = self.core.heartbeat(group, client, held, g.get("reset_gen"),
+                                           locked=locked, now=self.clock())
+            answer["holds"] += [[group, t, q, has] for t, q, has in holds]
+            if locked:
+                answer["hold_s"] = self.hold_timeout
+        self.core.touch_client(client, self.clock())
+        return answer
 
     def _leave(self, group: str, client: str) -> None:
         if self.members.get(group, {}).pop(client, None) is not None:
-            self.table.release_client_group(client, group)
-            self.qlocks.release_client(client, group)
+            self.core.member_gone(group, client)
             self._changed(group)
 
     def _changed(self, group: str) -> None:
@@ -220,27 +237,21 @@ class FakeBroker:
         m = self.members.get(group, {}).get(client)
         return self.access_lock and m is not None and m.access_lock and not m.orderly
 
-    def _orderly_other(self, h: dict[str, Any]) -> bool:
-        """Another client holds the queue's orderly lock (as the broker's queue_lock.py)."""
-        holder = self.qlocks.holder(h["group"], h["topic"], h["queue"], self.clock())
-        return holder is not None and holder != h.get("client")
-
-    def _commit(self, key: tuple[str, str, int], offset: int) -> None:
-        self.offsets[key] = offset
-
     def _release(self, h: dict[str, Any]) -> dict[str, Any]:
         group, client, topic, queue = h["group"], h["client"], h["topic"], h["queue"]
         for held in [x for x in self._held.get((topic, queue), [])
                      if x.header["client"] == client]:
             self._answer(held, self._locked(held.header))
-        applies = self._applies(group, client)
-        released = self.table.release(group=group, topic=topic, queue_id=queue,
-                                      client_id=client)
-        if h.get("offset", -1) >= 0 and (released or not applies):
-            offset = h["offset"]
-            if applies:  # as the broker: a holder's release never moves the offset back
-                offset = max(offset, self.offsets.get((group, topic, queue), -1))
-            self._commit((group, topic, queue), offset)
+        offset = h.get("offset", -1)
+        key = (group, topic, queue)
+        released, d = self.core.release(group, client, topic, queue,
+                                        offset if offset >= 0 else None,
+                                        locked=self._applies(group, client),
+                                        stored=self.offsets.get(key, -1),
+                                        queue_max=len(self.log[(topic, queue)]),
+                                        now=self.clock())
+        if d is not None and d.write is not None:
+            self.offsets[key] = d.write
         self._wake_held((topic, queue))
         return {"released": released}
 
@@ -253,19 +264,19 @@ class FakeBroker:
             raise OnceqError(ErrorCode.TOPIC_NOT_EXIST, topic)
         key = (group, topic, queue)
         h = dict(h)
-        if self._orderly_other(h):
+        d = self.core.pull(group, client, topic, queue, h["offset"],
+                           locked=self._applies(group, client),
+                           ack=self.offsets.get(key, -1), now=self.clock())
+        if d.refused is not None:
             return self._locked(h)
-        if self._applies(group, client):
-            ack = self.offsets.get(key, -1)
-            d = self.table.on_pull(group, topic, queue, client, h["offset"], ack,
-                                   max(self.deliver.get(key, ack), ack), self.clock())
-            if not d.granted:
-                return self._locked(h)
-            if d.offset > h["offset"]:  # as the broker: a takeover's commit is stale
-                h.pop("commit", None)
-            h["offset"] = d.offset
-        if h.get("commit", -1) >= 0:
-            self._commit(key, h["commit"])
+        if d.corrected:  # as the broker: a takeover's commit is its stale start
+            h.pop("commit", None)
+        h["offset"] = d.offset
+        behind = None
+        if h.get("commit", -1) >= 0 and self._commit_rule(
+                h, h["commit"], checked=d.lock is not None) is Refusal.BEHIND:
+            behind = self.offsets[key]
+        h["behind"] = behind
         fut = asyncio.get_running_loop().create_future()
         held = _HeldPull(fut, h)
         if (topic, queue) in self.black_holes:
@@ -280,22 +291,24 @@ class FakeBroker:
         h = held.header
         records = self.log[(h["topic"], h["queue"])]
         key = (h["group"], h["topic"], h["queue"])
-        if self._applies(h["group"], h["client"]) and self.table.holder(*key) != h["client"]:
+        if self._applies(h["group"], h["client"]) and self.holder(*key) != h["client"]:
             self._answer(held, self._locked(h))
             return True
         if h["offset"] >= len(records):
             if not final:
-                self.table.touch(group=key[0], topic=key[1], queue_id=key[2],  # a held holder
-                                client_id=h["client"], now=self.clock())  # is alive
+                # a holder whose pull is held is alive
+                self.core.touch(h["group"], h["client"], h["topic"], h["queue"], self.clock())
                 return False
-            self._answer(held, ({"st": int(PullStatus.NO_NEW_MESSAGE), "next": h["offset"]},
-                                b""))
-            return True
-        batch = records[h["offset"]:h["offset"] + h["max"]]
-        nxt = h["offset"] + len(batch)
-        if nxt > self.deliver.get(key, -1):
-            self.deliver[key] = nxt
-        self._answer(held, ({"st": int(PullStatus.FOUND), "next": nxt}, b"".join(batch)))
+            reply: dict[str, Any] = {"st": int(PullStatus.NO_NEW_MESSAGE), "next": h["offset"]}
+            payload = b""
+        else:
+            batch = records[h["offset"]:h["offset"] + h["max"]]
+            nxt = h["offset"] + len(batch)
+            self.core.delivered(*key, nxt)
+            reply, payload = {"st": int(PullStatus.FOUND), "next": nxt}, b"".join(batch)
+        if h.get("behind") is not None:
+            reply["behind"] = h["behind"]
+        self._answer(held, (reply, payload))
         return True
 
     def _answer(self, held: _HeldPull, reply: tuple[dict[str, Any], bytes]) -> None:
@@ -319,7 +332,7 @@ class FakeBroker:
             for client in [c for c, m in members.items() if m.conn is conn]:
                 self._leave(group, client)
         for client in conn.clients:
-            self.table.release_client(client)
+            self.core.access.release_client(client)
 
 
 class FakeConnection:

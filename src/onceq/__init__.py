@@ -10,6 +10,7 @@ from .client.pull import PullConsumer, PullResult
 from .client.push import ConsumeContext, ConsumeStatus, PushConsumer
 from .client.push_config import ConsumeFrom, MessageModel, PushConsumerConfig
 from .client.sync import SyncProducer, SyncPullConsumer, SyncPushConsumer
+from .idempotency import option as _idempotency  # noqa: F401  (provides idempotency=)
 from .protocol.codes import PullStatus
 from .protocol.errors import ErrorCode, OnceqError
 from .storage.config import StoreConfig

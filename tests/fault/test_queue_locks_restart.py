@@ -51,7 +51,7 @@ async def _saved(path: str, holders: set[str], timeout: float = 10.0) -> None:
     while True:
         try:
             with open(path, "rb") as f:
-                if {r[3] for r in json.load(f)["locks"]} == holders:
+                if {r[3] for r in json.load(f)["orderly"]} == holders:
                     return
         except (FileNotFoundError, ValueError):
             pass
@@ -62,7 +62,7 @@ async def _saved(path: str, holders: set[str], timeout: float = 10.0) -> None:
 
 async def test_orderly_locks_survive_a_broker_kill(tmp_path):
     data, port = str(tmp_path / "data"), free_port()
-    path = os.path.join(data, "queue_locks.json")
+    path = os.path.join(data, "ownership.json")
     proc, addr = spawn_broker(data, "--queue-lock-expiry", "8", port=port)
     conns: list[BrokerConnection] = []
     try:

@@ -52,7 +52,7 @@ async def _offset(addr: str) -> int:
 
 async def test_a_forced_reset_still_fences_a_member_after_a_broker_kill(tmp_path):
     data, port = str(tmp_path / "data"), free_port()
-    path = os.path.join(data, "reset_fences.json")
+    path = os.path.join(data, "ownership.json")
     proc, addr = spawn_broker(data, port=port)
     conns: list[BrokerConnection] = []
     try:
@@ -68,7 +68,8 @@ async def test_a_forced_reset_still_fences_a_member_after_a_broker_kill(tmp_path
         async with Admin(addr) as admin:  # a never handles the push: it is fenced
             await admin.reset_offsets(G, T, to_offset=0, force=True)
         deadline = time.monotonic() + 10
-        while not (os.path.exists(path) and json.load(open(path, "rb"))["fences"]):  # noqa: SIM115
+        while not (os.path.exists(path)
+                   and json.load(open(path, "rb"))["fences"]["fences"]):  # noqa: SIM115
             assert time.monotonic() < deadline, "the fence was never saved"
             await asyncio.sleep(0.02)
         proc.send_signal(signal.SIGKILL)

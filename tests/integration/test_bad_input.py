@@ -27,6 +27,7 @@ from onceq.protocol.frame import (
     decode_header,
     encode_frame,
 )
+from tests.helpers import running_broker
 
 _U32 = struct.Struct("<I")
 KEEP = "keep"  # topic with data that must survive every bad input
@@ -146,7 +147,7 @@ def test_error_codes_are_stable():
         "FRAME_TOO_LARGE": 4, "UNSUPPORTED_VERSION": 5, "TOPIC_NOT_EXIST": 10,
         "TOPIC_EXISTS": 11, "INVALID_NAME": 12, "INVALID_QUEUE": 13, "MESSAGE_TOO_LARGE": 14,
         "INVALID_ARGUMENT": 15, "GROUP_NOT_EXIST": 16, "NOT_HOLDER": 17, "GROUP_ACTIVE": 18,
-        "MESSAGE_NOT_FOUND": 49,
+        "OFFSET_BEHIND": 19, "MESSAGE_NOT_FOUND": 49,
         "SERVICE_UNAVAILABLE": 30, "SYSTEM_BUSY": 31, "FLUSH_TIMEOUT": 32, "SHUTTING_DOWN": 33,
         "DISK_FULL": 34, "STORAGE_ERROR": 35, "TOO_MANY_CONNECTIONS": 36,
         "OUT_OF_ORDER_SEQUENCE": 40, "INVALID_SEQUENCE": 41,
@@ -361,21 +362,36 @@ async def test_missing_and_ill_typed_fields(broker, addr, seeded):
 
 async def test_extreme_integers(broker, addr, seeded):
     raw = await Raw.open(broker.port)
-    big = 2**64 - 1
+    big = 2**64 - 1  # msgpack carries it; nothing in onceq is wider than a signed 64 bits
+    top = 2**63 - 1
+    wide = ErrorCode.INVALID_ARGUMENT
     cases = [
-        (RequestCode.SEND, {"topic": KEEP, "queue": big}, ErrorCode.INVALID_QUEUE),
+        (RequestCode.SEND, {"topic": KEEP, "queue": big}, wide),
+        (RequestCode.SEND, {"topic": KEEP, "queue": top}, ErrorCode.INVALID_QUEUE),
         (RequestCode.SEND, {"topic": KEEP, "queue": -(2**63)}, ErrorCode.INVALID_QUEUE),
-        (RequestCode.PULL, {"topic": KEEP, "queue": 0, "offset": big, "max": big,
+        (RequestCode.PULL, {"topic": KEEP, "queue": 0, "offset": big}, wide),
+        (RequestCode.PULL, {"topic": KEEP, "queue": 0, "offset": top, "max": top,
                             "max_bytes": -1, "suspend_ms": -5}, 0),
         (RequestCode.PULL, {"topic": KEEP, "queue": 0, "offset": -(2**63)}, 0),
-        (RequestCode.SEARCH_OFFSET, {"topic": KEEP, "queue": 0, "ts": big}, 0),
+        (RequestCode.SEARCH_OFFSET, {"topic": KEEP, "queue": 0, "ts": big}, wide),
+        (RequestCode.SEARCH_OFFSET, {"topic": KEEP, "queue": 0, "ts": top}, 0),
         (RequestCode.SEARCH_OFFSET, {"topic": KEEP, "queue": 0, "ts": -(2**63)}, 0),
-        (RequestCode.QUERY_OFFSETS, {"topic": KEEP, "queue": big}, ErrorCode.INVALID_QUEUE),
+        (RequestCode.QUERY_OFFSETS, {"topic": KEEP, "queue": big}, wide),
+        # a commit of 2**63 was answered SYSTEM_ERROR yet changed the offset
+        (RequestCode.COMMIT_OFFSET, {"group": "G", "topic": KEEP, "queue": 0,
+                                     "offset": 2**63}, wide),
+        (RequestCode.PULL, {"topic": KEEP, "queue": 0, "offset": 0, "group": "G",
+                            "commit": 2**63}, wide),
+        (RequestCode.HEARTBEAT, {"client": "x", "groups": [
+            {"group": "G", "subs": {KEEP: "*"}, "held": [[KEEP, 0, 2**63]]}]}, wide),
+        (RequestCode.HEARTBEAT, {"client": "x", "groups": [
+            {"group": "G", "subs": {KEEP: "*"}, "reset_gen": big}]}, 0),
     ]
     for i, (req, header, expected) in enumerate(cases, 1):
         code, hdr, _ = await raw.request(req, header, batch(part(uk=f"X{i}")), corr=i)
         assert code == expected, (header, hdr)
     await raw.close()
+    assert broker.store.get_offset("G", KEEP, 0) == -1  # nothing out of range was stored
     await assert_healthy(addr, seeded)
 
 
@@ -566,3 +582,65 @@ async def test_client_that_does_not_read_its_answers(broker, addr, seeded):
         assert len(payload) > 20 * 60_000
     await raw.close()
     await assert_healthy(addr, seeded)
+
+
+async def test_system_topics_are_written_by_the_broker_only(broker, addr, seeded):
+    """No plain send (SEND, SEND_BATCH, SEND_SEQUENCED) writes a system topic: the schedule
+    service trusts the due time and target of every ``%SCHEDULE%`` record, the audit
+    every ``%TRACE%`` record, a group consumes its ``%RETRY%`` topic. Clients neither
+    create nor delete them; pulls stay allowed; nothing is stored."""
+    raw = await Raw.open(broker.port)
+    broker.retry.ensure_topics()  # %SCHEDULE%
+    async with Admin(addr) as admin:
+        await admin.group_trace("g", True)  # %TRACE%
+    code, hdr, _ = await raw.request(RequestCode.CONSUMER_SEND_BACK, {  # %DLQ%g, %RETRY%g
+        "group": "g", "topic": KEEP, "queue": 0, "offset": 0, "delay_level": -1})
+    assert code == 0, hdr
+    broker.retry.ensure_group_topics("g")
+    system = ["%SCHEDULE%", "%TRACE%", "%RETRY%g", "%DLQ%g", "%OFFSETS%"]
+    assert all(t in broker.store.topics for t in system[:4])
+    before = {t: broker.store.min_max(t, 0) for t in system[:4]}
+    corr = 0
+    for topic in [*system, "%RETRY%new", "%other"]:
+        body = part(properties={"REAL_TOPIC": "%RETRY%g", "REAL_QID": "0",
+                                "DELIVER_AT_MS": "not a time"})
+        for req, header in (
+                (RequestCode.SEND, {"topic": topic, "queue": 0}),
+                (RequestCode.SEND_BATCH, {"topic": topic, "queue": 0}),
+                (RequestCode.SEND_SEQUENCED, {"topic": topic, "queue": 0, "writer": "w",
+                                              "epoch": 0, "seq": 0}),
+                (RequestCode.CREATE_TOPIC, {"topic": topic, "queues": 4}),
+                (RequestCode.DELETE_TOPIC, {"topic": topic})):
+            corr += 1
+            code, hdr, _ = await raw.request(req, header, batch(body, body), corr=corr)
+            assert code == ErrorCode.INVALID_ARGUMENT, (req, topic, hdr)
+            assert topic in hdr["message"], hdr
+    assert {t: broker.store.min_max(t, 0) for t in system[:4]} == before
+    assert broker.store.topics["%SCHEDULE%"].queues == len(broker.retry.levels)
+    assert "%RETRY%new" not in broker.store.topics and "%other" not in broker.store.topics
+    # reading them stays allowed; a push consumer's GET_TOPIC creates its retry topic
+    code, hdr, _ = await raw.request(RequestCode.PULL, {"topic": "%DLQ%g", "queue": 0,
+                                                        "offset": 0}, corr=corr + 1)
+    assert (code, hdr["st"]) == (0, PullStatus.FOUND)
+    code, hdr, _ = await raw.request(RequestCode.GET_TOPIC, {"topic": "%RETRY%new"},
+                                     corr=corr + 2)
+    assert (code, hdr["queues"]) == (0, 1)
+    await raw.close()
+    await assert_healthy(addr, seeded)
+
+
+async def test_system_topics_are_not_created_on_first_use(tmp_path):
+    """With topics created on first use, a send to a missing system topic is refused and a
+    GET_TOPIC of one (other than a group's retry topic) creates nothing."""
+    async with running_broker(str(tmp_path / "d"), auto_create_topics=True) as b:
+        raw = await Raw.open(b.port)
+        code, hdr, _ = await raw.request(RequestCode.SEND, {"topic": "%DLQ%x", "queue": 0},
+                                         batch(part()))
+        assert code == ErrorCode.INVALID_ARGUMENT, hdr
+        code, hdr, _ = await raw.request(RequestCode.GET_TOPIC, {"topic": "%DLQ%x"}, corr=2)
+        assert code == ErrorCode.TOPIC_NOT_EXIST, hdr
+        code, hdr, _ = await raw.request(RequestCode.SEND, {"topic": "auto", "queue": 0},
+                                         batch(part()), corr=3)
+        assert code == 0, hdr
+        await raw.close()
+        assert "%DLQ%x" not in b.store.topics and "auto" in b.store.topics

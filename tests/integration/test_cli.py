@@ -265,6 +265,7 @@ def test_offsets_reset(baddr):
         (*base, "--to-offset", "1", "--queue", "9"),
         ("offsets", "cli-reset", "-b", baddr),  # the old form still shows offsets
         ("offsets", "reset", "--help"),
+        (*base, "--to-offset", str(2**70)),  # wider than the wire's 64 bits
     ])
     rows = table_rows(ok(results[0]))
     assert sorted(r[0] for r in rows) == ["0", "1"] and all(r[1] == "-1" for r in rows)
@@ -276,6 +277,8 @@ def test_offsets_reset(baddr):
     assert results[5].returncode == 2 and "INVALID_QUEUE" in results[5].stderr
     assert len(table_rows(ok(results[6]))) == 2
     assert "--force" in ok(results[7])
+    assert results[8].returncode == 2 and "Traceback" not in results[8].stderr
+    assert "--to-offset" in results[8].stderr
     # a live member: refused without --force, and --force goes through
     member = subprocess.Popen([sys.executable, "-c", (
         "import asyncio, sys\n"

@@ -71,6 +71,7 @@ async def test_trace_records_deliveries_and_members_of_traced_groups(tmp_path):
         # each record's place in the broker's order (records share a millisecond)
         seqs = sorted(int(m.properties["seq"]) for m in recs)
         assert seqs == list(range(1, len(recs) + 1))
+        assert all(m.properties["src"] == "broker" for m in recs)  # the audit's mark
     # kept across a restart, with a broker-start record for the audit
     async with running_broker(str(tmp_path / "data")) as b:
         assert b.trace.groups == {"tr-g"}
@@ -78,7 +79,8 @@ async def test_trace_records_deliveries_and_members_of_traced_groups(tmp_path):
             assert await admin.group_trace("tr-other") is False
             assert await admin.group_trace("tr-g", False) is False
             recs = await _trace(admin)
-        assert recs[-1].properties == {"kind": "broker", "event": "start", "seq": "1"}
+        assert recs[-1].properties == {"kind": "broker", "event": "start", "seq": "1",
+                                       "src": "broker"}
     async with running_broker(str(tmp_path / "data")) as b:
         assert b.trace.groups == set()
 

@@ -121,3 +121,31 @@ async def test_session_handler_and_two_consumers_racing(shop):
 def test_session_mode_needs_an_engine(tmp_path):
     with pytest.raises(ValueError, match="session=True needs a SQLAlchemy Engine"):
         transactional(lambda m, s: None, db=f"sqlite:///{tmp_path}/x.db", session=True)
+
+
+async def test_sqlite_engine_a_held_write_lock_fails_the_batch_as_a_lock_timeout(tmp_path):
+    """With an Engine the engine's own busy timeout applies (here 0.2 s); the batch fails
+    with the same retriable lock timeout as with a URL, and runs once the lock is free."""
+    import sqlite3
+
+    engine = create_engine(f"sqlite:///{tmp_path}/shop.db", connect_args={"timeout": 0.2})
+    meta = MetaData()
+    effects = Table("eff", meta, Column("id", Integer, primary_key=True),
+                    Column("k", String(64), nullable=False))
+    meta.create_all(engine)
+    lst = transactional(lambda m, conn: conn.execute(effects.insert().values(k=m.unique_key)),
+                        db=engine)
+    holder = sqlite3.connect(tmp_path / "shop.db", isolation_level=None)
+    try:
+        assert await call(lst, msgs(0)) == (ConsumeStatus.SUCCESS, 0, 0)
+        holder.execute("BEGIN IMMEDIATE")
+        blocked = await call(lst, msgs(1))
+        holder.execute("ROLLBACK")
+        again = await call(lst, msgs(1))
+    finally:
+        holder.close()
+        await lst.close()
+        engine.dispose()
+    assert blocked == (ConsumeStatus.RECONSUME_LATER, 0, 0)
+    assert (lst.stats["lock_timeouts"], lst.stats["failed"]) == (1, 0)
+    assert again == (ConsumeStatus.SUCCESS, 0, 0)

@@ -12,13 +12,14 @@ import asyncio
 import dataclasses
 import os
 import socket
+import sqlite3
 import uuid
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from onceq.idempotency import Claim, Outcome, Status, Ticket, payload_hash
+from onceq.idempotency import Claim, FencingToken, Outcome, Status, Ticket, payload_hash
 from onceq.idempotency.record import HISTORY_CHARS, events
 from onceq.idempotency.store import MemoryStore, StoreError, open_store
 from tests.clock import FakeClock
@@ -211,6 +212,72 @@ async def test_fencing_a_stale_owner_learns_it_lost_and_changes_nothing(store, c
     assert (after.status, after.owner, after.attempt) == (Status.CONSUMED, "second", 2)
 
 
+def accounts(path) -> sqlite3.Connection:
+    """The downstream system of the fencing tests: an account row whose writes are guarded
+    by the fencing token of the message's claim."""
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("CREATE TABLE accounts (id TEXT PRIMARY KEY, balance INTEGER NOT NULL, "
+               "fence INTEGER NOT NULL DEFAULT 0)")
+    db.execute("INSERT INTO accounts (id, balance) VALUES ('acc-1', 100)")
+    return db
+
+
+def guarded_write(db: sqlite3.Connection, fence: FencingToken, balance: int) -> int:
+    """The conditional write: the rows it changed (0: a newer claim's write came first)."""
+    return db.execute("UPDATE accounts SET balance = :balance, fence = :fence WHERE id = :id "
+                      "AND fence < :fence",
+                      {"balance": balance, "fence": int(fence), "id": "acc-1"}).rowcount
+
+
+async def test_a_takeover_yields_a_larger_fencing_token_that_refuses_the_stale_write(
+        store, clock, tmp_path):
+    """An owner paused past its lease is taken over: the new claim's token is strictly
+    larger (attempt + 1, same record), as the store keeps it, and a downstream write
+    guarded by ``fence < :token`` refuses the paused owner's late write."""
+    [first] = await store.claim_many([claim("first")])
+    stale = FencingToken.of(first.record)
+    assert (stale.key, stale.attempt, stale.owner) == ("k1", 1, "first")
+    assert FencingToken.of(await store.get("g", "t", "k1")) == stale
+    clock.advance(LEASE + 0.5)  # "first" is paused (SIGSTOP, GC) past its lease
+    [second] = await store.claim_many([claim("second")])
+    assert second.outcome is Outcome.TAKEN_OVER
+    fresh = FencingToken.of(second.record)
+    assert FencingToken.of(await store.get("g", "t", "k1")) == fresh
+    assert fresh > stale and int(fresh) > int(stale)
+    assert (fresh.attempt, fresh.owner, fresh.epoch) == (2, "second", stale.epoch)
+
+    db = accounts(tmp_path / "accounts.db")
+    try:
+        assert guarded_write(db, fresh, 70) == 1
+        assert guarded_write(db, stale, 40) == 0  # "first" resumes: refused
+        assert db.execute("SELECT balance, fence FROM accounts").fetchone() == (70, int(fresh))
+    finally:
+        db.close()
+    assert await store.complete_many([ticket("first")], RETENTION) == [False]
+
+    assert await store.release_many([ticket("second")]) == [True]  # its handler failed
+    [third] = await store.claim_many([claim("third")])
+    assert third.outcome is Outcome.CLAIMED
+    assert FencingToken.of(third.record) > fresh and third.record.attempt == 3
+    clock.advance(LEASE + 0.5)
+    [fourth] = await store.claim_many([claim("fourth")])  # a second takeover
+    assert fourth.outcome is Outcome.TAKEN_OVER
+    assert FencingToken.of(fourth.record) > FencingToken.of(third.record)
+    assert fourth.record.attempt == 4
+
+
+async def test_a_record_made_again_after_its_retention_gives_a_larger_token(store, clock):
+    """A crashed claim past its lease and retention is as good as absent: the next claim
+    starts at attempt 1 in a new record, whose later epoch keeps its token larger."""
+    [old] = await store.claim_many([claim("a", lease_s=1, retention_s=5)])
+    clock.advance(50)
+    [new] = await store.claim_many([claim("b")])
+    assert new.outcome is Outcome.CLAIMED and new.record.attempt == 1
+    assert FencingToken.of(new.record) > FencingToken.of(old.record)
+    assert int(FencingToken.of(new.record)) > int(FencingToken.of(old.record))
+    assert FencingToken.of(await store.get("g", "t", "k1")) == FencingToken.of(new.record)
+
+
 async def test_extension_keeps_a_slow_handler_owner(store, clock):
     await store.claim_many([claim("a")])
     for _ in range(6):
@@ -382,6 +449,58 @@ async def test_two_idempotent_listeners_receive_the_same_message_at_once_500_tim
         if b is not a:
             await b.close()
         await drop(a)
+
+
+async def test_a_paused_handler_s_late_write_is_refused_downstream_after_a_takeover(
+        kind, clock, tmp_path, name):
+    """Two listeners (separate store connections): the first one's handler pauses after
+    reading its token, past its lease; the second takes the message over and writes with
+    its larger token; the first resumes and its guarded write changes nothing."""
+    from onceq.client.allocation import MessageQueue
+    from onceq.client.push import ConsumeContext
+    from onceq.idempotency import idempotent
+    from onceq.log.record import MessageExt
+
+    a = make_store(kind, clock, tmp_path, name)
+    b = a if kind == "memory" else make_store(kind, clock, tmp_path, name)
+    db = accounts(tmp_path / "accounts.db")
+    fences: dict[str, FencingToken] = {}
+    writes: list[tuple[str, int]] = []
+    paused, resume = asyncio.Event(), asyncio.Event()
+
+    def handler(who: str, balance: int):
+        async def handle(msgs, ctx):
+            fences[who] = ctx.fence
+            if who == "paused":
+                paused.set()
+                await resume.wait()
+            writes.append((who, guarded_write(db, ctx.fence, balance)))
+        return handle
+
+    la = idempotent(handler("paused", 40), store=a, lease_s=LEASE, extend_leases=False)
+    lb = idempotent(handler("taker", 70), store=b, lease_s=LEASE, extend_leases=False)
+    mq = MessageQueue("t", 0)
+    ca, cb = ConsumeContext(mq, 0, group="g"), ConsumeContext(mq, 0, group="g")
+    try:
+        first = asyncio.create_task(la([MessageExt("t", 0, 1, b"debit 30", "U1")], ca))
+        await paused.wait()
+        clock.advance(LEASE + 1)
+        await lb([MessageExt("t", 0, 1, b"debit 30", "U1")], cb)  # the redelivered copy
+        resume.set()
+        await first
+        balance = db.execute("SELECT balance, fence FROM accounts").fetchone()
+    finally:
+        resume.set()
+        db.close()
+        if b is not a:
+            await b.close()
+        await drop(a)
+    assert fences["taker"] > fences["paused"]
+    assert (fences["paused"].attempt, fences["taker"].attempt) == (1, 2)
+    assert writes == [("taker", 1), ("paused", 0)]
+    assert balance == (70, int(fences["taker"]))
+    assert (lb.stats["taken_over"], la.stats["fenced"]) == (1, 1)
+    assert cb.ack_index == 0
 
 
 async def test_store_urls(tmp_path, monkeypatch):

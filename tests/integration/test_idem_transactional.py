@@ -5,6 +5,14 @@ consumers leave exactly one effect per message."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -13,7 +21,7 @@ import pytest
 from onceq import Admin, Producer
 from onceq.client.allocation import MessageQueue
 from onceq.client.push import ConsumeContext, ConsumeStatus, PushConsumer
-from onceq.idempotency import transactional
+from onceq.idempotency import WriteLockTimeout, transactional
 from onceq.log.record import MessageExt
 from tests.integration.test_idem_consumer import start_child
 from tests.integration.test_idem_stores import require_server
@@ -186,6 +194,145 @@ async def test_concurrent_batches_share_a_commit_and_a_failed_group_is_run_again
         assert (lst.stats["handled"], lst.stats["duplicate"], lst.stats["failed"]) == (59, 1, 1)
     finally:
         await lst.close()
+
+
+# a member of the group that takes SQLite's write lock, says so, and waits to be told to
+# commit: stopped with SIGSTOP meanwhile, it is a member paused inside its transaction
+HOLDER = r"""
+import sqlite3, sys
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("BEGIN IMMEDIATE")
+conn.execute(f"INSERT INTO {sys.argv[2]} (k, pid) VALUES ('held', 1)")
+print("holding", flush=True)
+sys.stdin.readline()
+conn.execute("COMMIT")
+"""
+
+
+def trace_begins(lst) -> list[str]:
+    """The ``BEGIN`` statements the listener's SQLite connections start from now on (each
+    one waits for the write lock once)."""
+    begins: list[str] = []
+    connect = lst.engine.dialect.connect
+
+    def traced():
+        conn = connect()
+        conn.set_trace_callback(lambda stmt: begins.append(stmt) if stmt.startswith("BEGIN")
+                                else None)
+        return conn
+
+    lst.engine.dialect.connect = traced
+    return begins
+
+
+async def test_sqlite_a_member_stopped_in_its_transaction_stalls_a_batch_for_the_busy_timeout(
+        tmp_path, caplog):
+    """Another process takes the write lock and is stopped (SIGSTOP) inside its
+    transaction: the batch fails after the busy timeout with the retriable error and one
+    log line naming the database, the wait and the likely cause; it is consumed later (not
+    acknowledged, not sent to the DLQ, not a handler failure) and runs once the stopped
+    member has resumed and committed."""
+    db = Db("sqlite", tmp_path)
+    db.create()
+    path = str(tmp_path / "shop.db")
+    lst = transactional(db.handler(), db=db.url, table=db.table, busy_timeout_s=0.2)
+    begins = trace_begins(lst)
+    holder = None
+    try:
+        assert await call(lst, msgs(0)) == (ConsumeStatus.SUCCESS, 0, 0)  # table, WAL
+        holder = subprocess.Popen([sys.executable, "-c", HOLDER, path, db.effects],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert holder.stdout.readline() == "holding\n"
+        os.kill(holder.pid, signal.SIGSTOP)
+        ctx = ConsumeContext(MQ, 1, group="billing")
+        with caplog.at_level(logging.WARNING, logger="onceq.idempotency"):
+            before = len(begins)
+            started = time.monotonic()
+            status = await lst(msgs(1, 2), ctx)
+            waited = time.monotonic() - started
+            attempts = len(begins) - before
+        os.kill(holder.pid, signal.SIGCONT)
+        holder.stdin.write("commit\n")
+        holder.stdin.flush()
+        assert holder.wait(30) == 0
+        again = await call(lst, msgs(1, 2))
+    finally:
+        if holder is not None and holder.poll() is None:
+            holder.kill()
+            holder.wait()
+        await lst.close()
+    counts = db.counts()
+    db.drop()
+    assert status == ConsumeStatus.RECONSUME_LATER
+    assert (ctx.delay_level, ctx.dlq_reasons) == (0, {})  # a normal retry, no DLQ verdict
+    assert attempts == 1  # one wait for the lock, not retried at once
+    assert 0.2 <= waited < 5.0
+    assert (lst.stats["lock_timeouts"], lst.stats["store_errors"], lst.stats["failed"]) == (
+        1, 1, 0)
+    lines = [r.getMessage() for r in caplog.records if "write lock" in r.getMessage()]
+    assert len(lines) == 1
+    assert f"sqlite database {path}:" in lines[0]
+    assert "busy timeout 0.2 s" in lines[0]
+    assert 0.2 <= float(re.search(r"after waiting (\d+\.\d+) s", lines[0]).group(1)) < 5.0
+    assert "paused or stopped inside its transaction" in lines[0]
+    assert "batch of 2 message(s) consumed later" in lines[0]
+    assert again == (ConsumeStatus.SUCCESS, 1, 0)
+    assert counts == {"U0": 1, "U1": 1, "U2": 1, "held": 1}
+
+
+async def test_sqlite_batches_grouped_while_the_lock_is_held_fail_together_after_one_wait(
+        tmp_path):
+    """Group commit: 20 batches that queue while another connection holds the write lock
+    go in one transaction, which fails after one busy timeout; each batch fails with the
+    retriable error at once (not one busy timeout after the other), then runs once."""
+    db = Db("sqlite", tmp_path)
+    db.create()
+    ran: list[str] = []
+    handle = db.handler()
+
+    def counted(m, conn):
+        ran.append(m.unique_key)
+        handle(m, conn)
+
+    lst = transactional(counted, db=db.url, table=db.table, busy_timeout_s=0.2)
+    begins = trace_begins(lst)
+    holder = sqlite3.connect(tmp_path / "shop.db", isolation_level=None)
+    try:
+        await call(lst, msgs(0))
+        holder.execute("BEGIN IMMEDIATE")
+        before = len(begins)
+        errors: list[BaseException] = []
+        real_run = lst.engine._run
+
+        async def watched_run(*a, **kw):
+            try:
+                return await real_run(*a, **kw)
+            except WriteLockTimeout as exc:
+                errors.append(exc)
+                raise
+
+        lst.engine._run = watched_run
+        started = time.monotonic()
+        blocked = await asyncio.gather(*(call(lst, msgs(i)) for i in range(1, 21)))
+        elapsed = time.monotonic() - started
+        attempts = len(begins) - before
+        holder.execute("ROLLBACK")
+        retried = await asyncio.gather(*(call(lst, msgs(i)) for i in range(1, 21)))
+    finally:
+        holder.close()
+        await lst.close()
+    counts = db.counts()
+    db.drop()
+    assert blocked == [(ConsumeStatus.RECONSUME_LATER, 0, 0)] * 20
+    assert len(errors) == 20
+    # the batches queued behind the first one wait once together (the first may have
+    # started alone): not one busy timeout per batch, and not retried at once
+    assert attempts <= 2
+    assert elapsed < 3.0  # two waits of 0.2 s; one per batch would take 4 s
+    assert lst.stats["lock_timeouts"] == 20 and lst.stats["failed"] == 0
+    assert retried == [(ConsumeStatus.SUCCESS, 0, 0)] * 20
+    assert counts == {f"U{i}": 1 for i in range(21)}
+    assert sorted(ran) == sorted(f"U{i}" for i in range(21))  # no handler ran twice
 
 
 @pytest.mark.parametrize("point", ["before_commit", "after_commit"])

@@ -62,7 +62,7 @@ async def _held_before_restart(tmp_path, clock: FakeClock) -> str:
         await b.stop()  # the members are still connected when the broker goes
     a.close()
     bm.close()
-    assert os.path.exists(os.path.join(data, "access_locks.json"))
+    assert os.path.exists(os.path.join(data, "ownership.json"))
     return data
 
 

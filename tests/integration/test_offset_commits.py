@@ -70,7 +70,7 @@ async def test_sync_commit_is_answered_only_after_its_fsync(tmp_path):
     files = GatedFsync()
     async with running_broker(str(tmp_path / "d"), {"flush": "sync"}, files=files) as b:
         addr = f"127.0.0.1:{b.port}"
-        await _setup(addr)
+        await _setup(addr, n=50)
         async with PullConsumer(addr, G) as c:
             await c.commit_offset(T, 0, 1)  # the first commit creates the journal topic
             member = await _member(addr, "r")  # creates the group's retry topic
@@ -159,7 +159,18 @@ async def test_pull_consumer_commits_for_a_group_without_members(addr):
     async with PullConsumer(addr, "lonely") as c:
         await c.commit_offset(T, 0, 4)
         assert await c.fetch_offset(T, 0) == 4
-        await c.commit_offset(T, 0, 2)  # a plain commit may go anywhere
+        with pytest.raises(OnceqError) as err:  # offsets never move back by a commit ...
+            await c.commit_offset(T, 0, 2)
+        assert err.value.code == ErrorCode.OFFSET_BEHIND and "reset" in err.value.message
+        with pytest.raises(OnceqError) as err:  # nor past the queue's end (10 messages)
+            await c.commit_offset(T, 0, 11)
+        assert err.value.code == ErrorCode.INVALID_ARGUMENT and "past the end" in \
+            err.value.message
+        await c.commit_offset(T, 0, 10)
+        assert await c.fetch_offset(T, 0) == 10
+    async with Admin(addr) as admin:  # ... only by an explicit reset
+        await admin.reset_offsets("lonely", T, to_offset=2, queue=0)  # no member: no force
+    async with PullConsumer(addr, "lonely") as c:
         assert await c.fetch_offset(T, 0) == 2
 
 
@@ -196,12 +207,12 @@ async def test_push_consumer_takes_a_refused_commit_quietly(broker, caplog):
                 break
             await asyncio.sleep(0.05)
         assert sorted(seen) == list(range(10))
-        assert broker.transition.table.holder(G, T, 0) == "push-a"
+        assert broker.owners.holder(G, T, 0) == "push-a"
         other = await _member(addr, "zzz")  # sorted after push-a: no queue for it
         before = broker.store.get_offset(G, T, 0)
         # the consumer loses the lock (as in a forced reset) and another member takes it
         # while the consumer's pull is held in long polling; its last commit is still due
-        assert broker.transition.table.release(group=G, topic=T, queue_id=0,
+        assert broker.owners.core.access.release(group=G, topic=T, queue_id=0,
                                                  client_id="push-a")
         assert (await _pull(other, "zzz"))["st"] == PullStatus.FOUND
         c.offsets.unknown(mq)

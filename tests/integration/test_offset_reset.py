@@ -176,7 +176,7 @@ async def test_forced_reset_fences_a_member_until_it_shows_it_saw_the_reset(brok
         [notice] = [h for c, h in pushes if c == PushCode.OFFSETS_RESET]
         assert notice["group"] == G and notice["queues"] == [[T, 0]]
         gen = notice["gen"]
-        assert broker.transition.table.holder(G, T, 0) is None  # the lock was dropped
+        assert broker.owners.holder(G, T, 0) is None  # the lock was dropped
         # not seen yet: its commits, pulls, releases and held list change nothing
         with pytest.raises(OnceqError) as ei:
             await req(RequestCode.COMMIT_OFFSET, group=G, topic=T, queue=0, offset=30,
@@ -185,12 +185,12 @@ async def test_forced_reset_fences_a_member_until_it_shows_it_saw_the_reset(brok
         assert (await pull(30, commit=30))["st"] == PullStatus.LOCKED
         hb = await req(RequestCode.HEARTBEAT, client="a", groups=[group])
         assert hb["resets"] == [notice] and hb["holds"] == []
-        assert broker.transition.table.holder(G, T, 0) is None
+        assert broker.owners.holder(G, T, 0) is None
         await req(RequestCode.RELEASE_QUEUE, group=G, client="a", topic=T, queue=0, offset=30)
         assert broker.store.get_offset(G, T, 0) == 3
         # seen: a pull from the new offset takes the queue again, commits count again
         r = await pull(3, reset_gen=gen)
-        assert r["st"] == PullStatus.FOUND and broker.transition.table.holder(G, T, 0) == "a"
+        assert r["st"] == PullStatus.FOUND and broker.owners.holder(G, T, 0) == "a"
         await req(RequestCode.COMMIT_OFFSET, group=G, topic=T, queue=0, offset=11,
                   client="a")
         assert broker.store.get_offset(G, T, 0) == 11

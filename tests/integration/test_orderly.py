@@ -88,7 +88,7 @@ async def test_lock_unlock_holder_only_and_commit_then_release(broker, addr, top
         assert broker.store.get_offset(G, T, 0) == 4
         assert broker.store.get_offset(G, T, 1) == -1  # -1: release without a commit
         assert await _lock(b, "b", [0, 1]) == [0, 1]
-        rows = {r["queue"]: r for r in broker.queue_locks.status(G)}
+        rows = {r["queue"]: r for r in broker.owners.orderly_status(G)}
         assert {q: r["holder"] for q, r in rows.items()} == {0: "b", 1: "b", 2: "b", 3: "b"}
     finally:
         a.close()
@@ -104,7 +104,7 @@ async def test_locks_go_when_the_member_disconnects_or_unregisters(broker, addr,
         await wait_until(lambda: broker.groups.member(G, "a") is None, 5, "a to leave")
         assert await _lock(b, "b", [0, 1]) == [0, 1]
         await b.request(RequestCode.UNREGISTER, {"group": G, "client": "b"})
-        assert broker.queue_locks.status(G) == []
+        assert broker.owners.orderly_status(G) == []
     finally:
         b.close()
 
@@ -142,10 +142,10 @@ async def test_one_holder_across_the_access_lock_and_the_orderly_lock(broker, ad
     o = await _member(addr, "ord")
     try:
         assert (await _pull(c, "conc", 0))["st"] == PullStatus.FOUND  # access lock taken
-        assert broker.transition.table.holder(G, T, 0) == "conc"
+        assert broker.owners.holder(G, T, 0) == "conc"
         assert await _lock(o, "ord", [0, 1]) == [1]  # queue 0: held by the access lock
         assert (await _pull(c, "conc", 1))["st"] == PullStatus.LOCKED  # orderly-held
-        assert broker.transition.table.holder(G, T, 1) is None
+        assert broker.owners.holder(G, T, 1) is None
         await c.request(RequestCode.RELEASE_QUEUE, {"group": G, "client": "conc",
                                                    "topic": T, "queue": 0, "offset": 5})
         assert await _lock(o, "ord", [0]) == [0]
@@ -201,7 +201,7 @@ async def test_suspend_retries_the_same_messages_in_place(broker, addr, topic):
         await c.shutdown()
     # the offsets were committed then unlocked at shutdown; nothing is locked any more
     assert [broker.store.get_offset(G, T, q) for q in range(4)] == [5, 5, 5, 5]
-    assert broker.queue_locks.status(G) == []
+    assert broker.owners.orderly_status(G) == []
 
 
 async def test_partial_success_consumes_the_acknowledged_prefix_and_retries_the_rest(
@@ -271,7 +271,7 @@ async def test_orderly_setting_without_a_marked_listener(broker, addr, topic):
         assert c.orderly
         for q in range(4):
             assert [o for qq, o in seen if qq == q] == [0, 1, 2, 3, 4]
-        assert {r["holder"] for r in broker.queue_locks.status(G)} == {c.client_id}
+        assert {r["holder"] for r in broker.owners.orderly_status(G)} == {c.client_id}
     finally:
         await c.shutdown()
 
@@ -295,7 +295,7 @@ async def test_broadcasting_orderly_takes_no_lock_and_keeps_local_order(broker, 
         for v in seen.values():
             for q in range(4):
                 assert [o for qq, o in v if qq == q] == [0, 1, 2, 3, 4]
-        assert broker.queue_locks.status(G) == []
+        assert broker.owners.orderly_status(G) == []
         assert sorted(cs[0].assignment) == [MessageQueue(T, q) for q in range(4)]
     finally:
         for c in cs:
@@ -323,7 +323,7 @@ async def test_a_lost_lock_stops_the_queue_until_it_is_locked_again(broker, addr
         await wait_until(lambda: [mq.queue_id for mq in c.assignment if mq.topic == T]
                          == [0, 1], 10, "the rebalance")
         await wait_until(lambda: broker.store.get_offset(G, T, 0) == 5, 5, "commit")
-        broker.queue_locks.table.release_client(c.client_id, G)
+        broker.owners.core.orderly.release_client(c.client_id, G)
         assert await _lock(intruder, "zz-intruder", [0]) == [0]
         await wait_until(lambda: c.stats["lock_lost"] >= 1, 5, "the renewal refused")
         async with Producer(addr) as p:
@@ -347,10 +347,10 @@ async def test_relocks_at_once_after_the_broker_lost_its_locks(broker, addr, top
     c = _consumer(addr, listener)
     await c.start()
     try:
-        await wait_until(lambda: len(broker.queue_locks.status(G)) == 5, 10, "locks")
-        broker.queue_locks.table.release_client(c.client_id)  # as a restarted broker
+        await wait_until(lambda: len(broker.owners.orderly_status(G)) == 5, 10, "locks")
+        broker.owners.core.orderly.release_client(c.client_id)  # as a restarted broker
         c._conn.close()  # the connection drops; the consumer reconnects
-        await wait_until(lambda: len(broker.queue_locks.status(G)) == 5, 10, "relocked")
+        await wait_until(lambda: len(broker.owners.orderly_status(G)) == 5, 10, "relocked")
         assert c.stats["lock_lost"] == 0
     finally:
         await c.shutdown()

@@ -6,10 +6,9 @@ from __future__ import annotations
 import asyncio
 
 from onceq import Admin, Message, Producer
-from onceq.client.connection import BrokerConnection
 from onceq.client.push import ConsumeStatus, PushConsumer
 from onceq.log.record import encode_part
-from onceq.protocol.codes import PROP_DELIVER_AT, SCHEDULE_TOPIC, RequestCode
+from onceq.protocol.codes import PROP_DELIVER_AT, SCHEDULE_TOPIC
 from tests.helpers import running_broker
 
 FAST = " ".join(["50ms"] * 18)
@@ -40,13 +39,11 @@ async def test_a_bad_schedule_message_does_not_block_retries(tmp_path):
         c = PushConsumer(addr, "g", listener, consume_from="FIRST", rebalance_interval_s=1)
         c.subscribe("T")
         async with c:
-            # a client writes garbage into the schedule topic, at the level retries use first
+            # garbage in the schedule topic (clients cannot send there: stored directly), at
+            # the level retries use first
             b.retry.ensure_topics()
-            conn = await BrokerConnection.open(addr)
             part = encode_part(b"junk", "JUNK", 0, properties={PROP_DELIVER_AT: "not-a-time"})
-            await conn.request(RequestCode.SEND, {"topic": SCHEDULE_TOPIC, "queue": 2},
-                               len(part).to_bytes(4, "little") + part)
-            conn.close()
+            b.store.put(SCHEDULE_TOPIC, 2, [part], dedup=False)
             async with Producer(addr) as p:
                 await p.send("T", b"x")
             assert await _wait(lambda: seen == [1]), seen

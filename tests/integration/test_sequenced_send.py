@@ -134,10 +134,10 @@ async def test_internal_copies_never_carry_a_writers_sequence(tmp_path):
             forged = encode_part(b"x", "k", 1, properties={
                 SEQ_PROPERTY: "999:0:w", "REAL_TOPIC": T, "REAL_QID": "0",
                 "DELIVER_AT_MS": "0"}, flags=SEQUENCED)
-            with pytest.raises(OnceqError) as e:
+            with pytest.raises(OnceqError) as e:  # clients cannot write system topics
                 await conn.request(RequestCode.SEND, {"topic": "%SCHEDULE%", "queue": 0},
                                    len(forged).to_bytes(4, "little") + forged)
-            assert e.value.code == ErrorCode.INVALID_SEQUENCE
+            assert e.value.code == ErrorCode.INVALID_ARGUMENT
             await send(addr, "w", 0, [(0, 0, 1)])  # stored with the flag, at offset 0
             await conn.request(RequestCode.HEARTBEAT, {"client": "c", "groups": [
                 {"group": "g", "model": "CLUSTERING", "subs": {T: "*"}}]})

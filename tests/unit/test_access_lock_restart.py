@@ -139,14 +139,34 @@ def test_reassert_confirms_own_takes_free_and_leaves_others():
     assert table.changes == changes + 1  # only the free take changed a holder
 
 
-def test_queue_taken_by_heartbeat_corrects_the_first_pull_forward():
-    # b got the queue by a rebalance and looked its start offset (2) up while a was still
-    # draining; a released with its final commit (6); b's heartbeat then lists the queue
-    table = AccessLockTable()
+def test_queue_taken_back_by_heartbeat_after_a_restart_corrects_the_first_pull_forward():
+    # the broker restarted without its lock file; b held the queue and had looked its
+    # start offset (2) up before a's final commit (6); b's heartbeat lists the queue
+    table = restored([])
     assert table.reassert(G, "b", {(T, 0): 2}, now=START) == {(T, 0): True}
     d = pull(table, "b", requested=2, ack=6, deliver=6)
     assert d.granted and d.offset == 6
     assert pull(table, "b", requested=3, ack=6, deliver=6).offset == 3  # only the first
+
+
+def test_a_heartbeat_never_takes_a_free_queue_outside_the_restart_protocol():
+    # the member was away (paused) past its lock: the broker freed the queue, or another
+    # member held it meanwhile; listing it in a heartbeat does not make it the holder again
+    never_restored = AccessLockTable()
+    assert never_restored.reassert(G, "a", {(T, 0): 2}, now=START) == {(T, 0): False}
+    assert never_restored.holder(G, T, 0) is None
+
+    table = restored([LockRow(G, T, 0, "a", 10)])
+    pull(table, "b", queue_id=1, now=START)  # held since the start ...
+    table.release(group=G, topic=T, queue_id=1, client_id="b")  # ... and freed
+    assert table.release_client("a") == [(G, T, 0)]  # a's heartbeat expired
+    got = table.reassert(G, "a", {(T, 0): 10, (T, 1): 3}, now=START + 1)
+    assert got == {(T, 0): False, (T, 1): False}
+    late = restored([])  # a free queue nobody touched, but after the restore hold
+    hold = late.restore_hold
+    assert late.reassert(G, "a", {(T, 2): 1}, now=START + hold) == {(T, 2): False}
+    assert len(table) == len(late) == 0
+    assert pull(table, "a", queue_id=0, requested=10, ack=40).offset == 40  # at the group's
 
 
 def test_reassert_never_moves_the_deliver_offset_back():

@@ -9,14 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from onceq.broker.commit_rule import CommitRule
+from onceq.broker.connection import Connection
 from onceq.broker.durable import DurableReplies
 from onceq.broker.fields import int_field, split_parts, str_field, user_topic
-from onceq.broker.offset_reset import ResetFence
-from onceq.broker.queue_lock import QueueLocks
+from onceq.broker.ownership import CommitDecision, QueueOwnership, Refusal, moves_forward
 from onceq.log.offset_record import OFFSETS_TOPIC
 from onceq.protocol.errors import ErrorCode, OnceqError
-from tests.unit.test_transition import G, StubStore, T, join, make
+from onceq.protocol.frame import FrameDecoder, decode_header
 
 # -- header fields -----------------------------------------------------------------------------
 
@@ -110,45 +109,98 @@ async def test_a_sync_reply_waits_for_the_fsync_of_its_end():
                              {"message": OnceqError(ErrorCode.FLUSH_TIMEOUT).message})]
 
 
-# -- whose commits count -----------------------------------------------------------------------
+# -- whose commits count: the ownership core's commit rule ------------------------------------
+
+G, T = "g", "t"
 
 
 def _rule():
-    transition, groups, clock, _ = make()
-    queue_locks = QueueLocks(StubStore(), clock, 60.0, groups=groups, transition=transition,
-                             fence=ResetFence(), durable=_replies(0, None))
-    return CommitRule(transition, queue_locks), transition, queue_locks, groups, clock
+    return QueueOwnership(lock_expiry=60.0)
+
+
+def may(core, client, queue, locked=True, now=0.0):
+    return core.refusal(G, client, T, queue, locked=locked, now=now) is None
+
+
+def take(core, client, queue, now=0.0):
+    assert core.pull(G, client, T, queue, 0, locked=True, ack=-1, now=now).refused is None
 
 
 def test_a_free_queue_takes_commits_from_anyone_the_access_lock_does_not_apply_to():
-    rule, _, _, groups, _ = _rule()
-    join(groups, "a")  # the access lock applies to it
-    join(groups, "plain", lock=False)
-    assert rule.may_commit(group=G, client=None, topic=T, queue=0)  # a pull consumer
-    assert rule.may_commit(group=G, client="plain", topic=T, queue=0)
-    assert not rule.may_commit(group=G, client="a", topic=T, queue=0)  # must hold it first
+    core = _rule()
+    assert may(core, None, 0, locked=False)  # a pull consumer
+    assert may(core, "plain", 0, locked=False)
+    assert not may(core, "a", 0)  # the lock applies to it: it must hold the queue first
 
 
 def test_only_the_access_lock_holder_commits():
-    rule, transition, _, groups, _ = _rule()
-    join(groups, "a")
-    join(groups, "b")
-    join(groups, "plain", lock=False)
-    assert transition.check(G, "a", T, 0, requested=0).granted
-    assert rule.may_commit(group=G, client="a", topic=T, queue=0)
-    for client in ("b", "plain", None):
-        assert not rule.may_commit(group=G, client=client, topic=T, queue=0)
-    assert rule.may_commit(group=G, client="b", topic=T, queue=1) is False  # not held by b
-    assert rule.may_commit(group=G, client=None, topic=T, queue=1)  # free
+    core = _rule()
+    take(core, "a", 0)
+    assert may(core, "a", 0)
+    assert not may(core, "b", 0)
+    assert not may(core, "plain", 0, locked=False)
+    assert not may(core, None, 0, locked=False)
+    assert not may(core, "b", 1)  # not held by b
+    assert may(core, None, 1, locked=False)  # free
 
 
 def test_only_the_orderly_lock_holder_commits():
-    rule, _, queue_locks, groups, clock = _rule()
-    join(groups, "o", lock=False)
-    join(groups, "plain", lock=False)
-    assert queue_locks.table.lock(G, "o", [(T, 2)], clock(), lambda t, q: None) == {(T, 2)}
-    assert rule.may_commit(group=G, client="o", topic=T, queue=2)
-    assert not rule.may_commit(group=G, client="plain", topic=T, queue=2)
-    assert not rule.may_commit(group=G, client=None, topic=T, queue=2)
-    clock.advance(61)  # the orderly lock expired without renewal
-    assert rule.may_commit(group=G, client="plain", topic=T, queue=2)
+    core = _rule()
+    assert core.lock(G, "o", [(T, 2)], 0.0) == {(T, 2)}
+    assert may(core, "o", 2, locked=False)
+    assert not may(core, "plain", 2, locked=False)
+    assert not may(core, None, 2, locked=False)
+    assert may(core, "plain", 2, locked=False, now=61.0)  # expired without renewal
+
+
+def test_offsets_only_move_forward_unless_the_stored_one_lies_past_the_queue_end():
+    assert moves_forward(-1, 0, 10) and moves_forward(5, 5, 10) and moves_forward(5, 9, 10)
+    assert not moves_forward(9, 5, 10)
+    assert moves_forward(12, 5, 10)  # the log was cut back below the stored offset
+
+
+def test_a_commit_below_the_stored_offset_is_refused_and_changes_nothing():
+    core = _rule()
+    take(core, "a", 0)
+
+    def commit(client, offset, stored):
+        return core.commit(G, client, T, 0, offset, locked=True, stored=stored,
+                           queue_max=600, now=0.0)
+
+    assert commit("a", 504, 116) == CommitDecision(None, 504, 504)
+    for late in (116, 503):  # a stale process queue of the holder itself
+        assert commit("a", late, 504) == CommitDecision(Refusal.BEHIND, 504)
+    assert commit("a", 601, 504) == CommitDecision(Refusal.PAST_END, 504)
+    assert commit("b", 600, 504).refused is Refusal.NOT_HOLDER  # the holder checks first
+    core.reset(G, ["a"], {(T, 0)}, 1.0)  # the reset drops the lock and fences a
+    assert commit("a", 600, 504).refused is Refusal.FENCED
+
+
+# -- answers ------------------------------------------------------------------------------------
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.data = b""
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+async def test_an_answer_no_frame_can_carry_becomes_a_system_error(caplog):
+    conn = Connection(SimpleNamespace(guard=None), 1 << 20, 1 << 20)
+    conn.transport = _Transport()
+    conn.respond(7, 0, {"gen": 2**64})  # msgpack's widest integer is 64 bits
+    conn.respond(8, 0, {"ok": 1})
+    await asyncio.sleep(0)  # the frames of this loop pass go out together
+    decoder = FrameDecoder()
+    decoder.feed(conn.transport.data)
+    answers = [(corr, code, decode_header(h)) for _version, _kind, code, corr, h, _p
+               in decoder.frames()]
+    assert [(corr, code) for corr, code, _ in answers] == [(7, ErrorCode.SYSTEM_ERROR),
+                                                           (8, 0)]
+    assert "not encodable" in answers[0][2]["message"] and answers[1][2] == {"ok": 1}
+    assert "cannot be encoded" in caplog.text

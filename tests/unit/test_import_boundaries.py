@@ -1,21 +1,29 @@
 """The package boundaries, checked on the source (``ast``, nothing is imported).
 
 The rules, for every import statement anywhere in a module (function bodies and
-``if TYPE_CHECKING:`` blocks included), relative imports resolved:
+``if TYPE_CHECKING:`` blocks included), relative imports resolved, and a name imported
+from the top package (``from onceq import Admin``) resolved to the module it comes from:
 
 * ``onceq.protocol`` (wire codec, codes, errors) imports from onceq only ``onceq.protocol``,
   and besides the standard library only ``msgpack``.
 * ``onceq.log`` (record and index formats) imports from onceq only ``onceq.log`` and
   ``onceq.protocol``, and besides the standard library only ``msgpack``.
-* ``onceq.client`` never imports ``onceq.storage``, ``onceq.broker`` or ``onceq.cli``: a
-  client talks to the broker through the protocol only.
-* ``onceq.idempotency`` (dedup records and stores, used by consumers) imports the client
+* ``onceq.storage`` imports from onceq only ``onceq.storage``, ``onceq.log`` and
+  ``onceq.protocol`` (its error codes, until storage raises errors of its own).
+* ``onceq.broker`` never imports ``onceq.client``, ``onceq.idempotency``, ``onceq.spark``
+  or ``onceq.cli``.
+* ``onceq.client`` never imports ``onceq.storage``, ``onceq.broker``, ``onceq.idempotency``,
+  ``onceq.spark`` or ``onceq.cli``: a client talks to the broker through the protocol only,
+  and the layers built on it (idempotency, spark) plug in (``client/middleware.py``).
+* ``onceq.idempotency`` (dedup records and stores, consumer middleware) imports the client
   side (``onceq.client``, ``onceq.protocol``, ``onceq.log``) and never ``onceq.storage``,
-  ``onceq.broker`` or ``onceq.cli``.
+  ``onceq.broker``, ``onceq.spark`` or ``onceq.cli``.
 * ``onceq.spark`` (the PySpark data source) is a client too: never ``onceq.storage``,
   ``onceq.broker`` or ``onceq.cli``.
+* ``onceq.cli`` may import anything.
 * Only ``onceq.spark`` imports ``pyspark``, ``pyarrow`` and ``numpy`` (the ``spark`` extra):
   every other module works without them.
+* No import cycle runs through files of two different packages.
 
 A violation fails with the file, the line and the import.
 """
@@ -71,16 +79,33 @@ class Rule:
 
 SPARK_ONLY = frozenset({"pyspark", "pyarrow", "numpy"})
 
+CLIENT_SIDE = frozenset({"storage", "broker", "cli"})
+
 RULES = [
     Rule("onceq.protocol", allowed_onceq=frozenset({"protocol"}),
          allowed_third_party=frozenset({"msgpack"})),
     Rule("onceq.log", allowed_onceq=frozenset({"log", "protocol"}),
          allowed_third_party=frozenset({"msgpack"})),
-    Rule("onceq.client", forbidden_onceq=frozenset({"storage", "broker", "cli"})),
-    Rule("onceq.idempotency", forbidden_onceq=frozenset({"storage", "broker", "cli"})),
-    Rule("onceq.spark", forbidden_onceq=frozenset({"storage", "broker", "cli"})),
+    Rule("onceq.storage", allowed_onceq=frozenset({"storage", "log", "protocol"})),
+    Rule("onceq.broker", forbidden_onceq=frozenset({"client", "idempotency", "spark", "cli"})),
+    Rule("onceq.client", forbidden_onceq=CLIENT_SIDE | {"idempotency", "spark"}),
+    Rule("onceq.idempotency", forbidden_onceq=CLIENT_SIDE | {"spark"}),
+    Rule("onceq.spark", forbidden_onceq=CLIENT_SIDE),
     Rule("onceq", forbidden_third_party=SPARK_ONLY, exempt=frozenset({"spark"})),
 ]
+
+
+def top_level_names(src: Path = SRC) -> dict[str, str]:
+    """What ``from onceq import NAME`` takes, per name: the module it is defined in."""
+    out = {}
+    for node in ast.parse((src / "onceq" / "__init__.py").read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+            for alias in node.names:
+                out[alias.asname or alias.name] = f"onceq.{node.module}"
+    return out
+
+
+TOP_LEVEL = top_level_names()
 
 
 def module_name(path: Path, src: Path = SRC) -> str:
@@ -126,8 +151,11 @@ def violations(path: Path, source: str, module: str, rules: list[Rule] = RULES
             continue
         for line, target, names in imported_modules(source, module,
                                                     path.name == "__init__.py"):
-            # the module itself, or else each imported name as a possible submodule
-            for candidate in [target] + [f"{target}.{n}" for n in names]:
+            # the module itself, or else each imported name as a possible submodule (a
+            # name from the top package: the module it comes from)
+            subs = [TOP_LEVEL.get(n, f"onceq.{n}") if target == "onceq" else f"{target}.{n}"
+                    for n in names]
+            for candidate in ([] if target == "onceq" and names else [target]) + subs:
                 why = rule.why_not(candidate)
                 if why is not None:
                     found.append(f"{path}:{line}: imports {candidate} ({why})")
@@ -187,8 +215,18 @@ def test_protocol_and_log_reaching_out_are_reported():
         "src/onceq/log/record.py:1: imports onceq.client.message "
         "(onceq.log may import from onceq only onceq.log, onceq.protocol)"]
     assert _check("onceq.log", "from .. import _aio\n", is_package=True) == [
-        "src/onceq/log/__init__.py:1: imports onceq (onceq.log may import from onceq only "
-        "onceq.log, onceq.protocol)"]
+        "src/onceq/log/__init__.py:1: imports onceq._aio (onceq.log may import from onceq "
+        "only onceq.log, onceq.protocol)"]
+
+
+def test_a_name_from_the_top_package_is_checked_where_it_comes_from():
+    assert TOP_LEVEL["Broker"] == "onceq.broker.broker"
+    assert _check("onceq.client.pull", "from onceq import Broker, PullStatus\n") == [
+        "src/onceq/client/pull.py:1: imports onceq.broker.broker "
+        "(onceq.client must not import onceq.broker)"]
+    assert _check("onceq.client.push", "from ..idempotency import option\n") == [
+        "src/onceq/client/push.py:1: imports onceq.idempotency "
+        "(onceq.client must not import onceq.idempotency)"]
 
 
 def test_idempotency_reaching_into_the_broker_side_is_reported():
@@ -218,3 +256,89 @@ def test_allowed_imports_pass():
     assert _check("onceq.client.push", "from .._aio import wait_event\n"
                   "from ..log.record import MessageExt\nimport asyncio\n") == []
     assert _check("onceq.broker.broker", "from ..storage.store import MessageStore\n") == []
+
+
+# ------------------------------------------------------------ no cycles across packages
+def import_graph(src: Path = SRC) -> tuple[dict[str, set[str]], dict[str, str]]:
+    """Module -> the onceq modules it imports (a name that is a submodule counts as it),
+    and module -> its package (``onceq`` for the top package's own files)."""
+    files = {module_name(p, src): p for p in (src / "onceq").rglob("*.py")}
+    packages = {}
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        rel = path.relative_to(src / "onceq").parts
+        packages[module] = rel[0] if len(rel) > 1 else "onceq"
+        edges = set()
+        for _line, target, names in imported_modules(path.read_text(), module,
+                                                     path.name == "__init__.py"):
+            if not target.startswith("onceq"):
+                continue
+            subs = [f"{target}.{n}" for n in names if f"{target}.{n}" in files]
+            edges.update(subs or ([target] if target in files else []))
+        edges.discard(module)
+        graph[module] = edges
+    return graph, packages
+
+
+def cross_package_cycles(graph: dict[str, set[str]], packages: dict[str, str]
+                         ) -> list[list[str]]:
+    """The strongly connected components (Tarjan) whose files belong to two or more
+    packages, each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len({packages[m] for m in comp}) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def test_no_import_cycle_runs_through_two_packages():
+    graph, packages = import_graph()
+    assert len(graph) > 50 and graph["onceq.client.push"]
+    assert cross_package_cycles(graph, packages) == []
+
+
+def test_a_planted_cycle_across_packages_is_caught(tmp_path):
+    pkg = tmp_path / "onceq"
+    for rel, body in {"__init__.py": "", "client/__init__.py": "",
+                      "client/push.py": "from ..idempotency import option\n",
+                      "client/consume.py": "",
+                      "idempotency/__init__.py": "",
+                      "idempotency/option.py": "from ..client.push import X\n"
+                                               "from ..client import consume\n",
+                      "storage/__init__.py": "",
+                      "storage/a.py": "from . import b\n",
+                      "storage/b.py": "from . import a\n"}.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(body)
+    graph, packages = import_graph(tmp_path)
+    assert graph["onceq.idempotency.option"] == {"onceq.client.push", "onceq.client.consume"}
+    assert packages["onceq.client"] == "client" and packages["onceq"] == "onceq"
+    # the cycle inside storage is its own business; the one across packages is not
+    assert cross_package_cycles(graph, packages) == [["onceq.client.push",
+                                                      "onceq.idempotency.option"]]

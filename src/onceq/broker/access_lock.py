@@ -49,6 +49,11 @@ re-asserts the queue on its first heartbeat after reconnecting (:meth:`AccessLoc
 or pulls it; it is removed when that heartbeat does not list the queue (the client no longer
 holds it); and it lapses when ``restore_hold`` seconds (counted from the restore, that is
 from broker start) pass without either, for a holder that died while the broker was down.
+Within that same time a member may also take back a free queue it lists in its heartbeat,
+if nobody held it since the start: its lock was taken after the last save, or the file was
+damaged. Outside that protocol a heartbeat never takes a queue: a member whose lock expired
+or was handed over while it was away (a long pause) learns from the answer that it holds
+the queue no more, and its next pull takes the queue afresh at the group's offset.
 
 The lock reduces duplicates caused by rebalances; it cannot remove them all (for instance a
 message retried after a consume failure), so consumers still need idempotency.
@@ -64,7 +69,7 @@ import json
 from dataclasses import dataclass
 
 __all__ = ["AccessLockTable", "LockDecision", "LockRow", "decode_lock_rows",
-           "encode_lock_rows"]
+           "encode_lock_rows", "lock_rows"]
 
 TAKEOVER_FREE = "free"
 TAKEOVER_DRAINED = "drained"
@@ -139,6 +144,10 @@ class AccessLockTable:
         """Counts changes of holders: the broker saves the table when it moves."""
         self._entries: dict[_Key, _Entry] = {}
         self._by_client: dict[str, set[_Key]] = {}
+        self._restart_until: float | None = None
+        """End of the restart protocol (set by :meth:`restore`; None: over)."""
+        self._touched: set[_Key] = set()
+        """Queues held or released since the restart, while the protocol runs."""
 
     # -- pulls ---------------------------------------------------------------------------
 
@@ -246,23 +255,28 @@ class AccessLockTable:
 
     def reassert(self, group: str, client_id: str, held: dict[tuple[str, int], int],
                  now: float) -> dict[tuple[str, int], bool]:
-        """A client lists the queues of ``group`` it holds (its heartbeat after a reconnect).
+        """A client lists the queues of ``group`` it holds (on every heartbeat).
 
         ``held`` maps (topic, queue_id) to the client's next offset to pull there (its
         deliver offset). Per listed queue: the client's own lock is confirmed and refreshed;
-        a free queue is taken (as its next pull would, without moving its offset); a queue
-        held by another client is left alone. A restored, unconfirmed lock of this client on
-        a queue it does not list is released: the client no longer holds it.
-        Returns, per listed queue, whether the client holds it now.
+        a queue held by another client is left alone. A free queue is taken only as the
+        restart protocol allows (:meth:`restart_claimable`): a lock that expired, was
+        released or was handed over while the client was away is not its own any more,
+        and its next pull takes the queue again at the group's offset. A restored,
+        unconfirmed lock of this client on a queue it does not list is released: the
+        client no longer holds it. Returns, per listed queue, whether the client holds it
+        now (False: stop consuming it).
         """
         result: dict[tuple[str, int], bool] = {}
         for (topic, queue_id), deliver in held.items():
             key = (group, topic, queue_id)
             entry = self._entries.get(key)
             if entry is None:
-                # as its next pull would take it; that pull is still corrected forward to the
-                # ack offset (a member that just got the queue may have looked its start
-                # offset up before the previous holder's last commit)
+                if not self.restart_claimable(key, now):
+                    result[(topic, queue_id)] = False
+                    continue
+                # its holder before the restart (whose lock the broker lost): its next pull
+                # is still corrected forward to the ack offset
                 self._set_holder(key, None, client_id, deliver, now)
                 self._entries[key].correct_next_pull = True
                 result[(topic, queue_id)] = True
@@ -282,6 +296,19 @@ class AccessLockTable:
                              client_id=client_id)
         return result
 
+    def restart_claimable(self, key: _Key, now: float) -> bool:
+        """Whether a heartbeat may take the free queue ``key``: only within ``restore_hold``
+        of the broker's start (:meth:`restore`) and only if nobody held or released it
+        since, that is when the broker may have lost its holder in the restart (a lock
+        taken after the last save, or a damaged lock file)."""
+        if self._restart_until is None:
+            return False
+        if now >= self._restart_until:
+            self._restart_until = None  # the restart protocol is over
+            self._touched.clear()
+            return False
+        return key not in self._touched
+
     # -- release -------------------------------------------------------------------------
 
     def release(self, *, group: str, topic: str, queue_id: int, client_id: str) -> bool:
@@ -292,6 +319,7 @@ class AccessLockTable:
             return False
         del self._entries[key]
         self._unindex(client_id, key)
+        self._touch_key(key)
         self.changes += 1
         return True
 
@@ -303,6 +331,7 @@ class AccessLockTable:
         keys = self._by_client.pop(client_id, set())
         for key in keys:
             del self._entries[key]
+            self._touch_key(key)
         if keys:
             self.changes += 1
         return sorted(keys)
@@ -313,6 +342,7 @@ class AccessLockTable:
         for key in keys:
             del self._entries[key]
             self._unindex(client_id, key)
+            self._touch_key(key)
         if keys:
             self.changes += 1
         return keys
@@ -322,6 +352,7 @@ class AccessLockTable:
         for key in [k for k in self._entries if k[1] == topic]:
             entry = self._entries.pop(key)
             self._unindex(entry.holder, key)
+            self._touch_key(key)
             self.changes += 1
 
     def unconfirmed_holders(self, group: str, now: float) -> list[str]:
@@ -366,9 +397,13 @@ class AccessLockTable:
 
     def restore(self, rows: list[LockRow], now: float) -> None:
         """Load saved holders at start (replacing the table), each unconfirmed until
-        ``now + restore_hold``; ``now`` is the broker's start time."""
+        ``now + restore_hold``; ``now`` is the broker's start time. Starts the restart
+        protocol: for ``restore_hold`` a holder the broker lost (no saved row) may take its
+        queue back by listing it in a heartbeat (:meth:`reassert`)."""
         self._entries.clear()
         self._by_client.clear()
+        self._restart_until = now + self.restore_hold
+        self._touched.clear()
         for r in rows:
             key = (r.group, r.topic, r.queue_id)
             old = self._entries.get(key)
@@ -394,11 +429,16 @@ class AccessLockTable:
     ) -> None:
         if previous is not None:
             self._unindex(previous, key)
+        self._touch_key(key)
         self.changes += 1
         self._entries[key] = _Entry(
             holder=client_id, last_access=now, last_deliver_offset=deliver_offset
         )
         self._by_client.setdefault(client_id, set()).add(key)
+
+    def _touch_key(self, key: _Key) -> None:
+        if self._restart_until is not None:
+            self._touched.add(key)
 
     def _unindex(self, client_id: str, key: _Key) -> None:
         keys = self._by_client.get(client_id)
@@ -429,14 +469,19 @@ def decode_lock_rows(raw: bytes) -> list[LockRow]:
         raise ValueError(f"access lock file is not JSON: {exc}") from None
     if not isinstance(doc, dict) or doc.get("version") != LOCK_FILE_VERSION:
         raise ValueError("access lock file has an unknown version")
-    locks = doc.get("locks")
+    return lock_rows(doc.get("locks"))
+
+
+def lock_rows(locks: object) -> list[LockRow]:
+    """The rows of a parsed list of ``[group, topic, queue, holder, deliver offset]``;
+    ValueError for a damaged one."""
     if not isinstance(locks, list):
-        raise ValueError("access lock file has no list of locks")
+        raise ValueError("access locks must be a list")
     rows = []
     for item in locks:
         if not (isinstance(item, list) and len(item) == 5
                 and isinstance(item[0], str) and isinstance(item[1], str)
-                and type(item[2]) is int and isinstance(item[3], str)
+                and type(item[2]) is int and item[2] >= 0 and isinstance(item[3], str)
                 and type(item[4]) is int):
             raise ValueError(f"access lock file has a bad row: {item!r}")
         rows.append(LockRow(item[0], item[1], item[2], item[3], item[4]))

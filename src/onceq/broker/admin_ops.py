@@ -36,10 +36,9 @@ if TYPE_CHECKING:
     from .config import BrokerConfig
     from .connection import Connection
     from .fields import Handler, Response
-    from .queue_lock import QueueLocks
+    from .ownership_service import OwnershipService
     from .retry import RetryService
     from .trace import DeliveryTrace
-    from .transition import TransitionLock
 
 log = logging.getLogger("onceq.broker")
 
@@ -75,13 +74,12 @@ class AdminOps:
     set when the broker starts."""
 
     def __init__(self, config: BrokerConfig, store: MessageStore, clock: Callable[[], float],
-                 *, transition: TransitionLock, queue_locks: QueueLocks, trace: DeliveryTrace,
+                 *, owners: OwnershipService, trace: DeliveryTrace,
                  closing: Callable[[], bool]) -> None:
         self.config = config
         self.store = store
         self.clock = clock
-        self.transition = transition
-        self.queue_locks = queue_locks
+        self.owners = owners
         self.trace = trace
         self.closing = closing
         self.retry: RetryService | None = None
@@ -111,8 +109,8 @@ class AdminOps:
         """A group's access-lock holders and orderly queue locks."""
         group = check_name("group", str_field(h, "group"))
         return 0, {"group": group, "enabled": self.config.access_lock,
-                   "queues": self.transition.status(group),
-                   "orderly": self.queue_locks.status(group)}, b""
+                   "queues": self.owners.status(group),
+                   "orderly": self.owners.orderly_status(group)}, b""
 
     # ---------------------------------------------------------------- message lookup
     def h_query_message(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes

@@ -6,13 +6,15 @@ The services, each one job (see docs/broker.md, "Code map"):
 * ``send.py``: sends, sequenced sends, send-backs to the retry topic;
 * ``pull.py``: pulls, long polling, offset queries;
 * ``consumer_group.py``: heartbeats and members, ack-offset commits, queue releases, resets;
-* ``queue_lock.py``: orderly queue locks;
+* ``ownership_service.py``: the queue-ownership core (``ownership.py``: access lock, orderly
+  queue lock, reset fences, commit rule) with the store's facts, its saved state, and the
+  orderly lock requests;
 * ``topic_admin.py`` and ``admin_ops.py``: topics, broker status, access locks, message
   lookup, the delivery trace switch.
 
 They share the state this class owns and wires together: the store, the member registry
-(``groups.py``), the access lock (``transition.py``), the reset fence (``offset_reset.py``)
-and the durable answers (``durable.py``).
+(``groups.py``), queue ownership (``ownership_service.py``) and the durable answers
+(``durable.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,11 +31,9 @@ from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.frame import REQUEST, decode_header, max_frame_for_body
 from ..storage.failures import storage_error
 from ..storage.files import OS_FILES, FileOps
-from ..storage.metadata import write_atomic
 from ..storage.sequences import SequenceStore
 from ..storage.store import MessageStore
 from .admin_ops import AdminOps
-from .commit_rule import CommitRule
 from .config import BrokerConfig
 from .connection import Connection
 from .consumer_group import ConsumerGroupService
@@ -44,14 +43,12 @@ from .flush import Flusher
 from .groups import GroupRegistry
 from .limits import ConnectionGuard
 from .metrics import BrokerMetrics, start_metrics
-from .offset_reset import FENCE_FILE, FENCE_MAX_AGE_S, ResetFence
+from .ownership_service import OwnershipService
 from .pull import PullService
-from .queue_lock import QueueLocks
 from .retry import RetryService, parse_delay_levels
 from .send import SendService
 from .topic_admin import TopicAdmin
 from .trace import DeliveryTrace
-from .transition import TransitionLock
 
 log = logging.getLogger("onceq.broker")
 
@@ -72,35 +69,23 @@ class Broker:
         self.durable = DurableReplies(self.store)  # answers once a write is fsynced
         self.groups = GroupRegistry(config.heartbeat_expiry_s,
                                     lambda *change: self.consumer_groups.on_group_change(*change))
-        # members that have not seen a forced offset reset yet (saved like the locks)
-        self.fence = ResetFence(on_change=self._locks_changed)
-        self._fence_path = os.path.join(self.store.config.data_dir, FENCE_FILE)
         self.files = files
-        self.transition = TransitionLock(
-            self.store, self.groups, config.access_lock, config.access_lock_hold_s,
-            config.access_lock_stable_checks, clock, config.access_lock_restore_hold_s, files,
-            self._locks_changed)
-        self.queue_locks = QueueLocks(  # orderly consumption
-            self.store, clock, config.queue_lock_expiry_s, groups=self.groups,
-            transition=self.transition, fence=self.fence, durable=self.durable, files=files,
-            on_change=self._locks_changed)
-        commits = CommitRule(self.transition, self.queue_locks)
+        # who holds each queue of each group, whose commits count (saved on change)
+        self.owners = OwnershipService(config, self.store, self.groups, clock,
+                                       durable=self.durable, files=files,
+                                       on_change=self._locks_changed)
         self.trace = DeliveryTrace(self.store, clock, self._on_internal_put)
-        self.pulls = PullService(config, self.store, transition=self.transition,
-                                 queue_locks=self.queue_locks, fence=self.fence,
-                                 commits=commits, trace=self.trace)
+        self.pulls = PullService(config, self.store, owners=self.owners, trace=self.trace)
         self.holds = self.pulls.holds  # held long-poll pulls
         self.consumer_groups = ConsumerGroupService(
-            config, self.store, clock, groups=self.groups, transition=self.transition,
-            queue_locks=self.queue_locks, fence=self.fence, commits=commits,
+            config, self.store, clock, groups=self.groups, owners=self.owners,
             pulls=self.pulls, trace=self.trace, durable=self.durable)
         self.sends = SendService(config, self.store, self.sequences, self.durable,
                                  self._on_internal_put)
         topics = TopicAdmin(self.store, config.default_queues,
                             topic_for_write=self.sends.topic_for_write,
                             forget_topic=self._forget_topic)
-        self.admin = AdminOps(config, self.store, clock, transition=self.transition,
-                              queue_locks=self.queue_locks, trace=self.trace,
+        self.admin = AdminOps(config, self.store, clock, owners=self.owners, trace=self.trace,
                               closing=lambda: self._closing)
         self._locks_dirty: asyncio.Event | None = None
         self._hold_timer: asyncio.TimerHandle | None = None
@@ -133,8 +118,8 @@ class Broker:
             RequestCode.COMMIT_OFFSET: groups.h_commit_offset,
             RequestCode.RELEASE_QUEUE: groups.h_release_queue,
             RequestCode.RESET_OFFSETS: groups.h_reset_offsets,
-            RequestCode.LOCK_QUEUES: self.queue_locks.h_lock,
-            RequestCode.UNLOCK_QUEUES: self.queue_locks.h_unlock,
+            RequestCode.LOCK_QUEUES: self.owners.h_lock,
+            RequestCode.UNLOCK_QUEUES: self.owners.h_unlock,
             **topics.handlers(),
             **self.admin.handlers(),
         }
@@ -148,9 +133,8 @@ class Broker:
         self.sequences.open()
         self.consumer_groups.started = self.clock()
         self.trace.load()
-        self.queue_locks.load()  # orderly locks: kept for their holders after a restart
-        self._load_fences()
-        if self.transition.load():  # when the restore hold ends, the groups rebalance
+        # access and orderly locks, fences: kept for their holders after a restart
+        if self.owners.load():  # when the restore hold ends, the groups rebalance
             self._hold_timer = asyncio.get_running_loop().call_later(
                 self.config.access_lock_restore_hold_s, self._restore_hold_ended)
         self._locks_dirty = asyncio.Event()
@@ -254,7 +238,7 @@ class Broker:
 
     def _restore_hold_ended(self) -> None:
         """Members that did not come back drop out of the member lists now: tell the groups."""
-        for group in sorted({r.group for r in self.transition.table.export()}):
+        for group in sorted({r.group for r in self.owners.core.access.export()}):
             for m in self.groups.members(group):
                 m.conn.push(PushCode.GROUP_CHANGED, {"group": group, "client": "",
                                                      "reason": "restore-hold-ended"})
@@ -263,32 +247,14 @@ class Broker:
         if self._locks_dirty is not None:
             self._locks_dirty.set()
 
-    def _load_fences(self) -> None:
-        try:
-            n = self.fence.restore(self.files.read_file(self._fence_path))
-        except FileNotFoundError:
-            return
-        except ValueError as exc:
-            log.error("%s: %s; starting without saved reset fences", self._fence_path, exc)
-            return
-        if n:
-            log.info("offset resets: %d member(s) still fenced", n)
-
     def _saved_states(self) -> list[tuple[int, Callable[[], bytes], Callable[[bytes], None]]]:
         """What the broker saves when it changes: (change count, its data, its writer)."""
-        return [
-            (self.transition.table.changes, self.transition.file_data,
-             self.transition.write_file),
-            (self.queue_locks.table.changes, self.queue_locks.file_data,
-             self.queue_locks.write_file),
-            (self.fence.changes, self.fence.encode,
-             lambda data: write_atomic(self._fence_path, data, self.files)),
-        ]
+        return [(self.owners.core.changes, self.owners.file_data, self.owners.write_file)]
 
     async def _save_locks(self) -> None:
-        """Write the access-lock holders, the orderly queue locks and the reset fences
-        whenever they change, each file only when its own state changed (one write at a
-        time; changes made during a write are written by the next one)."""
+        """Write the queue-ownership state (access-lock holders, orderly queue locks, reset
+        fences) whenever it changes (one write at a time; changes made during a write are
+        written by the next one)."""
         assert self._locks_dirty is not None
         written: dict[int, int] = {}  # state index -> change count last written
         while True:
@@ -316,8 +282,7 @@ class Broker:
     def _expire_members(self) -> None:
         for group, cid in self.groups.expire(self.clock()):
             log.info("group %s: member %s expired (no heartbeat)", group, cid)
-        self.fence.expire(self.clock(), FENCE_MAX_AGE_S,
-                          lambda g, c: self.groups.member(g, c) is not None)
+        self.owners.expire()
 
     async def _retention(self) -> None:
         # a fresh offsets snapshot first: segments holding offset commits that no written
@@ -415,8 +380,5 @@ class Broker:
     def _forget_topic(self, topic: str) -> None:
         """A deleted topic: drop it from every table that names its queues."""
         self.sequences.table.drop_topic(topic)
-        self.transition.drop_topic(topic)
-        self.queue_locks.table.drop_topic(topic)
-        self.queue_locks.changed()
-        self.fence.drop_topic(topic)
+        self.owners.drop_topic(topic)
         self.pulls.wake_topic(topic)

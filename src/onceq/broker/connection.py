@@ -166,7 +166,14 @@ class Connection(asyncio.Protocol):
 
     def respond(self, corr_id: int, code: int, header: dict[str, Any] | None = None,
                 payload: bytes = b"") -> None:
-        self._write(encode_frame(RESPONSE, code, corr_id, header, payload))
+        try:
+            frame = encode_frame(RESPONSE, code, corr_id, header, payload)
+        except (TypeError, ValueError, OverflowError) as exc:
+            # a header no frame can carry: the client still gets an answer, the error
+            log.error("answer to request %d cannot be encoded: %s", corr_id, exc)
+            frame = encode_frame(RESPONSE, ErrorCode.SYSTEM_ERROR, corr_id,
+                                 {"message": f"internal: answer not encodable: {exc}"})
+        self._write(frame)
 
     def push(self, code: int, header: dict[str, Any]) -> None:
         """Queue a one-way push. Pushes of one code and group coalesce: while one is not

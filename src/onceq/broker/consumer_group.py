@@ -2,8 +2,9 @@
 lists, the ``GROUP_CHANGED`` push), the group's ack offsets (``COMMIT_OFFSET``, the
 ``RELEASE_QUEUE`` at the end of a drain, the admin's ``RESET_OFFSETS``).
 
-The registry of members is ``groups.py``; who may commit is ``commit_rule.py``; the fence
-of a forced reset is ``offset_reset.py``.
+The registry of members is ``groups.py``; who holds a queue and whose commits count is the
+queue-ownership core (``ownership.py``, served by ``ownership_service.py``); a forced reset
+is ``offset_reset.py``.
 """
 
 from __future__ import annotations
@@ -15,23 +16,21 @@ from typing import TYPE_CHECKING, Any
 from ..protocol.codes import PushCode
 from ..protocol.errors import ErrorCode, OnceqError
 from ..storage.store import check_name
-from .fields import Response, int_field, str_field, user_topic
+from .fields import Response, int_field, is_int64, str_field, user_topic
 from .groups import BROADCASTING, CLUSTERING
 from .offset_reset import parse_targets, reset_offsets
+from .ownership import Refusal
 
 if TYPE_CHECKING:
     from ..storage.store import MessageStore
-    from .commit_rule import CommitRule
     from .config import BrokerConfig
     from .connection import Connection
     from .durable import DurableReplies
     from .groups import GroupRegistry
-    from .offset_reset import ResetFence
+    from .ownership_service import OwnershipService
     from .pull import PullService
-    from .queue_lock import QueueLocks
     from .retry import RetryService
     from .trace import DeliveryTrace
-    from .transition import TransitionLock
 
 log = logging.getLogger("onceq.broker")
 
@@ -43,8 +42,7 @@ def _held(group: dict[str, Any]) -> list[tuple[str, int, int]] | None:
         return None
     if not isinstance(held, list) or not all(
             isinstance(x, list) and len(x) == 3 and isinstance(x[0], str)
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in x[1:])
-            for x in held):
+            and all(is_int64(v) for v in x[1:]) for x in held):
         raise OnceqError(ErrorCode.INVALID_ARGUMENT,
                          "held must be a list of [topic, queue, next offset]")
     return [(t, q, d) for t, q, d in held]
@@ -57,17 +55,13 @@ class ConsumerGroupService:
 
     def __init__(self, config: BrokerConfig, store: MessageStore,
                  clock: Callable[[], float], *, groups: GroupRegistry,
-                 transition: TransitionLock, queue_locks: QueueLocks, fence: ResetFence,
-                 commits: CommitRule, pulls: PullService, trace: DeliveryTrace,
+                 owners: OwnershipService, pulls: PullService, trace: DeliveryTrace,
                  durable: DurableReplies) -> None:
         self.config = config
         self.store = store
         self.clock = clock
         self.groups = groups
-        self.transition = transition
-        self.queue_locks = queue_locks
-        self.fence = fence
-        self.commits = commits
+        self.owners = owners
         self.pulls = pulls
         self.trace = trace
         self.durable = durable
@@ -104,6 +98,7 @@ class ConsumerGroupService:
         now = self.clock()
         holds = []
         resets = []
+        locked = False  # the access lock applies to this member in some group
         for name, subs, model, meta, held, reset_gen in checked:
             if model == CLUSTERING and self.retry is not None:
                 try:
@@ -112,20 +107,18 @@ class ConsumerGroupService:
                     if not exc.retriable:
                         raise
             self.groups.heartbeat(name, client, conn, model, subs, now, meta)
-            self.fence.seen(name, client, reset_gen)
-            pending = self.fence.pending(name, client)
-            if pending is not None:  # a forced reset it has not handled: repeat it, and
-                resets.append(pending)  # do not let its held list take those queues back
-                if held is not None:
-                    held = [x for x in held
-                            if not self.fence.blocks(name, client, x[0], x[1])]
-            # the queues the member holds (after a reconnect: restore the access lock)
-            if held is not None and self.transition.applies(name, client):
-                holds += [[name, t, q, h] for t, q, h in
-                          self.transition.reassert(name, client, held)]
+            # the queues the member holds (after a reconnect: restore the access lock),
+            # and a forced reset it has not handled: repeated, its queues not re-taken
+            applies, held_now, pending = self.owners.heartbeat(name, client, held, reset_gen)
+            locked = locked or applies
+            holds += [[name, t, q, has] for t, q, has in held_now]
+            if pending is not None:
+                resets.append(pending)
         conn.client_ids.add(client)
-        self.transition.touch_client(client)
+        self.owners.touch_client(client)
         answer: dict[str, Any] = {"expiry_s": self.config.heartbeat_expiry_s, "holds": holds}
+        if locked:  # a holder not seen this long may lose its queues (the client's lease)
+            answer["hold_s"] = self.config.access_lock_hold_s
         if resets:
             answer["resets"] = resets
         return 0, answer, b""
@@ -134,7 +127,7 @@ class ConsumerGroupService:
                      ) -> Response:
         group = check_name("group", str_field(h, "group"))
         self.groups.unregister(group, str_field(h, "client"), "leave")
-        self.fence.drop_client(group, str_field(h, "client"))
+        self.owners.unregistered(group, str_field(h, "client"))
         return 0, None, b""
 
     def h_list_members(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
@@ -156,8 +149,7 @@ class ConsumerGroupService:
 
     def restored_members(self, group: str) -> list[str]:
         """Holders of access or orderly locks saved before a restart, not back yet."""
-        found = self.transition.restored_members(group)
-        return found + [c for c in self.queue_locks.restored_members(group) if c not in found]
+        return self.owners.restored_members(group)
 
     def h_list_groups(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
                       ) -> Response:
@@ -169,8 +161,7 @@ class ConsumerGroupService:
         log.info("group %s: %s %s", group, client_id, reason)
         self.trace.member(group, client_id, reason)
         if reason in ("leave", "disconnect", "expired"):
-            self.transition.member_gone(group, client_id, reason)
-            self.queue_locks.member_gone(group, client_id, reason)
+            self.owners.member_gone(group, client_id, reason)
         for m in self.groups.members(group):
             m.conn.push(PushCode.GROUP_CHANGED, {"group": group, "client": client_id,
                                                  "reason": reason})
@@ -187,17 +178,26 @@ class ConsumerGroupService:
         if client is not None and not isinstance(client, str):
             raise OnceqError(ErrorCode.INVALID_ARGUMENT, "field 'client' must be a string")
         self.store.min_max(topic, queue)  # TOPIC_NOT_EXIST / INVALID_QUEUE first
-        self.fence.seen(group, client, h.get("reset_gen"))
-        if self.fence.blocks(group, client, topic, queue):
+        self.owners.seen(group, client, h.get("reset_gen"))
+        v, end = self.owners.commit(group, client, topic, queue, offset)
+        if v.refused is Refusal.FENCED:
             raise OnceqError(ErrorCode.NOT_HOLDER, (
                 f"the offsets of group {group!r} on {topic}:{queue} were reset; client "
                 f"{client!r} must take the queue again first"))
-        if not self.commits.may_commit(group=group, client=client, topic=topic, queue=queue):
-            holder = self.transition.table.holder(group, topic, queue)
+        if v.refused is Refusal.NOT_HOLDER:
+            holder = self.owners.holder(group, topic, queue)
             raise OnceqError(ErrorCode.NOT_HOLDER, (
                 f"client {client!r} does not hold {topic}:{queue} of group {group!r} "
                 f"(holder: {holder or 'none'}); only the holder's commits count"))
-        end = self.store.commit_offset(group, topic, queue, offset)
+        if v.refused is Refusal.PAST_END:
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT, (
+                f"offset {offset} is past the end of {topic}:{queue} "
+                f"({self.store.min_max(topic, queue)[1]})"))
+        if v.refused is Refusal.BEHIND:
+            raise OnceqError(ErrorCode.OFFSET_BEHIND, (
+                f"offset {offset} of group {group!r} on {topic}:{queue} is below its "
+                f"committed offset {v.stored}; offsets move back only by a reset "
+                f"(onceq offsets reset)"))
         return self.durable.reply(conn, corr, {}, end=end)
 
     def h_release_queue(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
@@ -207,25 +207,14 @@ class ConsumerGroupService:
         client = str_field(h, "client")
         topic, queue = str_field(h, "topic"), int_field(h, "queue")
         if topic not in self.store.topics:  # deleted meanwhile: nothing left to release
-            self.transition.release(group=group, client=client, topic=topic, queue=queue)
             return 0, {"released": False}, b""
         offset = int_field(h, "offset", -1)
         self.pulls.give_up(client=client, topic=topic, queue=queue)
-        # only the holder (or a group without the lock) commits: a client that never got
-        # the queue must not move its offset back under the one still draining it
-        applies = self.transition.applies(group, client)
-        self.fence.seen(group, client, h.get("reset_gen"))
-        may_commit = (self.commits.may_commit(group=group, client=client, topic=topic,
-                                              queue=queue)  # before the release
-                      and not self.fence.blocks(group, client, topic, queue))
-        released = self.transition.release(group=group, client=client, topic=topic,
-                                           queue=queue)
-        end = 0
-        if offset >= 0 and may_commit and (released or not applies):
-            if applies:  # the holder's reads were corrected forward to the group's offset:
-                # a lower one is its stale start (its first pull still held), not progress
-                offset = max(offset, self.store.get_offset(group, topic, queue))
-            end = self.store.commit_offset(group, topic, queue, offset)
+        self.owners.seen(group, client, h.get("reset_gen"))
+        # a client that never got the queue must not move its offset under the one still
+        # draining it; a lower offset than the stored one is a stale start, not progress
+        released, end = self.owners.release(group, client, topic, queue,
+                                            offset if offset >= 0 else None)
         return self.durable.reply(conn, corr, {"released": released}, end=end)
 
     def h_reset_offsets(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
@@ -237,8 +226,8 @@ class ConsumerGroupService:
         if not isinstance(force, bool):
             raise OnceqError(ErrorCode.INVALID_ARGUMENT, "force must be a boolean")
         targets = parse_targets(h.get("offsets"), self.store.get_topic(topic).queues)
-        answer, end = reset_offsets(self.store, self.groups, self.transition, self.fence,
-                                    self.clock, self.pulls.wake, group=group, topic=topic,
+        answer, end = reset_offsets(self.store, self.groups, self.owners, self.pulls.wake,
+                                    group=group, topic=topic,
                                     targets=targets, force=force,
                                     restored=self.restored_members(group))
         return self.durable.reply(conn, corr, answer, end=end)

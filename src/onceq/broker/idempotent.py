@@ -16,7 +16,7 @@ import msgpack
 
 from ..log.record import PART_FIXED, PART_FIXED_SIZE
 from ..log.sequence import SEQ_PROPERTY, SEQUENCED, SequenceError, check_writer_id, marker
-from ..protocol.codes import RETRY_PREFIX
+from ..protocol.codes import SYSTEM_PREFIX
 from ..protocol.errors import ErrorCode, OnceqError
 
 if TYPE_CHECKING:
@@ -35,13 +35,11 @@ def _flagged(parts: list[memoryview]) -> list[int]:
     return [i for i, p in enumerate(parts) if len(p) > _FLAG_BYTE and p[_FLAG_BYTE] & _FLAG_BIT]
 
 
-def refuse_sequenced(topic: str, parts: list[memoryview]) -> None:
-    """An ordinary send must not carry the flag that marks a writer's sequence. (A send to
-    a group's retry topic may: dead letters stored before the broker cleared the flag on
-    its internal copies are resent with their flags, and no writer writes there.) A flag
-    smuggled into ``%SCHEDULE%`` would reach the real topic when the message is due, and
-    fake a writer's sequence there at the next restart."""
-    if not topic.startswith(RETRY_PREFIX) and _flagged(parts):
+def refuse_sequenced(parts: list[memoryview]) -> None:
+    """An ordinary send must not carry the flag that marks a writer's sequence: the replay
+    of the log would take the message for one at the next restart. (Sends name user topics
+    only; the broker's own copies into system topics clear the flag, ``retry.py``.)"""
+    if _flagged(parts):
         raise OnceqError(ErrorCode.INVALID_SEQUENCE, "the SEQUENCED message flag is "
                          "reserved for sequenced sends (SEND_SEQUENCED)")
 
@@ -81,7 +79,7 @@ def send_sequenced(store: MessageStore, sequences: SequenceStore, h: dict[str, A
                for v in (epoch, seq)):
         raise OnceqError(ErrorCode.INVALID_SEQUENCE, "epoch and seq must be integers >= 0")
     assert isinstance(epoch, int) and isinstance(seq, int)
-    if topic.startswith("%"):
+    if topic.startswith(SYSTEM_PREFIX):
         raise OnceqError(ErrorCode.INVALID_ARGUMENT, f"topic {topic!r} is internal to the "
                          "broker: sequenced sends go to user topics")
     if not parts:

@@ -141,8 +141,8 @@ class BrokerMetrics:
         yield from self._lag(b)
         yield from self._retries(b)
         c = CounterMetricFamily("onceq_access_lock_handovers",
-                                "Queues the transition lock handed from one member to another.")
-        c.add_metric([], b.transition.handovers)
+                                "Queues the access lock handed from one member to another.")
+        c.add_metric([], b.owners.handovers)
         yield c
         g = GaugeMetricFamily("onceq_connections", "Open client connections.")
         g.add_metric([], len(b.connections))

@@ -15,11 +15,10 @@ over the running members, which keep their own positions in memory:
 3. a member that gets the notice drops those process queues without committing (results of
    listeners still running are thrown away) and takes them again from the broker's offset.
 
-The fences survive a broker restart: the broker saves them whenever they change
-(:meth:`ResetFence.encode`, ``reset_fences.json``) and restores them at start
-(:meth:`ResetFence.restore`). Otherwise a member that had not seen a reset when the broker
-went down would come back, re-take its queues at its old positions and commit them,
-undoing the reset.
+The fences survive a broker restart: they are part of the queue-ownership state
+(``ownership.py``), saved whenever it changes and restored at start. Otherwise a member
+that had not seen a reset when the broker went down would come back, re-take its queues
+at its old positions and commit them, undoing the reset.
 """
 
 from __future__ import annotations
@@ -36,13 +35,11 @@ from ..protocol.errors import ErrorCode, OnceqError
 if TYPE_CHECKING:
     from ..storage.store import MessageStore
     from .groups import GroupRegistry
-    from .transition import TransitionLock
+    from .ownership_service import OwnershipService
 
 log = logging.getLogger("onceq.broker")
 
 _Queue = tuple[str, int]
-FENCE_MAX_AGE_S = 3600.0  # a fence of a client that is no member is kept this long
-FENCE_FILE = "reset_fences.json"
 
 
 @dataclass(slots=True)
@@ -52,41 +49,54 @@ class _Fence:
     queues: set[_Queue] = field(default_factory=set)
 
 
-class ResetFence:
-    """Per (group, member): the last forced reset it has not acknowledged yet."""
+def _generation(value: object) -> bool:
+    """A saved generation: what a reply can carry (a non-negative signed 64-bit integer)."""
+    return type(value) is int and 0 <= value < 1 << 63
 
-    def __init__(self, on_change: Callable[[], None] | None = None) -> None:
+
+class ResetFence:
+    """Per (group, member): the last forced reset it has not acknowledged yet (pure: time
+    is passed in; ``changes`` grows with every change of what ``encode`` returns)."""
+
+    def __init__(self) -> None:
         self.last_gen = 0
         self._fences: dict[tuple[str, str], _Fence] = {}
-        self.changes = 0  # counts changes of what ``encode`` returns
-        self.on_change = on_change
+        self.changes = 0
 
     def _changed(self) -> None:
         self.changes += 1
-        if self.on_change is not None:
-            self.on_change()
+
+    def __len__(self) -> int:
+        return len(self._fences)
+
+    def to_doc(self) -> dict[str, Any]:
+        """The fences as saved (the ``fences`` part of ``ownership.json``)."""
+        return {"version": 1, "last_gen": self.last_gen, "fences": [
+            [g, c, f.gen, f.since, sorted([t, q] for t, q in f.queues)]
+            for (g, c), f in sorted(self._fences.items())]}
 
     def encode(self) -> bytes:
-        """The fences as saved in ``reset_fences.json``."""
-        return json.dumps({"version": 1, "last_gen": self.last_gen, "fences": [
-            [g, c, f.gen, f.since, sorted([t, q] for t, q in f.queues)]
-            for (g, c), f in sorted(self._fences.items())]}, separators=(",", ":")).encode()
+        return json.dumps(self.to_doc(), separators=(",", ":")).encode()
 
     def restore(self, data: bytes) -> int:
-        """Load saved fences (at broker start, replacing these); return how many. Raises
-        ValueError, naming what is wrong, for a file that is not a fence file."""
+        """Load saved fences (replacing these); return how many. Raises ValueError, naming
+        what is wrong, for data that is not a fence document."""
         try:
             doc = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"not JSON: {exc}") from None
+        return self.load_doc(doc)
+
+    def load_doc(self, doc: object) -> int:
+        """:meth:`restore` of a parsed document."""
         if (not isinstance(doc, dict) or doc.get("version") != 1
-                or type(doc.get("last_gen")) is not int or not isinstance(doc.get("fences"),
-                                                                          list)):
-            raise ValueError("not a version 1 reset-fence file")
+                or not _generation(doc.get("last_gen"))
+                or not isinstance(doc.get("fences"), list)):
+            raise ValueError("not a version 1 reset-fence document")
         fences: dict[tuple[str, str], _Fence] = {}
         for row in doc["fences"]:
             ok = (isinstance(row, list) and len(row) == 5 and isinstance(row[0], str)
-                  and isinstance(row[1], str) and type(row[2]) is int
+                  and isinstance(row[1], str) and _generation(row[2])
                   and isinstance(row[3], int | float) and isinstance(row[4], list)
                   and all(isinstance(x, list) and len(x) == 2 and isinstance(x[0], str)
                           and type(x[1]) is int for x in row[4]))
@@ -121,7 +131,7 @@ class ResetFence:
 
     def seen(self, group: str, client: str | None, gen: object) -> None:
         """The member reports it has handled resets up to ``gen``."""
-        if client is None or not isinstance(gen, int) or isinstance(gen, bool):
+        if client is None or type(gen) is not int:
             return
         f = self._fences.get((group, client))
         if f is not None and gen >= f.gen:
@@ -180,8 +190,7 @@ def parse_targets(raw: object, queues: int) -> dict[int, int]:
     return out
 
 
-def reset_offsets(store: MessageStore, groups: GroupRegistry, transition: TransitionLock,
-                  fence: ResetFence, clock: Callable[[], float],
+def reset_offsets(store: MessageStore, groups: GroupRegistry, owners: OwnershipService,
                   wake: Callable[[str, int], None], *, group: str, topic: str,
                   targets: dict[int, int], force: bool, restored: list[str]
                   ) -> tuple[dict[str, Any], int]:
@@ -201,12 +210,11 @@ def reset_offsets(store: MessageStore, groups: GroupRegistry, transition: Transi
     gen = 0
     if members:  # forced: the members must not overwrite it, and must read from it
         keys = {(topic, q) for q, _old, _new in rows}
-        gen = fence.add(group, members, keys, clock())
+        gen = owners.reset(group, members, keys)
         notice = {"group": group, "gen": gen, "queues": sorted([t, q] for t, q in keys)}
         for m in groups.members(group):
             m.conn.push(PushCode.OFFSETS_RESET, notice)
         for q, _old, _new in rows:
-            transition.reset_queue(group, topic, q)
             wake(topic, q)  # held pulls of its members: LOCKED
     end = 0
     for q, old, new in rows:

@@ -1,6 +1,7 @@
-"""The pull service: consumers' pulls (``PULL``) under the access lock, the orderly lock and
-the reset fence; long polling of empty pulls (``longpoll.py``) and their retries when
-messages arrive; the offset queries (``QUERY_OFFSETS``, ``SEARCH_OFFSET``, ``GET_OFFSET``).
+"""The pull service: consumers' pulls (``PULL``) under the queue-ownership rules
+(``ownership.py``: the reset fence, the orderly lock, the access lock); long polling of
+empty pulls (``longpoll.py``) and their retries when messages arrive; the offset queries
+(``QUERY_OFFSETS``, ``SEARCH_OFFSET``, ``GET_OFFSET``).
 
 A pull may carry a commit of the group's ack offset (piggy-backed; journaled with the next
 batch, not waited for). A pull refused by a lock or the fence is answered ``LOCKED``: no
@@ -18,17 +19,15 @@ from ..protocol.errors import ErrorCode, OnceqError
 from ..storage.store import check_name
 from .fields import Response, int_field, str_field, user_topic
 from .longpoll import HeldPull, PullHold
+from .ownership import Refusal
 
 if TYPE_CHECKING:
     from ..storage.store import MessageStore
-    from .commit_rule import CommitRule
     from .config import BrokerConfig
     from .connection import Connection
     from .metrics import BrokerMetrics
-    from .offset_reset import ResetFence
-    from .queue_lock import QueueLocks
+    from .ownership_service import OwnershipService
     from .trace import DeliveryTrace
-    from .transition import TransitionLock
 
 log = logging.getLogger("onceq.broker")
 
@@ -38,14 +37,10 @@ class PullService:
     broker starts."""
 
     def __init__(self, config: BrokerConfig, store: MessageStore, *,
-                 transition: TransitionLock, queue_locks: QueueLocks, fence: ResetFence,
-                 commits: CommitRule, trace: DeliveryTrace) -> None:
+                 owners: OwnershipService, trace: DeliveryTrace) -> None:
         self.config = config
         self.store = store
-        self.transition = transition
-        self.queue_locks = queue_locks
-        self.fence = fence
-        self.commits = commits
+        self.owners = owners
         self.trace = trace
         self.holds = PullHold(self._retry_pull)
         self.metrics: BrokerMetrics | None = None
@@ -103,38 +98,41 @@ class PullService:
             group = check_name("group", group)
         commit = int_field(h, "commit") if "commit" in h else -1
         client = h.get("client")
-        if group is not None and isinstance(client, str):
-            self.fence.seen(group, client, h.get("reset_gen"))
-            if self.fence.blocks(group, client, topic, queue):  # before it saw the reset:
-                return 0, self._locked(topic, queue, offset=req["offset"]), b""  # nor its commit
-        if group is not None and self.queue_locks.refuses(group, client, topic, queue):
-            return 0, self._locked(topic, queue, offset=req["offset"]), b""  # orderly lock
-        traced = group is not None and group in self.trace.groups  # delivery trace (trace.py)
-        acquired = False  # this pull made the client the queue's lock holder
-        if isinstance(client, str) and self.transition.applies(group, client):
-            acquired = traced and self.transition.table.holder(group, topic, queue) != client
-            grant = self.transition.check(group, client, topic, queue, req["offset"])
-            if not grant.granted:  # a refused client's commit must not move the offset
-                return 0, self._locked(topic, queue, offset=req["offset"]), b""
-            if grant.offset > req["offset"]:  # taken over and moved forward to the group's
-                commit = -1  # offset: the client's commit is its stale start, not progress
-            req["offset"] = grant.offset
-            req["group"], req["client"] = group, client
-        elif group is not None and commit >= 0 and not self.commits.may_commit(
-                group=group, client=client if isinstance(client, str) else None,
-                topic=topic, queue=queue):
-            commit = -1  # another client holds the queue: its commits count
-        if traced:
-            req["trace"] = (group, client if isinstance(client, str) else "", acquired)
-        if group is not None and commit >= 0:
-            # journaled with the next batch, not waited for: a consumer sends its finished
-            # offsets again after a reconnect (and with its next pull)
-            self.store.commit_offset_later(group, topic, queue, commit)
+        if not isinstance(client, str):
+            client = None
+        behind = None
+        if group is not None:
+            owners = self.owners
+            owners.seen(group, client, h.get("reset_gen"))
+            traced = group in self.trace.groups  # delivery trace (trace.py)
+            d = owners.pull(group, client, topic, queue, req["offset"])
+            if d.refused is not None:  # fenced, or another client holds the queue: its
+                return 0, self._locked(topic, queue, offset=req["offset"]), b""  # commit too
+            if d.corrected:  # taken over and moved forward to the group's offset: the
+                commit = -1  # client's commit is its stale start, not progress
+            if d.lock is not None:  # under the access lock
+                req["offset"] = d.offset
+                req["group"], req["client"] = group, client
+            if traced:
+                acquired = d.lock is not None and d.lock.previous_holder != client
+                req["trace"] = (group, client or "", acquired)
+            if commit >= 0:
+                # journaled with the next batch, not waited for: a consumer sends its
+                # finished offsets again after a reconnect (and with its next pull)
+                locked = d.lock is not None  # the pull just ran checks 1-3 under the lock
+                v, _ = owners.commit(group, client, topic, queue, commit, later=True,
+                                     checked=locked, locked=locked)
+                if v.refused is Refusal.BEHIND:
+                    behind = v.stored
         res = self._do_pull(req)
+        if behind is not None:  # its process queue is stale: the group consumed further
+            if res is None:
+                res = self._do_pull(req, final=True)
+            res[1]["behind"] = behind
         if res is None:
             seconds = min(req["suspend_ms"] / 1000, self.config.long_poll_max_s)
             if req["client"] is not None:  # a suspended holder is alive: keep its lock
-                self.transition.touch(group=group, client=client, topic=topic, queue=queue)
+                self.owners.touch(group, client, topic, queue)
             self.holds.hold((topic, queue), HeldPull(conn, corr, req), seconds)
             return None
         return res
@@ -149,8 +147,8 @@ class PullService:
             return None
         if r.status == PullStatus.FOUND:
             if req["client"] is not None:
-                self.transition.delivered(req["group"], req["topic"], req["queue"],
-                                          r.next_offset)
+                self.owners.delivered(req["group"], req["topic"], req["queue"],
+                                      r.next_offset)
             if "trace" in req:
                 self.trace.delivered(*req["trace"], req["topic"], req["queue"], r.payload)
             if self.metrics is not None:
@@ -166,8 +164,8 @@ class PullService:
             req = held.request
             if req["topic"] not in self.store.topics:
                 raise OnceqError(ErrorCode.TOPIC_NOT_EXIST, "topic was deleted")
-            if req["client"] is not None and not self.transition.is_holder(
-                    req["group"], req["client"], req["topic"], req["queue"]):
+            if req["client"] is not None and self.owners.holder(
+                    req["group"], req["topic"], req["queue"]) != req["client"]:
                 held.conn.respond(held.corr_id, 0,
                                   self._locked(req["topic"], req["queue"], offset=req["offset"]))
                 return True

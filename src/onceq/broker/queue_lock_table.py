@@ -26,7 +26,7 @@ access lock (``access_lock.py``), which concurrent members take implicitly by pu
 A queue has at most one holder of either kind at a time: :meth:`lock` is given the access
 lock's holders (``taken``) and does not grant a queue another client holds there, and the
 broker refuses a pull of a queue whose orderly lock another client holds (see
-``queue_lock.py`` and ``docs/consumer.md``, "Orderly consumption").
+``ownership.py`` and ``docs/consumer.md``, "Orderly consumption").
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-__all__ = ["QueueLockTable", "decode_lock_file", "encode_lock_file"]
+__all__ = ["QueueLockTable", "decode_lock_file", "encode_lock_file", "lock_rows"]
 
 _Queue = tuple[str, int]
 _Row = tuple[str, str, int, str]  # group, topic, queue, holder
@@ -43,7 +43,8 @@ _VERSION = 1
 
 
 def encode_lock_file(rows: Iterable[_Row]) -> bytes:
-    """The saved form of the locks (``queue_locks.json``)."""
+    """The saved form of the locks (``queue_locks.json`` of earlier versions; the state is
+    saved in ``ownership.json`` now, see ``ownership.py``)."""
     return json.dumps({"version": _VERSION, "locks": [list(r) for r in rows]},
                       separators=(",", ":")).encode()
 
@@ -56,9 +57,14 @@ def decode_lock_file(data: bytes) -> list[_Row]:
         raise ValueError(f"not JSON: {exc}") from None
     if not isinstance(doc, dict) or doc.get("version") != _VERSION:
         raise ValueError(f"not a version {_VERSION} queue-lock file")
-    rows = doc.get("locks")
+    return lock_rows(doc.get("locks"))
+
+
+def lock_rows(rows: object) -> list[_Row]:
+    """The rows of a parsed list of ``[group, topic, queue, holder]``; ValueError for a
+    damaged one."""
     if not isinstance(rows, list):
-        raise ValueError("'locks' must be a list")
+        raise ValueError("queue locks must be a list")
     out = []
     for r in rows:
         if not (isinstance(r, list) and len(r) == 4 and isinstance(r[0], str)

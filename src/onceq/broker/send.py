@@ -1,20 +1,32 @@
 """The send service: producers' sends (``SEND``, ``SEND_BATCH``), idempotent writers'
-sequenced sends (``SEND_SEQUENCED``) and consumers' send-backs to the retry topic
-(``CONSUMER_SEND_BACK``). Each stores messages, wakes the pulls held on the queue and
-answers once the write is durable (``durable.py``)."""
+sequenced sends (``SEND_SEQUENCED``), consumers' send-backs to the retry topic and resends
+of dead letters (``CONSUMER_SEND_BACK``). Each stores messages, wakes the pulls held on the
+queue and answers once the write is durable (``durable.py``).
+
+Sends name user topics only: system topics (``%...``) are written by the broker alone
+(``fields.client_written_topic``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..protocol.codes import RETRY_PREFIX
+from ..protocol.codes import RETRY_PREFIX, dlq_topic
 from ..protocol.errors import ErrorCode, OnceqError
 from ..storage.store import check_name
-from .fields import Response, int_field, split_parts, str_field, user_topic
+from .fields import (
+    Response,
+    client_written_topic,
+    int_field,
+    is_system_topic,
+    split_parts,
+    str_field,
+    user_topic,
+)
 from .idempotent import refuse_sequenced, send_sequenced
 
 if TYPE_CHECKING:
+    from ..storage.put import PutResult
     from ..storage.sequences import SequenceStore
     from ..storage.store import MessageStore
     from .config import BrokerConfig
@@ -39,40 +51,37 @@ class SendService:
         self.metrics: BrokerMetrics | None = None
 
     def topic_for_write(self, topic: str) -> None:
-        """Refuse the internal offsets topic; create a missing group retry topic (e.g. for
-        ``onceq dlq resend`` before any member registered), or any missing topic when
-        topics are created on first use (``auto_create_topics``)."""
+        """Make sure a topic a client names exists (sends, ``GET_TOPIC``): refuse the
+        internal offsets topic; create a missing group retry topic (a push consumer asks
+        for it before any of its messages failed), or any missing user topic when topics
+        are created on first use (``auto_create_topics``). Other system topics are created
+        by the broker when it first writes them."""
         user_topic(topic)
         if topic in self.store.topics:
             return
         if topic.startswith(RETRY_PREFIX) and self.retry is not None:
             self.retry.ensure_group_topics(check_name("group", topic[len(RETRY_PREFIX):]))
-        elif self.config.auto_create_topics:
+        elif self.config.auto_create_topics and not is_system_topic(topic):
             check_name("topic", topic)
             self.store.create_topic(topic, self.config.default_queues)
 
     def h_send(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes) -> Response:
-        topic = str_field(h, "topic")
+        topic = client_written_topic(str_field(h, "topic"))
         qid = int_field(h, "queue")
         self.topic_for_write(topic)
         parts = split_parts(p)
-        refuse_sequenced(topic, parts)
+        refuse_sequenced(parts)
         res = self.store.put(topic, qid, parts)
         if len(res.duplicates) < len(parts):
             self.on_put(topic, qid)
         if self.metrics is not None:
             self.metrics.on_send(topic, len(parts), len(p), len(res.duplicates))
-        if res.duplicates:
-            header = {"queue": qid, "offsets": res.offsets, "dups": res.duplicates,
-                      "dupq": res.duplicate_queues}
-        else:
-            header = {"queue": qid, "base": res.offsets[0], "n": len(res.offsets)}
-        return self.durable.reply(conn, corr, header, end=res.end_position)
+        return self.durable.reply(conn, corr, send_answer(qid, res), end=res.end_position)
 
     def h_send_sequenced(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
                          ) -> Response:
         """An idempotent writer's numbered batch (``idempotent.py``)."""
-        topic = str_field(h, "topic")
+        topic = client_written_topic(str_field(h, "topic"))
         qid = int_field(h, "queue")
         self.topic_for_write(topic)
         parts = split_parts(p)
@@ -86,16 +95,45 @@ class SendService:
 
     def h_send_back(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
                     ) -> Response:
-        """A message the consumer failed: to the group's retry topic, or its DLQ."""
+        """A message the consumer failed: to the group's retry topic, or its DLQ.
+
+        With ``resend: true`` (``onceq dlq resend``), the message at ``offset`` of the
+        group's dead-letter topic (``topic`` must name it, ``queue`` 0) goes back to the
+        group's retry topic at once; answered like a ``SEND`` to that topic."""
         assert self.retry is not None
         group = check_name("group", str_field(h, "group"))
+        resend = h.get("resend", False)
+        if not isinstance(resend, bool):
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "field 'resend' must be a boolean")
+        if resend:
+            return self._resend(conn, corr, group, h)
         max_reconsume = int_field(h, "max_reconsume", 16)
         if not 0 <= max_reconsume <= 10_000:
             raise OnceqError(ErrorCode.INVALID_ARGUMENT, "max_reconsume must be 0..10000")
         reason = h.get("dlq_reason", "")
         if not isinstance(reason, str):
             raise OnceqError(ErrorCode.INVALID_ARGUMENT, "field 'dlq_reason' must be a string")
-        res = self.retry.send_back(group, str_field(h, "topic"), int_field(h, "queue"),
-                                   int_field(h, "offset"), int_field(h, "delay_level", 0),
-                                   max_reconsume, reason)
+        res = self.retry.send_back(group, user_topic(str_field(h, "topic")),
+                                   int_field(h, "queue"), int_field(h, "offset"),
+                                   int_field(h, "delay_level", 0), max_reconsume, reason)
         return self.durable.reply(conn, corr, res)
+
+    def _resend(self, conn: Connection, corr: int, group: str, h: dict[str, Any]
+                ) -> Response:
+        assert self.retry is not None
+        dlq = dlq_topic(group)
+        if str_field(h, "topic") != dlq or int_field(h, "queue") != 0:
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT,
+                             f"a resend names the group's dead-letter queue {dlq}[0]")
+        res = self.retry.resend_dead_letter(group, int_field(h, "offset"))
+        return self.durable.reply(conn, corr, send_answer(0, res), end=res.end_position)
+
+
+def send_answer(queue: int, res: PutResult) -> dict[str, Any]:
+    """The answer to a send: the first offset and the count, or, when the dedup window
+    recognised some messages, every message's offset with the duplicates' indexes and
+    queues."""
+    if res.duplicates:
+        return {"queue": queue, "offsets": res.offsets, "dups": res.duplicates,
+                "dupq": res.duplicate_queues}
+    return {"queue": queue, "base": res.offsets[0], "n": len(res.offsets)}

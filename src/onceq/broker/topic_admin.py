@@ -1,6 +1,8 @@
 """Topic administration: ``CREATE_TOPIC``, ``DELETE_TOPIC``, ``LIST_TOPICS``, ``GET_TOPIC``
-and ``TOPIC_STATUS`` (per queue: offsets and store times). The broker's internal offsets
-journal topic is neither listed nor created nor deleted here."""
+and ``TOPIC_STATUS`` (per queue: offsets and store times). System topics (``%...``) are
+created and deleted by the broker only: a client deleting ``%SCHEDULE%`` would drop every
+pending retry, ``%TRACE%`` the audit's evidence. The internal offsets journal topic is not
+listed either."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ..log.offset_record import OFFSETS_TOPIC
 from ..protocol.codes import RequestCode
 from ..protocol.errors import ErrorCode, OnceqError
-from .fields import Handler, Response, int_field, str_field, user_topic
+from .fields import Handler, Response, client_written_topic, int_field, str_field
 
 if TYPE_CHECKING:
     from ..storage.store import MessageStore
@@ -41,7 +43,7 @@ class TopicAdmin:
 
     def h_create_topic(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
                        ) -> Response:
-        name = user_topic(str_field(h, "topic"))
+        name = client_written_topic(str_field(h, "topic"))
         queues = int_field(h, "queues", self.default_queues)
         if h.get("exclusive") and name in self.store.topics:
             raise OnceqError(ErrorCode.TOPIC_EXISTS, f"topic {name!r} already exists")
@@ -51,7 +53,7 @@ class TopicAdmin:
 
     def h_delete_topic(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
                        ) -> Response:
-        name = user_topic(str_field(h, "topic"))
+        name = client_written_topic(str_field(h, "topic"))
         self.store.delete_topic(name)
         self.forget_topic(name)
         log.info("topic %s deleted", name)

@@ -17,6 +17,13 @@ an ordinary message, so the ``onceq`` Spark source reads it (``onceq audit``):
   (a graceful unregister), ``disconnect`` (the connection closed without one: a crash or
   a cut link) or ``expired`` (no heartbeat within the expiry time).
 
+Every record also carries ``src=broker`` and ``seq`` (the record's place in this broker
+run). Only the broker writes ``%TRACE%``: client sends to system topics, their deletion
+and schedule deliveries into them are refused (``fields.client_written_topic``,
+``retry.py``), so a record of the topic carrying ``src=broker`` is the broker's. The audit
+reads only those: a record without the mark does not come from the broker's trace and is
+no evidence of a delivery.
+
 Cost: with tracing off a pull pays one set lookup. With tracing on, the delivered records'
 fixed headers are read (no decoding of bodies or properties) and one trace message is
 stored (more when its body would pass half the broker's max body size) before the pull
@@ -33,7 +40,7 @@ import os
 from collections.abc import Callable
 
 from ..log.record import PART_FIXED_SIZE, REC_HEAD_AND_PART, REC_HEADER_SIZE, encode_part
-from ..protocol.codes import TRACE_TOPIC
+from ..protocol.codes import PROP_TRACE_SOURCE, TRACE_SOURCE_BROKER, TRACE_TOPIC
 from ..protocol.errors import OnceqError
 from ..storage.store import MessageStore
 
@@ -90,7 +97,7 @@ class DeliveryTrace:
             self.groups = {g for g in data["groups"] if isinstance(g, str)}
         if self.groups:  # the audit's mark for offsets committed before a crash and lost
             self._put([encode_part(b"", "", int(self.clock() * 1000), properties={
-                "kind": "broker", "event": "start", "seq": self._next_seq()})])
+                "kind": "broker", "event": "start", **self._stamp()})])
 
     def set(self, group: str, enabled: bool) -> None:
         """Turn tracing on or off for ``group`` and persist the set (write and rename)."""
@@ -114,7 +121,7 @@ class DeliveryTrace:
         now = int(self.clock() * 1000)
         props = {"kind": "deliver", "group": group, "client": client, "topic": topic,
                  "queue": str(queue), "handover": "1" if handover else "0",
-                 "seq": self._next_seq()}
+                 **self._stamp()}
         limit = max(self.store.config.max_body // 2, 1024)  # a body never exceeds max_body
         bodies: list[list[str]] = [[]]
         size = 0
@@ -132,14 +139,15 @@ class DeliveryTrace:
         if group in self.groups:
             self._put([encode_part(b"", "", int(self.clock() * 1000), properties={
                 "kind": "member", "group": group, "client": client, "event": event,
-                "seq": self._next_seq()})])
+                **self._stamp()})])
 
     def close(self) -> None:
         self._closed = True
 
-    def _next_seq(self) -> str:
+    def _stamp(self) -> dict[str, str]:
+        """The properties of every record: the broker's mark and the next ``seq``."""
         self._seq += 1
-        return str(self._seq)
+        return {PROP_TRACE_SOURCE: TRACE_SOURCE_BROKER, "seq": str(self._seq)}
 
     def _put(self, buf: list[bytes]) -> None:
         if not buf or self._closed:

@@ -49,16 +49,22 @@ def fail(message: str) -> NoReturn:
     raise BrokerError(message)
 
 
+def exit_for(exc: OnceqError) -> NoReturn:
+    """Report a onceq error on one line and exit: 3 when the broker could not be reached
+    (or the connection broke), 2 when it answered with an error."""
+    if isinstance(exc, ConnectionLost):
+        click.echo(f"error: {exc.message}", err=True)
+        sys.exit(EXIT_UNREACHABLE)
+    click.echo(f"error: {exc.code.name}: {exc.message}", err=True)
+    sys.exit(EXIT_ERROR)
+
+
 def run_async(coro: Coroutine[Any, Any, T]) -> T:
     """Run a coroutine; turn onceq errors into a clear message and a non-zero exit code."""
     try:
         return asyncio.run(coro)
-    except ConnectionLost as exc:
-        click.echo(f"error: {exc.message}", err=True)
-        sys.exit(EXIT_UNREACHABLE)
     except OnceqError as exc:
-        click.echo(f"error: {exc.code.name}: {exc.message}", err=True)
-        sys.exit(EXIT_ERROR)
+        exit_for(exc)
 
 
 def async_command(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., Any]:
@@ -67,3 +73,9 @@ def async_command(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., 
         return run_async(fn(*args, **kwargs))
 
     return wrapper
+
+
+# integers sent to the broker travel as signed 64 bits: a wider one is a usage error here
+WIRE_INT = click.IntRange(-(1 << 63), (1 << 63) - 1)
+OFFSET = click.IntRange(0, (1 << 63) - 1)
+COUNT = click.IntRange(1, (1 << 63) - 1)

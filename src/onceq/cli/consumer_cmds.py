@@ -32,7 +32,7 @@ from ..protocol.codes import (
     RETRY_PREFIX,
     dlq_topic,
 )
-from .common import async_command, broker_option, fail, run_async
+from .common import COUNT, OFFSET, async_command, broker_option, fail, run_async
 from .logs import command_log_level
 
 console = Console()
@@ -311,8 +311,8 @@ def dlq() -> None:
 
 @dlq.command("list")
 @click.argument("group")
-@click.option("--max", "max_msgs", default=100, show_default=True, type=click.IntRange(1))
-@click.option("--start", default=None, type=click.IntRange(0),
+@click.option("--max", "max_msgs", default=100, show_default=True, type=COUNT)
+@click.option("--start", default=None, type=OFFSET,
               help="First DLQ offset to show (default: the oldest).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @broker_option
@@ -361,7 +361,7 @@ def _letter(m: MessageExt) -> dict[str, Any]:
 
 @dlq.command("resend")
 @click.argument("group")
-@click.option("--offset", "offsets", multiple=True, type=click.IntRange(0),
+@click.option("--offset", "offsets", multiple=True, type=OFFSET,
               help="DLQ offset to resend (repeatable).")
 @click.option("--all", "resend_all", is_flag=True, help="Resend every dead letter.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")

@@ -13,7 +13,7 @@ from ..client.message import Message
 from ..client.producer import Producer
 from ..client.pull import PullConsumer
 from ..protocol.codes import PullStatus
-from .common import async_command, broker_option, fail
+from .common import COUNT, OFFSET, async_command, broker_option, fail
 from .logs import log_options, setup_cli_logging
 
 console = Console()
@@ -107,9 +107,9 @@ async def send(topic_name: str, body: str, tags: str, keys: str, sharding_key: s
 
 @main.command()
 @click.argument("topic_name", metavar="TOPIC")
-@click.option("--queue", "-q", "queues", multiple=True, type=int, help="Queue(s); default all.")
-@click.option("--offset", default=None, type=int, help="Start offset (default: queue minimum).")
-@click.option("--max", "max_msgs", default=100, show_default=True, type=click.IntRange(1))
+@click.option("--queue", "-q", "queues", multiple=True, type=OFFSET, help="Queue(s); default all.")
+@click.option("--offset", default=None, type=OFFSET, help="Start offset (default: queue minimum).")
+@click.option("--max", "max_msgs", default=100, show_default=True, type=COUNT)
 @click.option("--tags", default=None, help="Tag expression, e.g. 'A || B'.")
 @click.option("--follow", "-f", is_flag=True, help="Keep waiting for new messages (tail).")
 @broker_option

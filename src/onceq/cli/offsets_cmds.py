@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..client.admin import Admin
-from .common import async_command, broker_option
+from .common import OFFSET, WIRE_INT, async_command, broker_option
 
 console = Console()
 
@@ -68,11 +68,11 @@ def parse_time(value: str) -> int:
 @offsets.command("reset")
 @click.option("--group", "-g", required=True, help="Consumer group.")
 @click.option("--topic", "-t", required=True, help="Topic.")
-@click.option("--to-offset", type=int, default=None, help="Move to this offset.")
+@click.option("--to-offset", type=WIRE_INT, default=None, help="Move to this offset.")
 @click.option("--to-time", default=None, metavar="TIME",
               help="Move to the first message stored at or after TIME (ISO 8601, UTC when "
                    "no zone is given, or epoch milliseconds).")
-@click.option("--queue", "-q", type=click.IntRange(0), default=None,
+@click.option("--queue", "-q", type=OFFSET, default=None,
               help="Only this queue (default: every queue of the topic).")
 @click.option("--force", is_flag=True,
               help="Reset even while the group has live members: they drop those queues "

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..log.record import MessageExt, decode_records, encode_part
-from ..log.sequence import SEQUENCED
+from ..log.record import MessageExt, decode_records
 from ..protocol.codes import (
     PROP_ORIGIN_TOPIC,
     RETRY_PREFIX,
@@ -21,8 +19,6 @@ from ..protocol.errors import ErrorCode, OnceqError
 from .allocation import MessageQueue, allocate_average
 from .base import BrokerClient
 from .connection import ConnectionLost
-
-_U32 = struct.Struct("<I")
 
 
 @dataclass(slots=True)
@@ -335,11 +331,10 @@ class Admin(BrokerClient):
             res.error = "no origin topic in its properties"
             return res
         res.topic = retry_topic(group)
-        try:
-            part = encode_part(m.body, m.unique_key, m.born_ts_ms, m.tags, m.keys,
-                               m.properties, m.flags & ~SEQUENCED, m.reconsume_times)
-            hdr, _ = await self._request(RequestCode.SEND, {"topic": res.topic, "queue": 0},
-                                         _U32.pack(len(part)) + part)
+        try:  # the broker copies the dead letter (clients cannot send to system topics)
+            hdr, _ = await self._request(RequestCode.CONSUMER_SEND_BACK, {
+                "group": group, "topic": dlq_topic(group), "queue": 0,
+                "offset": m.queue_offset, "resend": True})
         except ConnectionLost:
             raise
         except OnceqError as exc:

@@ -1,9 +1,10 @@
-"""The queues a push consumer owns now, with a generation that stale work checks.
+"""The queues a push consumer owns now.
 
 One object, owned by the consumer: the rebalance changes it (take, revoke), the pull loops
 and consume services read it. Work started for a process queue (a pull, a listener call, a
 commit) asks :meth:`Assignment.active` before it acts on the result: the queue may have
-been revoked, reset or taken again meanwhile, and then the result belongs to nobody.
+been revoked, reset, lost or taken again meanwhile (a new process queue then stands for
+it), and then the result belongs to nobody.
 """
 
 from __future__ import annotations
@@ -15,28 +16,23 @@ from .process_queue import ProcessQueue
 
 
 class Assignment:
-    __slots__ = ("_pqs", "generation")
+    __slots__ = ("_pqs",)
 
     def __init__(self) -> None:
         self._pqs: dict[MessageQueue, ProcessQueue] = {}
-        self.generation = 0  # bumped on every take and revoke
 
     def take(self, pq: ProcessQueue) -> None:
-        self.generation += 1
-        pq.generation = self.generation
         self._pqs[pq.mq] = pq
 
     def revoke(self, pq: ProcessQueue) -> None:
         """Stop work on ``pq`` now (it stays listed until :meth:`forget`, while it drains)."""
         pq.dropped = True
-        self.generation += 1
 
     def forget(self, pq: ProcessQueue) -> None:
         """``pq`` was released: it is no longer owned."""
         pq.dropped = pq.released = True
         if self._pqs.get(pq.mq) is pq:
             del self._pqs[pq.mq]
-            self.generation += 1
 
     def active(self, pq: ProcessQueue) -> bool:
         """Whether ``pq`` is still the owned, undropped process queue of its queue."""

@@ -34,6 +34,11 @@ class ConnectionLost(OnceqError):
         super().__init__(code, message)
 
 
+def retriable(exc: OnceqError) -> bool:
+    """Whether trying again may succeed: a retriable code, or a lost connection."""
+    return exc.retriable or isinstance(exc, ConnectionLost)
+
+
 def parse_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit():

@@ -62,6 +62,12 @@ class ConsumeContext:
     attempt: int = 1
     dlq_reasons: dict[int, str] = field(default_factory=dict)
 
+    def acked(self, size: int) -> int:
+        """How many of a batch of ``size`` messages a SUCCESS acknowledges: those up to
+        ``ack_index``, clamped to the batch (a negative index acknowledges none, never
+        slices from the end)."""
+        return min(max(self.ack_index, -1), size - 1) + 1
+
 
 Listener = Callable[[list[MessageExt], ConsumeContext],
                     Awaitable[ConsumeStatus | None] | ConsumeStatus | None]

@@ -125,6 +125,10 @@ class ConcurrentConsumeService(ConsumeService):
             pq, batch = item
             if pq.dropped:
                 continue  # not started before the revoke: the next owner gets it
+            if self.consumer.lease_lapsed(pq):  # away longer than the broker keeps a lock:
+                await self.consumer.confirm_lease(pq)  # is the queue still ours?
+                if pq.dropped:
+                    continue
             self._started(pq)
             handed_on = False
             try:
@@ -161,8 +165,7 @@ class ConcurrentConsumeService(ConsumeService):
                 self._expired[w] = False
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
         if status == ConsumeStatus.SUCCESS:
-            # clamp: a negative index would slice from the end and drop failed messages
-            acked = min(max(ctx.ack_index, -1), len(batch) - 1) + 1
+            acked = ctx.acked(len(batch))
             done = batch[:acked]
             failed = batch[acked:]
         else:
@@ -170,7 +173,7 @@ class ConcurrentConsumeService(ConsumeService):
         if pq.released:
             # finished after the drain timeout: the queue's next owner re-reads these
             # messages from the committed offset; a send-back now would add a second copy
-            if not pq.reset:  # or the group's offsets were reset: expected, not a warning
+            if not pq.stale:  # or the group moved on without it: expected, not a warning
                 log.warning("listener finished on %s after its queue was released; result "
                             "dropped", pq.mq)
             return False

@@ -159,7 +159,7 @@ class OrderlyConsumeService(ConsumeService):
             self._locked_at.pop(mq, None)
             c.stats["lock_lost"] += 1
             log.warning("%s: lock of %s lost; dropping the queue", c.client_id, mq)
-            c._stale.add(mq)
+            c._to_drop.add(mq)
             c.rebalance_soon()
 
     # ---------------------------------------------------------------- consuming
@@ -217,7 +217,7 @@ class OrderlyConsumeService(ConsumeService):
             async with self._sem:
                 status = await self.call_listener(batch, ctx)
             if status == ConsumeStatus.SUCCESS:
-                acked = min(max(ctx.ack_index, -1), len(batch) - 1) + 1
+                acked = ctx.acked(len(batch))
                 if acked:
                     pq.remove(batch[:acked])
                     c.stats["consumed"] += acked
@@ -321,6 +321,6 @@ class OrderlyConsumeService(ConsumeService):
         if not self.locking:
             await c.offsets.release(pq)
             return
-        item: list[Any] = [pq.mq.topic, pq.mq.queue_id, -1 if pq.reset else pq.commit_offset]
+        item: list[Any] = [pq.mq.topic, pq.mq.queue_id, -1 if pq.stale else pq.commit_offset]
         await c._req(RequestCode.UNLOCK_QUEUES, {"group": c.group, "client": c.client_id,
                                                  "queues": [item], **c._gen()})

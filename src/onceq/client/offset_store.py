@@ -129,6 +129,11 @@ class BrokerOffsets(OffsetStore):
                 **self._query(mq), "offset": offset, "client": self.c.client_id,
                 **self.c._gen()})
         except OnceqError as exc:
+            if exc.code == ErrorCode.OFFSET_BEHIND:  # the group moved on without this
+                pq = self.c.owned.get(mq)  # member (it was away): its process queue is stale
+                if pq is not None:
+                    self.c._lose([pq], exc.message)
+                return
             if exc.code != ErrorCode.NOT_HOLDER:
                 raise
             # this member lost the queue's lock (a rebalance or an offset reset is under
@@ -145,7 +150,7 @@ class BrokerOffsets(OffsetStore):
         mq = pq.mq
         await self.c._req(RequestCode.RELEASE_QUEUE, {
             **self._query(mq), "client": self.c.client_id,
-            "offset": -1 if pq.reset else pq.commit_offset, **self.c._gen()})
+            "offset": -1 if pq.stale else pq.commit_offset, **self.c._gen()})
 
     async def reconnected(self, conn: BrokerConnection, holds: list[list[Any]],
                           owned: list[tuple[MessageQueue, ProcessQueue]]) -> None:

@@ -26,6 +26,7 @@ from .._aio import wait_event
 from ..log.record import RecordError, decode_records
 from ..protocol.codes import RETRY_PREFIX, PullStatus, PushCode, RequestCode, retry_topic
 from ..protocol.errors import ErrorCode, OnceqError
+from . import middleware
 from .allocation import MessageQueue
 from .assignment import Assignment
 from .base import BrokerClient, Connect
@@ -93,9 +94,11 @@ class PushConsumer(BrokerClient):
         self.owned = Assignment()
         self.offsets: OffsetStore = BrokerOffsets(self)
         self.service: ConsumeService | None = None
-        self._stale: set[MessageQueue] = set()  # queues whose topic went away under a pull
+        self._to_drop: set[MessageQueue] = set()  # the next rebalance drops these
         self._pull_tasks: dict[MessageQueue, asyncio.Task[None]] = {}
         self._reset_gen = 0  # the last forced offset reset handled (see offset_reset.py)
+        self._hold_s: float | None = None  # the broker's access-lock hold (heartbeat answer)
+        self._confirming: asyncio.Task[None] | None = None  # a heartbeat for a lapsed lease
         self._reset_tasks: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._running = False
@@ -152,9 +155,8 @@ class PushConsumer(BrokerClient):
         self.service = (OrderlyConsumeService(self) if self.orderly
                         else ConcurrentConsumeService(self))
         if self.idempotency is not None:
-            from ..idempotency.option import wrap_listener  # it imports this module
-
-            self.idempotent_listener = wrap_listener(self._listener, self.idempotency)
+            self.idempotent_listener = middleware.build("idempotency", self.idempotency
+                                                        ).wrap(self._listener)
         listener = self.listener
         if not (inspect.iscoroutinefunction(listener)
                 or inspect.iscoroutinefunction(type(listener).__call__)):
@@ -241,11 +243,13 @@ class PushConsumer(BrokerClient):
         # out on it, or the broker would not apply the access lock. The heartbeat
         # re-asserts the queues this consumer holds (the broker may have restarted), then
         # the offsets of finished work are sent again
+        header, listed = self._heartbeat_request()
+        sent = self.clock()
         try:
-            hdr, _ = await conn.request(RequestCode.HEARTBEAT, self._heartbeat_header())
+            hdr, _ = await conn.request(RequestCode.HEARTBEAT, header)
         except OnceqError:
             return
-        self._handle_resets(hdr)  # missed while disconnected
+        self._on_heartbeat_answer(hdr, listed, sent)  # resets missed while disconnected
         if self.service is not None:
             await self.service.reconnected(conn)  # orderly: lock the owned queues again
         await self.offsets.reconnected(conn, hdr.get("holds", []), self.owned.items())
@@ -279,15 +283,38 @@ class PushConsumer(BrokerClient):
                 or not self._running):
             return
         keys = {(t, q) for t, q in notice.get("queues", ())}
-        hit = [(mq, pq) for mq, pq in self.owned.items() if (mq.topic, mq.queue_id) in keys]
-        for _mq, pq in hit:
-            pq.reset = True
-            self.owned.revoke(pq)
-            pq.released = True
+        hit = [pq for mq, pq in self.owned.items() if (mq.topic, mq.queue_id) in keys]
         self._reset_gen = gen
         self.stats["offset_resets"] += 1
         log.info("%s: offsets of group %s were reset on %d queue(s); taking %d again from "
                  "the new offsets", self.client_id, self.group, len(keys), len(hit))
+        self._drop_and_retake(hit)
+
+    def _lose(self, pqs: list[ProcessQueue], why: str) -> None:
+        """The broker says these queues moved on without this member (its lock expired or
+        was handed over while it was away, or the group committed past its position):
+        what they hold in flight was, or will be, consumed by another member. Drop them
+        now, without committing, and take them again from the group's offset."""
+        lost = [pq for pq in pqs if self.owned.active(pq)]
+        if not lost:
+            return
+        self.stats["queues_lost"] += len(lost)
+        log.warning("%s: %s no longer held by this member (%s); dropping %d in-flight "
+                    "message(s) and taking them again from the group's offset",
+                    self.client_id, ", ".join(f"{pq.mq.topic}:{pq.mq.queue_id}"
+                                              for pq in lost),
+                    why, sum(len(pq) for pq in lost))
+        self._drop_and_retake(lost)
+
+    def _drop_and_retake(self, pqs: list[ProcessQueue]) -> None:
+        """Stop work on ``pqs`` at once, synchronously (no request sent after this carries
+        their positions), commit nothing of them (results still to come are thrown away),
+        and take their queues again from the broker's offset."""
+        hit = [(pq.mq, pq) for pq in pqs if self.owned.active(pq)]
+        for _mq, pq in hit:
+            pq.stale = True
+            self.owned.revoke(pq)
+            pq.released = True
         if hit:
             task = asyncio.get_running_loop().create_task(self._retake(hit))
             self._reset_tasks.add(task)
@@ -316,21 +343,72 @@ class PushConsumer(BrokerClient):
                                 self.client_id, mq, exc)
                     self._timer.notify()
 
-    def _heartbeat_header(self) -> dict[str, Any]:
+    def _heartbeat_request(self) -> tuple[dict[str, Any], dict[tuple[str, int], ProcessQueue]]:
+        """A heartbeat, and the process queues its ``held`` list names."""
         meta: dict[str, Any] = {"access_lock": self.config.access_lock}
         if self.orderly:
             meta["orderly"] = True
         group: dict[str, Any] = {"group": self.group, "model": self.config.model.value,
                                  "subs": dict(self._subs), "meta": meta}
+        listed: dict[tuple[str, int], ProcessQueue] = {}
         if self.clustering:  # the queues held (draining ones too, until released)
-            group["held"] = [[mq.topic, mq.queue_id, pq.next_offset]
-                             for mq, pq in sorted(self.owned.items()) if not pq.released]
+            listed = {(mq.topic, mq.queue_id): pq for mq, pq in sorted(self.owned.items())
+                      if not pq.released}
+            group["held"] = [[t, q, pq.next_offset] for (t, q), pq in listed.items()]
             group.update(self._gen())
-        return {"client": self.client_id, "groups": [group]}
+        return {"client": self.client_id, "groups": [group]}, listed
+
+    def _on_heartbeat_answer(self, hdr: dict[str, Any],
+                             listed: dict[tuple[str, int], ProcessQueue], sent: float) -> None:
+        """Resets to handle; per listed queue whether this member still holds it: a held
+        queue's lease is renewed from ``sent``, a queue it held and holds no more is lost."""
+        self._handle_resets(hdr)
+        hold = hdr.get("hold_s")
+        self._hold_s = float(hold) if isinstance(hold, int | float) and hold > 0 else None
+        answered = {(t, q): bool(has) for g, t, q, has in hdr.get("holds", ())
+                    if g == self.group}
+        lost = []
+        for key, pq in listed.items():
+            if not self.owned.active(pq):
+                continue
+            if answered.get(key):
+                self._confirmed(pq, sent)
+            elif pq.confirmed_at is not None and self._hold_s is not None:
+                lost.append(pq)  # it held the queue: not any more (or it is not there)
+        self._lose(lost, "the broker gave its lock to another member or freed it")
+
+    def _confirmed(self, pq: ProcessQueue, sent: float) -> None:
+        """The broker confirmed the access lock of ``pq`` by a request sent at ``sent``."""
+        if self._hold_s is not None and (pq.confirmed_at is None or sent > pq.confirmed_at):
+            pq.confirmed_at = sent
+
+    def lease_lapsed(self, pq: ProcessQueue) -> bool:
+        """Whether this member has been away (paused, cut off) long enough that the broker
+        may have given the queue's lock away: no confirmation for half the hold time. Its
+        in-flight messages then wait for a heartbeat's answer before a listener sees them."""
+        return (self._hold_s is not None and pq.confirmed_at is not None
+                and self.clock() - pq.confirmed_at >= self._hold_s / 2)
+
+    async def confirm_lease(self, pq: ProcessQueue) -> None:
+        """Wait until the broker confirmed ``pq`` again (a heartbeat now) or it was dropped.
+        Concurrent callers share one heartbeat."""
+        delay = 0.05
+        while self._running and self.owned.active(pq) and self.lease_lapsed(pq):
+            if self._confirming is None or self._confirming.done():
+                self._confirming = asyncio.get_running_loop().create_task(self._heartbeat())
+            try:
+                await asyncio.shield(self._confirming)
+            except Exception as exc:  # the broker is out of reach: ask again after a wait
+                log.debug("lease of %s not confirmed: %s", pq.mq, exc)
+            if self.owned.active(pq) and self.lease_lapsed(pq):
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
 
     async def _heartbeat(self) -> None:
-        hdr, _ = await self._req(RequestCode.HEARTBEAT, self._heartbeat_header())
-        self._handle_resets(hdr)
+        header, listed = self._heartbeat_request()
+        sent = self.clock()
+        hdr, _ = await self._req(RequestCode.HEARTBEAT, header)
+        self._on_heartbeat_answer(hdr, listed, sent)
 
     async def _every(self, seconds: float, fn: Callable[[], Awaitable[None]]) -> None:
         while self._running:  # also ends if a cancellation was swallowed inside ``fn``
@@ -394,8 +472,8 @@ class PushConsumer(BrokerClient):
             desired = await self._desired()
             now = self.clock()
             stalled = [mq for mq, pq in self.owned.items()
-                       if mq in self._stale or pq.pull_expired(now, self.config.pull_expire_s)]
-            self._stale.clear()
+                       if mq in self._to_drop or pq.pull_expired(now, self.config.pull_expire_s)]
+            self._to_drop.clear()
             plan = plan_rebalance(self.owned, desired, stalled)
             if plan.revoke or plan.assign:
                 log.info("%s rebalance: revoke %s, assign %s", self.client_id,
@@ -487,6 +565,9 @@ class PushConsumer(BrokerClient):
                 pq.last_pull = self.clock()
                 await asyncio.sleep(cfg.locked_backoff_s)
                 continue
+            if self.lease_lapsed(pq):  # away (paused): is the queue still ours?
+                await self.confirm_lease(pq)
+                continue
             header: dict[str, Any] = {
                 "topic": mq.topic, "queue": mq.queue_id, "offset": pq.next_offset,
                 "max": cfg.pull_batch_size, "group": self.group, "client": self.client_id,
@@ -498,6 +579,7 @@ class PushConsumer(BrokerClient):
             commit = self.offsets.piggyback(mq, pq.commit_offset)
             if commit is not None:
                 header["commit"] = commit
+            sent = self.clock()
             try:
                 hdr, payload = await self._req(RequestCode.PULL, header,
                                                timeout=cfg.pull_suspend_s + 10)
@@ -507,7 +589,7 @@ class PushConsumer(BrokerClient):
                     # next rebalance drops this queue and takes it afresh if it exists
                     log.warning("pull %s: %s; queue dropped until the next rebalance", mq,
                                 exc.message)
-                    self._stale.add(mq)
+                    self._to_drop.add(mq)
                     self.rebalance_soon()
                     return
                 failures += 1
@@ -517,8 +599,18 @@ class PushConsumer(BrokerClient):
             failures = 0
             pq.last_pull = self.clock()
             status = hdr["st"]
-            if commit is not None and status != PullStatus.LOCKED:  # a refused pull's
-                self.offsets.carried(mq, commit)  # commit was not applied: sent again
+            if status == PullStatus.LOCKED:
+                if pq.confirmed_at is not None:  # it held the queue: another holds it now
+                    self._lose([pq], "another member holds its lock")
+                    break
+            elif "behind" in hdr:  # its commit was below the group's: the group moved on
+                self._lose([pq], f"the group committed {hdr['behind']}, past its "
+                                 f"position {commit}")
+                break
+            else:
+                self._confirmed(pq, sent)
+                if commit is not None:  # a refused pull's commit was not applied: sent
+                    self.offsets.carried(mq, commit)  # again
             if status == PullStatus.FOUND:
                 try:
                     msgs = list(decode_records(payload)) if payload else []

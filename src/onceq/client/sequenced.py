@@ -25,7 +25,7 @@ from ..log.sequence import SEQ_PROPERTY, SEQUENCED, check_writer_id, marker
 from ..protocol.codes import RequestCode
 from ..protocol.errors import ErrorCode, OnceqError
 from .base import BrokerClient
-from .connection import ConnectionLost
+from .connection import ConnectionLost, retriable
 
 log = logging.getLogger("onceq.client")
 _U32 = struct.Struct("<I")
@@ -59,10 +59,6 @@ class _Batch:
     fut: asyncio.Future[tuple[dict[str, Any], bytes]] | None = field(default=None)
 
 
-def _retriable(exc: OnceqError) -> bool:
-    return exc.retriable or isinstance(exc, ConnectionLost)
-
-
 class SequencedWriter(BrokerClient):
     """Sends numbered batches of one writer id and epoch; counts what was stored."""
 
@@ -86,7 +82,7 @@ class SequencedWriter(BrokerClient):
                 hdr, _ = await self._request(RequestCode.GET_TOPIC, {"topic": topic})
                 return int(hdr["queues"])
             except OnceqError as exc:
-                if not _retriable(exc) or time.monotonic() + delay >= deadline:
+                if not retriable(exc) or time.monotonic() + delay >= deadline:
                     raise
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
@@ -127,7 +123,7 @@ class SequencedWriter(BrokerClient):
         try:
             await self._send(batch)
         except OnceqError as exc:
-            if not _retriable(exc):
+            if not retriable(exc):
                 raise
             batch.fut = asyncio.get_running_loop().create_future()
             batch.fut.set_exception(exc)
@@ -145,7 +141,7 @@ class SequencedWriter(BrokerClient):
                 raise OnceqError(ErrorCode.SERVICE_UNAVAILABLE, (
                     f"writer {self.writer}: no answer within {self.timeout}s")) from None
             except OnceqError as exc:
-                if not _retriable(exc) or time.monotonic() >= deadline:
+                if not retriable(exc) or time.monotonic() >= deadline:
                     raise
                 log.debug("writer %s: batch failed (%s); sending it and the later ones again",
                           self.writer, exc)

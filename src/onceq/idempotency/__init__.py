@@ -6,9 +6,10 @@ ambiguous outcomes (``policy``, pure), stores behind one small protocol (``store
 in-memory; ``sql``: SQLite, MariaDB/MySQL, PostgreSQL; ``redis_store``).
 ``transactional(handler, db=URL)`` commits the dedup row with the business writes.
 ``PushConsumer(..., idempotency=URL or Idempotency(...))`` is the same guard as an option.
+The guarded handler's context (``IdempotentContext``) carries each claim's ``FencingToken``.
 """
 
-from .listener import IdempotentListener, idempotent
+from .listener import IdempotentContext, IdempotentListener, idempotent
 from .option import Idempotency
 from .policy import Action, Ambiguous, Decision, Verdict, batch_reply, decide_action
 from .record import (
@@ -16,6 +17,7 @@ from .record import (
     Claim,
     ClaimResult,
     Event,
+    FencingToken,
     Outcome,
     Record,
     Status,
@@ -27,7 +29,14 @@ from .record import (
     events,
     payload_hash,
 )
-from .store import DedupStore, MemoryStore, StoreError, StoreStats, open_store
+from .store import (
+    DedupStore,
+    MemoryStore,
+    StoreError,
+    StoreStats,
+    WriteLockTimeout,
+    open_store,
+)
 from .transactional import TransactionalListener, transactional
 
 __all__ = [
@@ -39,7 +48,9 @@ __all__ = [
     "Decision",
     "DedupStore",
     "Event",
+    "FencingToken",
     "Idempotency",
+    "IdempotentContext",
     "IdempotentListener",
     "MemoryStore",
     "Outcome",
@@ -50,6 +61,7 @@ __all__ = [
     "Ticket",
     "TransactionalListener",
     "Verdict",
+    "WriteLockTimeout",
     "batch_reply",
     "decide_action",
     "decide_claim",

@@ -42,7 +42,11 @@ class Dialect:
     history_set: Callable[[list[str]], str] = lambda parts: (
         f"history = substr(COALESCE(history, '') || {' || '.join(parts)}, -{HISTORY_CHARS})")
     int_text: str = "CAST(attempt AS TEXT)"
-
+    # the error says that the database-wide write lock was not obtained in time (SQLite):
+    # another connection holds it; trying again at once would only wait again
+    is_lock_timeout: Callable[[BaseException], bool] = lambda exc: False
+    database: str = ""  # the database, as log lines name it
+    busy_timeout_s: float | None = None  # SQLite: how long a writer waits for the lock
 
 
 def _schema(double: str, key: str, text: str, extra: str = "", inline_index: bool = False
@@ -68,18 +72,35 @@ ROW = "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 _INSERT = f"INSERT INTO {{t}} ({COLS}) VALUES {ROW}"
 
 
-def sqlite_dialect(path: str, synchronous: str = "FULL") -> Dialect:
-    """SQLite in WAL mode (a file shared by the processes of one host, or ``:memory:``).
-    ``synchronous=FULL`` survives a power cut; ``NORMAL`` (faster: no fsync per commit)
-    survives a crash of the process but may lose the last records in a power cut."""
+def _sqlite_lock_timeout(exc: BaseException) -> bool:
     import sqlite3
 
+    if not isinstance(exc, sqlite3.OperationalError):
+        return False
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return (code & 0xFF) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+    return "database is locked" in str(exc) or "database is busy" in str(exc)
+
+
+def sqlite_dialect(path: str, synchronous: str = "FULL", busy_timeout_s: float = 10.0
+                   ) -> Dialect:
+    """SQLite in WAL mode (a file shared by the processes of one host, or ``:memory:``).
+    ``synchronous=FULL`` survives a power cut; ``NORMAL`` (faster: no fsync per commit)
+    survives a crash of the process but may lose the last records in a power cut.
+    ``busy_timeout_s``: how long a connection waits for the write lock that another one
+    holds before the statement fails with "database is locked"."""
+    import os
+    import sqlite3
+
+    if busy_timeout_s <= 0:
+        raise ValueError("busy_timeout_s must be > 0")
     memory = path == ":memory:"
 
     def connector(level: str) -> Callable[[], Any]:
         def connect() -> Any:
             conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False,
-                                   timeout=10)
+                                   timeout=busy_timeout_s)
             if not memory:
                 conn.execute("PRAGMA journal_mode=WAL")
             conn.execute(f"PRAGMA synchronous={level}")
@@ -93,7 +114,9 @@ def sqlite_dialect(path: str, synchronous: str = "FULL") -> Dialect:
                    pool_size=1,  # writers are serialised by the database anyway
                    is_transient=lambda exc: "locked" in str(exc) or "busy" in str(exc),
                    errors=(sqlite3.Error,), sync_connect=connector, counts_inserts=True,
-                   row_values_in=True)
+                   row_values_in=True, is_lock_timeout=_sqlite_lock_timeout,
+                   database=path if memory else os.path.abspath(path),
+                   busy_timeout_s=busy_timeout_s)
 
 
 def mysql_dialect(url: SplitResult) -> Dialect:
@@ -167,10 +190,12 @@ def postgres_dialect(url: SplitResult) -> Dialect:
                        f"{HISTORY_CHARS})"))
 
 
-def dialect_for_url(url: str, *, memory_ok: bool = True) -> Dialect:
+def dialect_for_url(url: str, *, memory_ok: bool = True,
+                    busy_timeout_s: float | None = None) -> Dialect:
     """The dialect of a database URL: ``sqlite:///relative.db``, ``sqlite:////abs.db``
     (``sqlite://`` or ``sqlite:///:memory:`` when ``memory_ok``),
     ``mysql://user@host:port/db`` (or ``mariadb://``), ``postgresql://user@host:port/db``.
+    ``busy_timeout_s``: SQLite's wait for the write lock (None: ``sqlite_dialect``'s).
     ValueError for another scheme, or an in-memory SQLite database where it is refused."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
@@ -180,7 +205,9 @@ def dialect_for_url(url: str, *, memory_ok: bool = True) -> Dialect:
         if path == ":memory:" and not memory_ok:
             raise ValueError(f"{url!r}: a database file is needed (sqlite:///name.db), not "
                              "an in-memory database")
-        return sqlite_dialect(path)
+        if busy_timeout_s is None:
+            return sqlite_dialect(path)
+        return sqlite_dialect(path, busy_timeout_s=busy_timeout_s)
     if scheme in ("mysql", "mariadb", "mysql+pymysql"):
         return mysql_dialect(parts)
     if scheme in ("postgresql", "postgres"):

@@ -9,8 +9,13 @@ says), while their leases are extended in the background every ``lease_s / 3``; 
 run of finished messages; the rest are retried (copies of finished ones are then
 recognised as duplicates) or, when all of them are bound for it, sent to the DLQ.
 
+The handler gets an ``IdempotentContext``: the consumer's context plus the fencing token of
+each message's claim (``ctx.fences[i]`` for ``msgs[i]``; ``ctx.fence`` in a batch of one),
+for downstream systems that must refuse the late write of an owner whose lease expired.
+
 Store errors fail closed: the batch is consumed later and the handler does not run. With
-``fail_open=True`` the handler runs unguarded and every such message is logged.
+``fail_open=True`` the handler runs unguarded (no claims, so no fencing tokens) and every
+such message is logged.
 """
 
 from __future__ import annotations
@@ -24,16 +29,17 @@ import os
 import socket
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from ..client.push import ConsumeContext, ConsumeStatus, Listener
+from ..client.consume import ConsumeContext, ConsumeStatus, Listener
 from ..log.record import MessageExt
 from .policy import Action, Ambiguous, Verdict, batch_reply, decide_action
-from .record import Claim, ClaimResult, Outcome, Ticket, payload_hash
+from .record import Claim, ClaimResult, FencingToken, Outcome, Record, Ticket, payload_hash
 from .retention import RetentionChecked
 from .store import MAX_KEY_LEN, DedupStore, Purger, StoreError, open_store
 
-__all__ = ["IdempotentListener", "KeySpec", "idempotent"]
+__all__ = ["IdempotentContext", "IdempotentListener", "KeySpec", "idempotent"]
 
 log = logging.getLogger("onceq.idempotency")
 
@@ -42,6 +48,45 @@ Reconcile = Callable[[str, MessageExt], bool | Awaitable[bool]]
 
 DEFAULT_LEASE_S = 60.0
 DEFAULT_RETENTION_S = 86400.0
+
+
+@dataclass(slots=True)
+class IdempotentContext(ConsumeContext):
+    """The context the guarded handler gets: the consumer's ``ConsumeContext`` (its
+    ``ack_index``, ``delay_level`` and ``dlq_reasons`` work as there) plus the fencing token
+    of each message's claim.
+
+    ``fences[i]`` is the token of ``msgs[i]``'s claim; ``fence`` is the token of a batch of
+    one message. A downstream system keeps the last token it accepted per dedup key and
+    refuses an older one (``FencingToken``): the late write of an owner paused longer than
+    its lease then changes nothing. A batch run unguarded (``fail_open=True`` after a store
+    error) has no claims: ``fences`` is empty and ``fence`` raises ``LookupError``.
+    ``records``: the messages' dedup records as their claims left them.
+    """
+
+    records: Sequence[Record] = field(default=(), repr=False)
+    unguarded: bool = False
+    _fences: tuple[FencingToken, ...] | None = field(default=None, init=False, repr=False,
+                                                     compare=False)
+
+    @property
+    def fences(self) -> tuple[FencingToken, ...]:
+        """The fencing token of each message of the batch, in the batch's order (built on
+        first use)."""
+        if self._fences is None:
+            self._fences = tuple(map(FencingToken.of, self.records))
+        return self._fences
+
+    @property
+    def fence(self) -> FencingToken:
+        """The fencing token of the batch's only message."""
+        if self.unguarded:
+            raise LookupError("no fencing token: the batch runs unguarded (fail_open after "
+                              "a dedup store error)")
+        if len(self.records) != 1:
+            raise ValueError(f"ctx.fence is for a batch of one message; this batch has "
+                             f"{len(self.records)}: use ctx.fences[i]")
+        return self.fences[0]
 
 
 def key_function(spec: KeySpec) -> Callable[[MessageExt], str]:
@@ -150,16 +195,16 @@ class IdempotentListener(RetentionChecked):
                             len(msgs), exc)
                 return ConsumeStatus.RECONSUME_LATER
             return await self._unguarded(msgs, ctx, exc)
-        to_run: list[tuple[int, Claim]] = []
+        to_run: list[tuple[int, Claim, Record]] = []
         claimed = 0
         for (i, c), res in zip(claims, results, strict=True):
             if res.outcome is Outcome.CLAIMED:  # the common case: run, nothing to log
                 claimed += 1
-                to_run.append((i, c))
+                to_run.append((i, c, res.record))
                 continue
             verdict = await self._verdict(msgs[i], c, res, ctx.dlq_reasons, i)
             if verdict is None:
-                to_run.append((i, c))
+                to_run.append((i, c, res.record))
             else:
                 verdicts[i] = verdict
         if claimed:
@@ -218,10 +263,11 @@ class IdempotentListener(RetentionChecked):
         return Verdict.ACK
 
     async def _run(self, msgs: list[MessageExt], ctx: ConsumeContext,
-                   to_run: list[tuple[int, Claim]]) -> list[tuple[int, Verdict]]:
-        batch = [msgs[i] for i, _ in to_run]
-        sub = ConsumeContext(ctx.queue, len(batch) - 1, ctx.delay_level, ctx.group)
-        tickets = [c.ticket for _, c in to_run]
+                   to_run: list[tuple[int, Claim, Record]]) -> list[tuple[int, Verdict]]:
+        batch = [msgs[i] for i, _, _ in to_run]
+        sub = IdempotentContext(ctx.queue, len(batch) - 1, ctx.delay_level, ctx.group,
+                                records=[r for _, _, r in to_run])
+        tickets = [c.ticket for _, c, _ in to_run]
         self._hold(tickets)
         try:
             status = await self._call(batch, sub)
@@ -230,7 +276,7 @@ class IdempotentListener(RetentionChecked):
                 self._live.pop(t.owner, None)
         acked = 0
         if status == ConsumeStatus.SUCCESS:
-            acked = min(max(sub.ack_index, -1), len(batch) - 1) + 1
+            acked = sub.acked(len(batch))
         if sub.delay_level and acked < len(batch):
             ctx.delay_level = sub.delay_level
         for j, why in sub.dlq_reasons.items():  # the handler's own reasons, if it gives any
@@ -246,7 +292,7 @@ class IdempotentListener(RetentionChecked):
                     self.stats["fenced"] += 1
                     log.warning("%s: the claim was taken over while the handler ran (lease "
                                 "expired); the effect may have happened twice", t.key)
-            out += [(i, Verdict.ACK) for i, _ in to_run[:acked]]
+            out += [(i, Verdict.ACK) for i, _, _ in to_run[:acked]]
         if acked < len(batch):
             failed = tickets[acked:]
             try:
@@ -255,7 +301,7 @@ class IdempotentListener(RetentionChecked):
             except StoreError as exc:  # the claims expire; the redelivery waits for that
                 self.stats["store_errors"] += 1
                 log.warning("could not release %d claim(s): %s", len(failed), exc)
-            out += [(i, Verdict.LATER) for i, _ in to_run[acked:]]
+            out += [(i, Verdict.LATER) for i, _, _ in to_run[acked:]]
         return out
 
     async def _complete(self, tickets: list[Ticket]) -> list[bool]:
@@ -328,7 +374,12 @@ class IdempotentListener(RetentionChecked):
             self.stats["unguarded"] += 1
             log.warning("fail_open: consuming %s@%d key %s WITHOUT dedup (store error: %s)",
                         m.topic, m.queue_offset, m.unique_key, exc)
-        return await self._call(msgs, ctx)
+        sub = IdempotentContext(ctx.queue, ctx.ack_index, ctx.delay_level, ctx.group,
+                                ctx.suspend_ms, ctx.attempt, ctx.dlq_reasons, unguarded=True)
+        status = await self._call(msgs, sub)
+        ctx.ack_index, ctx.delay_level, ctx.suspend_ms = (sub.ack_index, sub.delay_level,
+                                                          sub.suspend_ms)
+        return status
 
     async def close(self) -> None:
         """Close the store if it was given as a URL (a store object stays its owner's)."""

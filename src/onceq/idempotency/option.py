@@ -1,8 +1,9 @@
 """``PushConsumer(..., idempotency=...)``: the idempotency layer as a consumer option.
 
 The option is a store URL, a ``DedupStore`` or an ``Idempotency`` (a store and the options
-of ``idempotent``). The consumer wraps its listener when it starts and closes the store it
-opened when it shuts down; ``consumer.idempotent_listener`` is the wrapper (its ``stats``).
+of ``idempotent``): listener middleware (``client/middleware.py``). The consumer wraps its
+listener when it starts and closes the store it opened when it shuts down;
+``consumer.idempotent_listener`` is the wrapper (its ``stats``).
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from ..client.push import Listener
+from ..client import middleware
+from ..client.consume import Listener
 from .listener import IdempotentListener, KeySpec
 from .store import DedupStore
 
-__all__ = ["Idempotency", "wrap_listener"]
+__all__ = ["Idempotency"]
 
 _OPTIONS = frozenset(inspect.signature(IdempotentListener.__init__).parameters) - {
     "self", "listener", "store", "key"}
@@ -49,9 +51,5 @@ class Idempotency:
         return IdempotentListener(listener, store=self.store, key=self.key, **self.options)
 
 
-def wrap_listener(listener: Listener, option: str | DedupStore | Idempotency
-                  ) -> IdempotentListener:
-    """The consumer's listener guarded by ``option`` (see the module's doc)."""
-    if not isinstance(option, Idempotency):
-        option = Idempotency(option)
-    return option.wrap(listener)
+# ``PushConsumer(idempotency=URL | DedupStore)``: the client builds the layer through this
+middleware.provide("idempotency", Idempotency)

@@ -34,20 +34,27 @@ of one line per event: ``<time> <event> <attempt> <owner>``): ``claimed``, ``tak
 ``extended``, ``completed``, ``released``, and ``fenced-off`` when a stale owner's late
 complete, release or extend is refused (the line names the stale owner and the record's
 current attempt). ``events(record)`` reads it.
+
+A claim's *fencing token* (``FencingToken.of(record)``) lets systems outside the store
+refuse a stale owner: a takeover yields a strictly larger token than the claim it took
+over, so a downstream write guarded by ``WHERE fence < :token`` refuses the late write of an
+owner that was paused longer than its lease.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 __all__ = [
     "HISTORY_CHARS",
     "Claim",
     "ClaimResult",
     "Event",
+    "FencingToken",
     "Outcome",
     "Record",
     "Status",
@@ -100,6 +107,69 @@ class Record:
     def leased(self, now: float) -> bool:
         """``CONSUMING`` under a lease that has not expired."""
         return self.status is Status.CONSUMING and self.lease_until > now
+
+
+ATTEMPT_BITS = 20  # the low bits of a fencing token's integer value hold the attempt
+
+
+@functools.total_ordering
+@dataclass(frozen=True, slots=True)
+class FencingToken:
+    """A claim's fencing token: a downstream system compares it with the last token it
+    accepted for the same dedup key and refuses an older one (Kleppmann's fencing token).
+
+    ``epoch`` is the record's creation time in milliseconds (every claim of one record
+    shares it: a takeover or the retry of a released claim keeps it); ``attempt`` is the
+    claim's attempt number, which every takeover and every retry of a released claim
+    increments. Tokens are ordered by ``(epoch, attempt)`` (then by the other fields, so
+    that the order is total and agrees with ``==``): a takeover's token is strictly larger
+    than the token of the claim it took over, and a record created again after the old one
+    expired (past retention, or purged) starts a larger epoch. ``owner`` names the claim's
+    owner (for logs; it plays no part in the order between claims of one key).
+
+    ``value`` (also ``int(token)``) is ``epoch << 20 | attempt``, a non-negative integer
+    below 2**63 that keeps the same order, for a ``BIGINT`` column::
+
+        UPDATE accounts SET balance = ?, fence = ? WHERE id = ? AND fence < ?
+
+    Compare only tokens of the same (group, topic, dedup key): claims of different keys
+    are not ordered with respect to each other.
+    """
+
+    group: str
+    topic: str
+    key: str
+    epoch: int
+    attempt: int
+    owner: str
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.attempt < 1 << ATTEMPT_BITS or not 0 <= self.epoch < 1 << (
+                63 - ATTEMPT_BITS):
+            raise ValueError(f"fencing token out of range: epoch {self.epoch}, attempt "
+                             f"{self.attempt}")
+
+    @classmethod
+    def of(cls, rec: Record) -> FencingToken:
+        """The token of the claim that ``rec`` records (its current owner's)."""
+        return cls(rec.group, rec.topic, rec.key, int(rec.created_at * 1000), rec.attempt,
+                   rec.owner)
+
+    @property
+    def value(self) -> int:
+        """The token as one integer, ordered like the tokens of the same key."""
+        return self.epoch << ATTEMPT_BITS | self.attempt
+
+    def __int__(self) -> int:
+        return self.value
+
+    def _order(self) -> tuple[int, int, str, str, str, str]:
+        return (self.epoch, self.attempt, self.group, self.topic, self.key, self.owner)
+
+    def __lt__(self, other: Any) -> bool:
+        if not isinstance(other, FencingToken):
+            return NotImplemented
+        return self._order() < other._order()
 
 
 class Ticket(NamedTuple):  # a tuple: one per message on the hot path, cheap to build

@@ -14,7 +14,9 @@ transaction on a connection owned by a worker thread (the event loop never block
   taken over by another owner, or gone) matches nothing.
 
 Keys are sorted inside a transaction so that two batches lock rows in the same order;
-deadlocks and serialisation failures the database reports are retried.
+deadlocks and serialisation failures the database reports are retried. An SQLite write lock
+not obtained within the connection's busy timeout (after the dialect's retries, if it
+retries) is a ``WriteLockTimeout`` naming the database and the time waited.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from .record import (
     decide_claim,
     history_line,
 )
-from .store import MAX_KEY_LEN, Clock, StoreError, StoreStats, check_name
+from .store import MAX_KEY_LEN, Clock, StoreError, StoreStats, WriteLockTimeout, check_name
 
 __all__ = ["Dialect", "SqlStore", "mysql_dialect", "postgres_dialect", "sqlite_dialect"]
 
@@ -154,6 +156,7 @@ class SqlStore:
     def _tx(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(cursor, now, *args)`` in one transaction on this thread's connection."""
         d = self.dialect
+        started = time.monotonic()
         for attempt in range(_TRANSIENT_TRIES):
             conn = None
             try:
@@ -173,6 +176,12 @@ class SqlStore:
                 if d.is_transient(exc) and attempt < _TRANSIENT_TRIES - 1:
                     time.sleep(random.uniform(0.001, 0.01) * (attempt + 1))
                     continue
+                if d.is_lock_timeout(exc):
+                    if not self._schema_ready:  # the next call creates the table again
+                        self._drop_connection()
+                    raise WriteLockTimeout(d.database, time.monotonic() - started,
+                                           d.busy_timeout_s, f"{type(exc).__name__}: {exc}"
+                                           ) from exc
                 self._drop_connection()  # reconnect on the next call
                 raise StoreError(f"{d.name} dedup store: {type(exc).__name__}: {exc}") from exc
             except OSError as exc:
@@ -196,7 +205,9 @@ class SqlStore:
         a worker runs everything queued in one transaction (one commit, so one fsync, for
         many listener batches). Each operation stays atomic (the group is); if the group
         fails, its operations are run again one transaction each, so that one failure
-        does not fail the others.
+        does not fail the others, unless the database's write lock was not obtained
+        (``WriteLockTimeout``, SQLite): another connection holds it, so every operation
+        of the group fails with that error after the one wait.
         """
         if self._closed:
             raise StoreError("the dedup store is closed")
@@ -243,6 +254,10 @@ class SqlStore:
         if len(ops) > 1:
             try:
                 return [(True, v) for v in self._tx(group)]
+            except WriteLockTimeout as exc:
+                # another connection holds the database's write lock: each operation on
+                # its own would wait for it again, one busy timeout after the other
+                return [(False, exc)] * len(ops)
             except Exception:
                 pass  # one of them failed: each on its own, to isolate the failure
         out: list[tuple[bool, Any]] = []

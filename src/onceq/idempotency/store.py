@@ -30,7 +30,8 @@ from .record import (
     decide_release,
 )
 
-__all__ = ["DedupStore", "MemoryStore", "Purger", "StoreError", "StoreStats", "open_store"]
+__all__ = ["DedupStore", "MemoryStore", "Purger", "StoreError", "StoreStats", "WriteLockTimeout",
+           "open_store"]
 
 log = logging.getLogger("onceq.idempotency")
 
@@ -42,6 +43,27 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,50}")
 class StoreError(Exception):
     """The dedup store could not answer (down, timed out, refused): nothing is known about
     the records involved, so a consumer must not act as if a claim had succeeded."""
+
+
+class WriteLockTimeout(StoreError):
+    """An SQLite database's write lock was not obtained within the busy timeout: another
+    connection holds a write transaction open. Retriable: the batch is consumed later (not
+    acknowledged, nothing of it committed), like any store error; it says nothing about the
+    messages themselves. The usual cause is a consumer member stopped inside its
+    transaction (SIGSTOP, a long GC pause, a frozen VM): it holds the lock until it runs
+    again."""
+
+    def __init__(self, database: str, waited_s: float, busy_timeout_s: float | None,
+                 detail: str = "") -> None:
+        self.database = database
+        self.waited_s = waited_s
+        self.busy_timeout_s = busy_timeout_s
+        limit = "" if busy_timeout_s is None else f" (busy timeout {busy_timeout_s:g} s)"
+        super().__init__(
+            f"sqlite database {database}: write lock not obtained after waiting "
+            f"{waited_s:.2f} s{limit}; another connection or process holds a write "
+            "transaction open, likely a consumer member paused or stopped inside its "
+            "transaction (SIGSTOP, GC pause, frozen VM)" + (f" [{detail}]" if detail else ""))
 
 
 @dataclass(frozen=True, slots=True)

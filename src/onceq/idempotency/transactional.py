@@ -23,7 +23,19 @@ database stay exactly once, as with any transaction retried after a serialisatio
 A crash before the commit leaves nothing behind and the redelivery runs the handler; after
 the commit the redelivery finds the rows. Two consumers with the same message at once:
 the second insert waits on the first transaction's row (SQLite serialises writers) and
-then finds it. No lease and no ambiguous outcome: the database decides.
+then finds it. No lease and no ambiguous outcome: the database decides. A member paused
+inside its transaction keeps its rows locked: when it resumes it commits (the others then
+find its rows) or, if the database ended its transaction meanwhile, commits nothing; no
+fencing token is needed.
+
+SQLite has one write lock per database: a member stopped inside its transaction (SIGSTOP,
+a GC pause, a frozen VM) holds it, and every other member's batch waits for it. The wait
+is bounded by ``busy_timeout_s`` (5 s): then the batch fails with ``WriteLockTimeout``,
+one log line names the database, the wait and the likely cause, and the batch is consumed
+later (nothing of it committed, nothing acknowledged), as a normal retry: it is not counted
+as a handler failure. Batches grouped in one transaction fail together, without waiting
+once more each. MariaDB and PostgreSQL lock rows, not the database: only the messages
+whose rows the stopped member holds wait (their own lock timeouts, 10 s, bound that).
 """
 
 from __future__ import annotations
@@ -37,7 +49,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from ..client.push import ConsumeContext, ConsumeStatus
+from ..client.consume import ConsumeContext, ConsumeStatus
 from ..log.record import MessageExt
 from . import sa
 from .dialects import Dialect, dialect_for_url
@@ -46,13 +58,15 @@ from .policy import Verdict, batch_reply
 from .record import payload_hash
 from .retention import RetentionChecked
 from .sql import SqlStore
-from .store import Purger, StoreError, check_name
+from .store import Purger, StoreError, WriteLockTimeout, check_name
 
 __all__ = ["TransactionalListener", "transactional"]
 
 log = logging.getLogger("onceq.idempotency")
 
 Handler = Callable[[MessageExt, Any], None]
+
+DEFAULT_BUSY_TIMEOUT_S = 5.0
 
 
 def _done_schema(dialect: str) -> Callable[[str], list[str]]:
@@ -73,9 +87,13 @@ def _done_schema(dialect: str) -> Callable[[str], list[str]]:
     return make
 
 
-def _dialect(url: str) -> Dialect:
-    d = dialect_for_url(url, memory_ok=False)
+def _dialect(url: str, busy_timeout_s: float | None = None) -> Dialect:
+    d = dialect_for_url(url, memory_ok=False, busy_timeout_s=busy_timeout_s)
+    transient = d.is_transient
     if d.name == "sqlite":
+        # a locked database is not retried here: the batch fails after one busy timeout
+        # and is consumed later (``WriteLockTimeout``)
+        transient = _never
         insert = "INSERT INTO {t} (grp, topic, dkey, payload_hash, created_at) VALUES " \
                  "(?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
         purge = ("DELETE FROM {t} WHERE rowid IN (SELECT rowid FROM {t} WHERE created_at < ? "
@@ -91,7 +109,11 @@ def _dialect(url: str) -> Dialect:
         purge = ("DELETE FROM {t} WHERE ctid IN (SELECT ctid FROM {t} WHERE created_at < ? "
                  "LIMIT ?)")
     return dataclasses.replace(d, schema=_done_schema(d.name), insert_absent=insert,
-                               purge=purge)
+                               purge=purge, is_transient=transient)
+
+
+def _never(exc: BaseException) -> bool:
+    return False
 
 
 class TransactionalListener(RetentionChecked):
@@ -102,7 +124,10 @@ class TransactionalListener(RetentionChecked):
                  retention_s: float = DEFAULT_RETENTION_S, check_payload: bool = True,
                  pool_size: int | None = None, strict_retention: bool = True,
                  purge_interval_s: float = 60.0, purge_limit: int = 1000,
-                 session: bool = False, clock: Callable[[], float] = time.time) -> None:
+                 session: bool = False, busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S,
+                 clock: Callable[[], float] = time.time) -> None:
+        if busy_timeout_s <= 0:
+            raise ValueError("busy_timeout_s must be > 0")
         self.handler = handler
         self.sa_engine: Any = None  # a SQLAlchemy Engine the batches run on
         if sa.is_engine(db):
@@ -112,7 +137,8 @@ class TransactionalListener(RetentionChecked):
         self.session = session
         query = {k: v[-1] for k, v in parse_qs(urlsplit(db).query).items()}
         self.table = check_name(query.get("table", table))
-        self.engine = SqlStore(_dialect(db), clock=clock, table=self.table,
+        self.busy_timeout_s = busy_timeout_s
+        self.engine = SqlStore(_dialect(db, busy_timeout_s), clock=clock, table=self.table,
                                pool_size=pool_size)
         self.key_of = key_function(key)
         self.group = group
@@ -141,6 +167,14 @@ class TransactionalListener(RetentionChecked):
                 verdicts, counts = await self._sa_run(group, items)
             else:  # group commit with the batches queued meanwhile (see the docstring)
                 verdicts, counts = await self.engine._run(self._batch_tx, group, items)
+        except WriteLockTimeout as exc:
+            # not the messages' fault: retried on the broker's schedule like any store
+            # error (no DLQ verdict, not counted as a handler failure)
+            self.stats["store_errors"] += 1
+            self.stats["lock_timeouts"] += 1
+            log.warning("transactional batch of %d message(s) consumed later: %s", len(msgs),
+                        exc)
+            return ConsumeStatus.RECONSUME_LATER
         except StoreError as exc:
             self.stats["store_errors"] += 1
             log.warning("transaction failed, batch of %d consumed later: %s", len(msgs), exc)
@@ -163,9 +197,18 @@ class TransactionalListener(RetentionChecked):
         if not self._sa_ready:  # the table, through the store's own connection, once
             await self.engine._run(lambda cur, now: None, coalesce=False)
             self._sa_ready = True
-        return await asyncio.get_running_loop().run_in_executor(
-            self.engine._executor, sa.run_in_sa_transaction, self.sa_engine,
-            self.engine.dialect.begin, self._batch_tx, self.engine.clock(), group, items)
+        started = time.monotonic()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self.engine._executor, sa.run_in_sa_transaction, self.sa_engine,
+                self.engine.dialect.begin, self._batch_tx, self.engine.clock(), group, items)
+        except StoreError as exc:
+            orig = getattr(exc.__cause__, "orig", None)  # the driver's error
+            if orig is None or not self.engine.dialect.is_lock_timeout(orig):
+                raise
+            # the engine's own busy timeout applied (pysqlite's ``timeout``, 5 s by default)
+            raise WriteLockTimeout(self.engine.dialect.database, time.monotonic() - started,
+                                   None, f"{type(orig).__name__}: {orig}") from exc
 
     def _batch_tx(self, cur: Any, now: float, group: str,
                   items: list[tuple[MessageExt, str | None]]
@@ -319,6 +362,9 @@ def transactional(handler: Handler, *, db: Any, key: KeySpec = None,
     ``group``, ``retention_s`` (1 day), ``check_payload``,
     ``pool_size`` (connections, 4; 1 for SQLite), ``strict_retention``,
     ``purge_interval_s`` (60; 0: off) and ``purge_limit`` (1000): rows past retention are
-    removed in bounded batches.
+    removed in bounded batches; ``busy_timeout_s`` (5; SQLite given by URL): how long a
+    batch waits for the database's write lock that another connection holds (a member
+    paused inside its transaction) before it fails with ``WriteLockTimeout`` and is
+    consumed later. Keep it above the longest transaction of a normal batch.
     """
     return TransactionalListener(handler, db=db, key=key, **options)

@@ -42,10 +42,15 @@ class PushCode(IntEnum):
     OFFSETS_RESET = 101  # a forced offset reset: drop those queues and take them again
 
 
+SYSTEM_PREFIX = "%"  # topic names the broker keeps for itself start with it (below)
 RETRY_PREFIX = "%RETRY%"
 DLQ_PREFIX = "%DLQ%"
 SCHEDULE_TOPIC = "%SCHEDULE%"
 TRACE_TOPIC = "%TRACE%"  # deliveries of the groups with tracing on (see broker/trace.py)
+# every record the broker stores in TRACE_TOPIC carries this property and value; the audit
+# reads only those (see spark/audit.py)
+PROP_TRACE_SOURCE = "src"
+TRACE_SOURCE_BROKER = "broker"
 
 # message properties set by the broker on retried messages
 PROP_ORIGIN_TOPIC = "ORIGIN_TOPIC"
@@ -58,6 +63,9 @@ PROP_DELIVER_AT = "DELIVER_AT_MS"
 # why a message is in a DLQ (the send-back's optional ``dlq_reason``, or the broker's own)
 PROP_DLQ_REASON = "DLQ_REASON"
 MAX_DLQ_REASON = 1024  # characters of a send-back's dlq_reason at most
+# the largest reconsume count a message holds (a u16 in the message part, log/record.py):
+# a send-back of a message at this count dead-letters it, the count stays at the limit
+MAX_RECONSUME_TIMES = 0xFFFF
 
 
 def retry_topic(group: str) -> str:

@@ -27,6 +27,7 @@ class ErrorCode(IntEnum):
     GROUP_NOT_EXIST = 16
     NOT_HOLDER = 17
     GROUP_ACTIVE = 18
+    OFFSET_BEHIND = 19  # a commit below the group's committed offset (only a reset goes back)
     MESSAGE_NOT_FOUND = 49
     SERVICE_UNAVAILABLE = 30
     SYSTEM_BUSY = 31
@@ -68,6 +69,8 @@ DEFAULT_MESSAGES: dict[ErrorCode, str] = {
     ErrorCode.GROUP_NOT_EXIST: "consumer group does not exist",
     ErrorCode.NOT_HOLDER: "the client does not hold this queue's access lock",
     ErrorCode.GROUP_ACTIVE: "the consumer group has live members",
+    ErrorCode.OFFSET_BEHIND: "the commit is below the group's committed offset: offsets "
+                             "move back only by an explicit reset",
     ErrorCode.MESSAGE_NOT_FOUND: "no message with this key in the searched range",
     ErrorCode.SERVICE_UNAVAILABLE: "service unavailable",
     ErrorCode.SYSTEM_BUSY: "broker busy, try again",
