@@ -27,6 +27,7 @@ def small_store(data_dir: str, **kw: Any) -> StoreConfig:
     kw.setdefault("max_body", 64 * 1024)
     kw.setdefault("flush_interval_ms", 50)
     kw.setdefault("checkpoint_interval_ms", 100)
+    kw.setdefault("disk_max_used_ratio", 1.0)  # not this host's disk usage (see conftest)
     return StoreConfig(data_dir, **kw)
 
 

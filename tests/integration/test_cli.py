@@ -299,3 +299,23 @@ def test_offsets_reset(baddr):
     finally:
         member.kill()
         member.wait(10)
+
+
+def test_demo_refuses_a_report_it_cannot_write_before_it_runs(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    results = run_many([("demo", "--no-spark", "--report", str(blocker / "r.html")),
+                        ("demo", "--contrast-orders", "5")])
+    assert [r.returncode for r in results] == [2, 2]
+    assert "--report" in results[0].stderr and "cannot create its directory" in results[0].stderr
+    assert "at least 20" in results[1].stderr
+
+
+def test_demo_stops_with_a_clear_word_when_the_broker_refuses_writes(tmp_path):
+    env = {**ENV, "ONCEQ_DISK_MAX_USED_RATIO": "0.0001"}  # any real disk is above it
+    r = subprocess.run([*CLI, "demo", "-n", "40", "--contrast-orders", "0", "--no-spark",
+                        "--report", str(tmp_path / "r.html")], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "the broker refuses writes" in r.stdout and "Traceback" not in r.stderr
+    assert not (tmp_path / "r.html").exists()

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import click
 from rich.console import Console
+
+from ...protocol.errors import ErrorCode, OnceqError
 
 
 def _zero_or_20(ctx: click.Context, param: click.Parameter, value: int) -> int:
@@ -40,11 +43,24 @@ def demo(orders: int, contrast_orders: int, rate: float, queues: int, data_dir: 
     Runs a broker in a child process on a temp dir, SQLite for the shop and the dedup
     store, and Spark in local mode. Exit code 0 when every check holds.
     """
-    from .runner import DemoOptions, run_demo  # the scenario's imports only when it runs
+    # the scenario's imports only when it runs
+    from .runner import DemoOptions, run_demo
 
+    try:  # before the run, not after it: a report that cannot be written wastes the run
+        Path(report).resolve().parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise click.BadParameter(f"cannot create its directory: {exc}",
+                                 param_hint="--report") from None
     console = Console()
     opts = DemoOptions(orders, contrast_orders, queues, rate, not no_spark, data_dir, keep,
                        report, seed)
-    rep = asyncio.run(run_demo(opts, console))
+    try:
+        rep = asyncio.run(run_demo(opts, console))
+    except OnceqError as exc:
+        if exc.code != ErrorCode.DISK_FULL:
+            raise
+        console.print(f"[red]demo stopped, the broker refuses writes:[/red] {exc.message}. "
+                      "Free some space, or give --data-dir on another disk.")
+        raise SystemExit(1) from None
     console.print(f"demo finished in {rep.seconds:.1f}s")
     raise SystemExit(0 if rep.ok else 1)

@@ -24,7 +24,7 @@ from ...client.admin import Admin
 from ...client.message import Message, UniqueKeyGenerator
 from ...client.producer import Producer
 from ...client.push import PushConsumer
-from ...protocol.errors import OnceqError
+from ...protocol.errors import ErrorCode, OnceqError
 from . import shop
 from .member import GROUP, TOPIC, MemberSpec, build
 from .trouble import BrokerProcess, ChildMember, ReplyDropProxy
@@ -229,10 +229,10 @@ class Scenario:
             try:
                 r = await producer.send(TOPIC, msg)
                 break
-            except OnceqError:
+            except OnceqError as exc:
                 # the broker is down (restarting): the application sends the same message
-                # again, same unique key, until it answers
-                if time.monotonic() > deadline:
+                # again, same unique key, until it answers; a full disk does not pass
+                if exc.code == ErrorCode.DISK_FULL or time.monotonic() > deadline:
                     raise
                 retries += 1
                 await asyncio.sleep(0.2)
