@@ -9,6 +9,21 @@ state without locks.
 
 Latencies are the broker's time to handle the request; the wait for fsync (``flush =
 "sync"``) and the time a pull is held by long polling are not included.
+
+The metrics port is bounded like the client port (``metrics_http.py``); the limits are
+constants here, not settings, and a ``BrokerMetrics`` takes others as ``limits``:
+
+* ``METRICS_MAX_CONNECTIONS`` = 64 connections open at once. At the cap, a new connection
+  closes the one open longest that is not being answered (still sending its request head,
+  or not reading its answer), so slow or idle connections cannot keep a scrape out; only
+  when all 64 are rendering an answer is it refused with ``503`` and closed.
+* ``METRICS_HEAD_DEADLINE_S`` = 5 s from accept to the end of the request head: a slow
+  sender (a header line now and then, one byte a second) gets ``408`` and is closed.
+* ``METRICS_MAX_HEAD_BYTES`` = 8 KiB of request line and headers: beyond it, ``431`` and
+  close.
+* ``METRICS_WRITE_TIMEOUT_S`` = 10 s to hand the answer to a client that does not read it;
+  then the connection is aborted.
+* One request per connection (``Connection: close``): no keep-alive holds a slot.
 """
 
 from __future__ import annotations
@@ -23,6 +38,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..protocol.codes import DLQ_PREFIX, RETRY_PREFIX, RequestCode
+from .metrics_http import HttpLimits, MetricsHttpServer
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -36,6 +52,14 @@ log = logging.getLogger("onceq.broker.metrics")
 # seconds: 50 us .. 2.5 s
 LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
                    0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+# limits of the metrics port (see the module docstring)
+METRICS_MAX_CONNECTIONS = 64
+METRICS_HEAD_DEADLINE_S = 5.0
+METRICS_MAX_HEAD_BYTES = 8192
+METRICS_WRITE_TIMEOUT_S = 10.0
+METRICS_LIMITS = HttpLimits(METRICS_MAX_CONNECTIONS, METRICS_HEAD_DEADLINE_S,
+                            METRICS_MAX_HEAD_BYTES, METRICS_WRITE_TIMEOUT_S)
 
 
 class Histogram:
@@ -77,7 +101,7 @@ def _dir_bytes(root: str) -> int:
 class BrokerMetrics:
     """The counters of one broker and the collector that exports them."""
 
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: Broker, limits: HttpLimits = METRICS_LIMITS) -> None:
         self.broker = broker
         self.in_msgs: dict[str, int] = {}  # per topic
         self.in_bytes: dict[str, int] = {}
@@ -91,7 +115,7 @@ class BrokerMetrics:
 
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
-        self._server: asyncio.AbstractServer | None = None
+        self.http = MetricsHttpServer(self._answer, limits)
         self.port = 0
 
     # ---------------------------------------------------------------- hot-path hooks
@@ -228,47 +252,21 @@ class BrokerMetrics:
         return generate_latest(self.registry)
 
     async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._serve, host, port,
-                                                  reuse_address=True)
-        self.port = self._server.sockets[0].getsockname()[1]
+        self.port = await self.http.start(host, port)
         log.info("metrics on http://%s:%d/metrics", host, self.port)
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            with contextlib.suppress(Exception):
-                await self._server.wait_closed()
-            self._server = None
+        await self.http.stop()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-                     ) -> None:
-        try:
-            request = await asyncio.wait_for(reader.readline(), 10)
-            while True:  # the headers: not needed
-                line = await asyncio.wait_for(reader.readline(), 10)
-                if line in (b"\r\n", b"\n", b""):
-                    break
-            parts = request.split()
-            method = parts[0] if parts else b""
-            path = parts[1].split(b"?")[0] if len(parts) > 1 else b""
-            if method not in (b"GET", b"HEAD"):
-                status, ctype, body = "405 Method Not Allowed", "text/plain", b"GET only\n"
-            elif path in (b"/metrics", b"/"):
-                from prometheus_client.exposition import CONTENT_TYPE_LATEST
+    async def _answer(self, method: bytes, path: bytes) -> tuple[str, str, bytes]:
+        """Status line, content type and body for one request."""
+        if method not in (b"GET", b"HEAD"):
+            return "405 Method Not Allowed", "text/plain", b"GET only\n"
+        if path in (b"/metrics", b"/"):
+            from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-                status, ctype, body = "200 OK", CONTENT_TYPE_LATEST, await self.render()
-            else:
-                status, ctype, body = "404 Not Found", "text/plain", b"try /metrics\n"
-            head = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
-                    f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
-            writer.write(head if method == b"HEAD" else head + body)
-            await writer.drain()
-        except (TimeoutError, ConnectionError, ValueError):
-            pass  # a slow, broken or oversized request: just close it
-        except Exception:
-            log.exception("metrics request failed")
-        finally:
-            writer.close()
+            return "200 OK", CONTENT_TYPE_LATEST, await self.render()
+        return "404 Not Found", "text/plain", b"try /metrics\n"
 
 
 def _timed(handler: Callable[..., Any], hist: Histogram) -> Callable[..., Any]:
