@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
+import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +14,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from onceq.broker.config import BrokerConfig
-from onceq.broker.settings import BY_KEY, SETTINGS, ConfigError, load, parse_text, read_file
+from onceq.broker.settings import (
+    BY_KEY,
+    SETTINGS,
+    ConfigError,
+    check_data_dir,
+    check_fds,
+    check_host,
+    load,
+    parse_text,
+    read_file,
+)
 from onceq.storage.config import StoreConfig
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "config.md"
@@ -148,3 +162,175 @@ def test_printed_config_reads_back(tmp_path):
     again = load(path, environ={})
     assert again.broker == loaded.broker
     assert (again.log_level, again.log_format) == (loaded.log_level, loaded.log_format)
+
+
+# ---------------------------------------------------------------- upper bounds
+def test_every_numeric_setting_has_both_bounds():
+    for s in SETTINGS:
+        if s.type in (int, float):
+            assert s.min is not None and s.max is not None, s.key
+            assert s.min <= s.default <= s.max, s.key
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    # values that used to start a broker that could not work
+    ({"ONCEQ_FD_RESERVE": "1000000"}, r"ONCEQ_FD_RESERVE: must be <= 65536, got 1000000"),
+    ({"ONCEQ_MAX_BODY": str(2 ** 61)}, r"ONCEQ_MAX_BODY: must be <= 1073741824"),
+    ({"ONCEQ_SEGMENT_SIZE": str(2 ** 61)}, r"ONCEQ_SEGMENT_SIZE: must be <= 17179869184"),
+    ({"ONCEQ_EXPIRY_CHECK_S": "1e300"}, r"ONCEQ_EXPIRY_CHECK_S: must be <= 86400"),
+    ({"ONCEQ_RETENTION_CHECK_S": "1e300"}, r"ONCEQ_RETENTION_CHECK_S: must be <= 86400"),
+    ({"ONCEQ_OFFSETS_SAVE_S": "1e300"}, r"ONCEQ_OFFSETS_SAVE_S: must be <= 86400"),
+    ({"ONCEQ_FLUSH_INTERVAL_MS": "86400000"}, r"ONCEQ_FLUSH_INTERVAL_MS: must be <= 60000"),
+    ({"ONCEQ_CHECKPOINT_INTERVAL_MS": str(10 ** 12)},
+     r"ONCEQ_CHECKPOINT_INTERVAL_MS: must be <= 3600000"),
+    ({"ONCEQ_IDLE_TIMEOUT_S": "1e300"}, r"ONCEQ_IDLE_TIMEOUT_S: must be <= 86400"),
+    ({"ONCEQ_WRITER_EXPIRY_S": "1e300"}, r"ONCEQ_WRITER_EXPIRY_S: must be <= 2592000"),
+    ({"ONCEQ_MAX_CONNECTIONS": str(2 ** 40)}, r"ONCEQ_MAX_CONNECTIONS: must be <= 1048576"),
+    ({"ONCEQ_MAX_OPEN_FILES": str(2 ** 40)}, r"ONCEQ_MAX_OPEN_FILES: must be <= 1048576"),
+    ({"ONCEQ_MAX_PULL_MSGS": str(2 ** 40)}, r"ONCEQ_MAX_PULL_MSGS: must be <= 65536"),
+    ({"ONCEQ_RETENTION_HOURS": "1e300"}, r"ONCEQ_RETENTION_HOURS: must be <= 87600"),
+])
+def test_upper_bounds_name_the_variable(env, message):
+    with pytest.raises(ConfigError, match=message):
+        load(None, environ={"ONCEQ_DATA_DIR": "/d", **env})
+
+
+def test_upper_bounds_in_the_file_name_the_key(tmp_path):
+    path = write(tmp_path, 'data_dir = "/d"\nfd_reserve = 1000000\n')
+    with pytest.raises(ConfigError, match=r"key 'fd_reserve': must be <= 65536"):
+        load(path, environ={})
+
+
+def test_values_at_the_bounds_are_accepted_and_above_refused():
+    flags = {"data_dir": "/d", "fd_reserve": 65536, "expiry_check_s": 86400.0,
+             "flush_interval_ms": 60_000, "writer_expiry_s": 30 * 86400.0,
+             "max_body": 1 << 30, "segment_size": 16 << 30, "max_pull_msgs": 65536}
+    cfg = load(None, environ={}, flags=flags).broker
+    assert (cfg.fd_reserve, cfg.store.max_body, cfg.store.segment_size) == (
+        65536, 1 << 30, 16 << 30)
+    for key, value in flags.items():
+        if key != "data_dir":
+            above = str(value + 1 if isinstance(value, int) else value * 1.001)
+            with pytest.raises(ConfigError, match=f"^--x: must be <= {value:.0f}, got"):
+                parse_text(BY_KEY[key], above, "--x")
+
+
+def test_delay_levels_bounds():
+    env = {"ONCEQ_DATA_DIR": "/d"}
+    levels = " ".join(["1s"] * 1024)  # one schedule queue per level: a topic holds 1024
+    assert load(None, environ={**env, "ONCEQ_DELAY_LEVELS": levels}).broker.delay_levels
+    with pytest.raises(ConfigError, match=r"ONCEQ_DELAY_LEVELS: at most 1024 delay levels"):
+        load(None, environ={**env, "ONCEQ_DELAY_LEVELS": levels + " 1s"})
+    assert load(None, environ={**env, "ONCEQ_DELAY_LEVELS": "1s 365d"}).broker
+    with pytest.raises(ConfigError, match=r"ONCEQ_DELAY_LEVELS: level 2 is longer than 365d"):
+        load(None, environ={**env, "ONCEQ_DELAY_LEVELS": "1s 366d"})
+    with pytest.raises(ConfigError, match=r"--delay-levels: level 1 is longer than 365d"):
+        load(None, environ=env, flags={"delay_levels": parse_text(
+            BY_KEY["delay_levels"], "1" + "0" * 306 + "d", "--delay-levels")})
+    with pytest.raises(ConfigError, match=r"ONCEQ_DELAY_LEVELS: bad delay level"):
+        load(None, environ={**env, "ONCEQ_DELAY_LEVELS": "1x"})
+
+
+# ---------------------------------------------------------------- unknown ONCEQ_ variables
+def test_unknown_env_variables_are_warned_with_a_suggestion():
+    env = {"ONCEQ_DATA_DIR": "/d", "ONCEQ_FD_RESREVE": "1000", "ONCEQ_BROKR": "h:1",
+           "ONCEQ_ZZZ": "1", "ONCEQ_BROKER": "h:1", "ONCEQ_CONFIG": "x.toml",
+           "ONCEQ_DEDUP_STORE": "redis://", "ONCEQ_LOG_LEVEL": "debug",
+           "ONCEQ_DISK_MAX_USED_RATIO": "1.0", "PATH": "/bin", "XONCEQ_PORT": "1"}
+    loaded = load(None, environ=env)
+    assert loaded.broker.fd_reserve == 128  # the misspelled one changes nothing...
+    assert loaded.warnings == [  # ...but is not silent
+        "environment ONCEQ_BROKR: not a setting, ignored (did you mean ONCEQ_BROKER?); "
+        "see docs/config.md",
+        "environment ONCEQ_FD_RESREVE: not a setting, ignored (did you mean "
+        "ONCEQ_FD_RESERVE?); see docs/config.md",
+        "environment ONCEQ_ZZZ: not a setting, ignored; see docs/config.md"]
+    assert load(None, environ={"ONCEQ_DATA_DIR": "/d"}).warnings == []
+
+
+# ---------------------------------------------------------------- checks at start
+def test_check_data_dir(tmp_path):
+    check_data_dir(str(tmp_path / "new" / "dir"))  # created
+    assert (tmp_path / "new" / "dir").is_dir()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=r"^data_dir: .*file exists and is not a directory"):
+        check_data_dir(str(tmp_path / "file"))
+    with pytest.raises(ConfigError, match=r"^data_dir: cannot create .*file/sub: Not a dir"):
+        check_data_dir(str(tmp_path / "file" / "sub"))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes in any directory")
+def test_check_data_dir_not_writable(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    with pytest.raises(ConfigError, match=r"^data_dir: cannot write in .*ro: Permission"):
+        check_data_dir(str(ro))
+
+
+def test_check_host():
+    check_host("host", "127.0.0.1")
+    check_host("host", "localhost")
+    check_host("host", "0.0.0.0")
+    with pytest.raises(ConfigError, match=r"^host: cannot resolve 'no\.such\.host\.invalid'"):
+        check_host("host", "no.such.host.invalid")
+    with pytest.raises(ConfigError, match=r"^metrics_host: cannot listen on '192\.0\.2\.1'"):
+        check_host("metrics_host", "192.0.2.1")  # TEST-NET-1: no machine's address
+
+
+def test_check_fds():
+    cfg = load(None, environ={}, flags={"data_dir": "/d"}).broker
+    check_fds(cfg, soft_limit=1024)  # 128 reserved + 256 cached + 32 own: 608 for clients
+    check_fds(cfg, soft_limit=256)
+    with pytest.raises(ConfigError, match=r"^fd_reserve: 128 and the index-file cache \(50,"
+                                          r" from the limit\) leave 0 of the process's 200"):
+        check_fds(cfg, soft_limit=200)
+    cfg = load(None, environ={}, flags={"data_dir": "/d", "max_open_files": 1000}).broker
+    with pytest.raises(ConfigError, match=r"^fd_reserve: 128 and max_open_files 1000 leave"):
+        check_fds(cfg, soft_limit=1024)
+
+
+def _start(*args: str, env: dict[str, str] | None = None, fd_limit: int | None = None
+           ) -> subprocess.Popen[str]:
+    def limit() -> None:
+        if fd_limit is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit))
+
+    environ = {k: v for k, v in os.environ.items() if k != "ONCEQ_BROKER"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "onceq.cli.main", "broker", "start", "-p", "0", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**environ, **(env or {})}, preexec_fn=limit)
+
+
+def test_broker_start_host_data_dir_and_fd_errors_exit_2_naming_the_key(tmp_path):
+    (tmp_path / "file").write_text("x")
+    data = str(tmp_path / "data")
+    (tmp_path / "blocked").mkdir()
+    (tmp_path / "blocked" / "queues").write_text("x")  # where the store wants a directory
+    cases = [
+        (_start("-d", str(tmp_path / "blocked")), r"^error: data_dir: File exists: .*queues$"),
+        (_start("-d", str(tmp_path / "file")), r"^error: data_dir: .* is not a directory$"),
+        (_start("-d", str(tmp_path / "file" / "sub")), r"^error: data_dir: cannot create"),
+        (_start("-d", data, "--host", "no.such.host.invalid"),
+         r"^error: host: cannot resolve 'no\.such\.host\.invalid'"),
+        (_start("-d", data, "--host", "192.0.2.1"),
+         r"^error: host: cannot listen on '192\.0\.2\.1': not an address of this machine"),
+        (_start("-d", data, "--metrics-port", "0", "--metrics-host", "no.such.host.invalid"),
+         r"^error: metrics_host: cannot resolve"),
+        (_start("-d", data, "--fd-reserve", "200", fd_limit=256), r"^error: fd_reserve: 200"),
+    ]
+    for proc, message in cases:
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 2, (proc.args, stderr)
+        assert re.search(message, stderr, re.M), (proc.args, stderr)
+        assert "Traceback" not in stderr
+
+
+def test_broker_start_logs_unknown_env_variables(tmp_path):
+    proc = _start("-d", str(tmp_path / "d"), "--host", "no.such.host.invalid",
+                  env={"ONCEQ_FD_RESREVE": "1000", "ONCEQ_BROKER": "h:1"})
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 2, stderr
+    assert re.search(r"WARNING onceq\.broker environment ONCEQ_FD_RESREVE: not a setting, "
+                     r"ignored \(did you mean ONCEQ_FD_RESERVE\?\)", stderr), stderr
+    assert "ONCEQ_BROKER" not in stderr

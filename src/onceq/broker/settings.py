@@ -5,13 +5,23 @@ the log settings; their types and defaults come from those dataclasses, so the t
 drift from the code. Sources, lowest first: the defaults, the config file (``--config``),
 ``ONCEQ_<KEY>`` environment variables, command-line flags. Every error names the key and
 where its value came from; docs/config.md lists every key (a test checks it).
+
+Every numeric key has a lower and an upper bound (in its help text). ``ONCEQ_`` variables
+that are neither a key nor a client variable (``OTHER_ENV``) are returned as warnings, with
+the closest known name: a misspelled setting must not silently leave its default.
+``preflight`` checks at start what only the host can tell (the data directory, the listen
+addresses, the descriptor limit), each error naming its key.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import errno
 import math
 import os
+import socket
+import tempfile
 import tomllib
 import typing
 from collections.abc import Mapping
@@ -19,9 +29,28 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..storage.config import StoreConfig
+from ..storage.openfiles import default_capacity
+from ..storage.topics import MAX_QUEUES
 from .config import BrokerConfig
+from .limits import fd_limit
+from .retry import parse_delay_levels
 
 ENV_PREFIX = "ONCEQ_"
+# ONCEQ_ variables that are not broker settings: the client commands' (cli/common.py,
+# cli/dedup_cmd.py) and the config file's
+OTHER_ENV = frozenset({"ONCEQ_BROKER", "ONCEQ_CONFIG", "ONCEQ_DEDUP_STORE"})
+KIB = 1024
+GIB = 1024 ** 3
+DAY_S = 86400
+MAX_FDS = 1 << 20  # Linux's default ceiling of any process's descriptor limit (nr_open)
+# delay levels: one %SCHEDULE% queue each, so at most a topic's queue count; each delay at
+# most a year (RocketMQ's longest default level is 2h), far inside a due time in ms
+MAX_DELAY_LEVELS = MAX_QUEUES
+MAX_DELAY_S = 365 * DAY_S
+# descriptors left for client connections at start, beyond fd_reserve, the index-file
+# cache and about 32 of the broker's own (segment, journals, listening sockets, stdio)
+BROKER_OWN_FDS = 32
+MIN_CLIENT_FDS = 16
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_FORMATS = ("text", "json")
 
@@ -52,72 +81,86 @@ class Setting:
         return "--" + name.replace("_", "-")
 
 
-# help text and bounds of each key (types and defaults come from the dataclasses)
+# help text and bounds of each key (types and defaults come from the dataclasses); every
+# numeric key has both bounds, written into its help (a test checks both are set)
 _META: dict[str, tuple[str, float | None, float | None]] = {
     # store
     "data_dir": ("Directory of the commit log, indexes and state (required).", None, None),
-    "segment_size": ("Commit-log segment size, bytes.", 65536, None),
-    "index_entries_per_file": ("Consume-queue entries per index file.", 1, None),
+    "segment_size": ("Commit-log segment size, bytes (64 KiB..16 GiB).", 64 * KIB, 16 * GIB),
+    "index_entries_per_file": ("Consume-queue entries per index file (1..10,000,000; 24 "
+                               "bytes each).", 1, 10_000_000),
     "flush": ("'sync': acknowledge a send only after fsync; 'async': fsync every "
               "flush_interval_ms.", None, None),
-    "flush_interval_ms": ("Background fsync period under async flush, ms.", 1, None),
-    "checkpoint_interval_ms": ("How often indexes are fsynced and checkpointed, ms.", 1, None),
-    "max_body": ("Largest message body accepted, bytes.", 1, None),
-    "retention_hours": ("Delete commit-log segments older than this (0: keep forever).", 0,
-                        None),
-    "retention_bytes": ("Delete the oldest segments above this total (0: no limit).", 0, None),
+    "flush_interval_ms": ("Background fsync period under async flush, ms (1..60000).", 1,
+                          60_000),
+    "checkpoint_interval_ms": ("How often indexes are fsynced and checkpointed, ms "
+                               "(1..3600000: one hour).", 1, 3_600_000),
+    "max_body": ("Largest message body accepted, bytes (1..1 GiB, and at least 4 KiB below "
+                 "segment_size).", 1, 1 * GIB),
+    "retention_hours": ("Delete commit-log segments older than this (0: keep forever; at "
+                        "most 87600, ten years).", 0, 87_600),
+    "retention_bytes": ("Delete the oldest segments above this total (0: no limit; at most "
+                        "1 PiB).", 0, 1 << 50),
     "dedup_window_s": ("Seconds during which a retried send (same unique key) is answered "
-                       "with the first send's result and not stored again (0: off).", 0, None),
+                       "with the first send's result and not stored again (0: off; at most "
+                       "86400, one day).", 0, DAY_S),
     "dedup_max_keys": ("Most unique keys the dedup window holds (about 90 MB per million); "
-                       "above it the oldest are forgotten early (0: off).", 0, None),
+                       "above it the oldest are forgotten early (0: off; at most "
+                       "100,000,000).", 0, 100_000_000),
     "disk_max_used_ratio": ("Refuse writes with DISK_FULL while the data directory's file "
-                            "system is used above this ratio (1: only when full).", 0, 1),
+                            "system is used above this ratio (above 0, at most 1; 1: only "
+                            "when full).", 0, 1),
     "max_open_files": ("Index files and older segments kept open at once (0: a quarter of "
-                       "the process's file-descriptor limit).", 0, None),
+                       "the process's file-descriptor limit; at most 1,048,576, and with "
+                       "fd_reserve well below the fd limit).", 0, MAX_FDS),
     # broker
     "host": ("Address the broker listens on.", None, None),
-    "port": ("Port the broker listens on (0: any free port).", 0, 65535),
-    "long_poll_max_s": ("Longest hold of an empty pull (long polling), seconds.", 0, None),
-    "heartbeat_expiry_s": ("A member without heartbeat for this long is removed, seconds.",
-                           0.001, None),
-    "expiry_check_s": ("How often expired members are looked for, seconds.", 0.001, None),
-    "offsets_save_s": ("How often the consumer offsets snapshot is written, seconds.", 0.001,
-                       None),
-    "offsets_journal_ms": ("Offset commits carried by pulls are journaled this often, ms.", 1,
-                           60000),
-    "retention_check_s": ("How often retention runs, seconds.", 0.001, None),
+    "port": ("Port the broker listens on (0: any free port; at most 65535).", 0, 65535),
+    "long_poll_max_s": ("Longest hold of an empty pull (long polling), seconds (0..3600).",
+                        0, 3600),
+    "heartbeat_expiry_s": ("A member without heartbeat for this long is removed, seconds "
+                           "(0.001..86400).", 0.001, DAY_S),
+    "expiry_check_s": ("How often expired members are looked for, seconds (0.001..86400).",
+                       0.001, DAY_S),
+    "offsets_save_s": ("How often the consumer offsets snapshot is written, seconds "
+                       "(0.001..86400).", 0.001, DAY_S),
+    "offsets_journal_ms": ("Offset commits carried by pulls are journaled this often, ms "
+                           "(1..60000).", 1, 60000),
+    "retention_check_s": ("How often retention runs, seconds (0.001..86400).", 0.001, DAY_S),
     "auto_create_topics": ("Create a topic on its first send.", None, None),
-    "default_queues": ("Queues of a topic created without a count.", 1, 1024),
-    "max_pull_msgs": ("Most messages one pull returns.", 1, None),
-    "max_pull_bytes": ("Most bytes one pull returns.", 1, None),
-    "delay_levels": ("Retry delay levels, level 1 first (RocketMQ's 18 levels).", None, None),
+    "default_queues": ("Queues of a topic created without a count (1..1024).", 1, 1024),
+    "max_pull_msgs": ("Most messages one pull returns (1..65536).", 1, 65536),
+    "max_pull_bytes": ("Most bytes one pull returns (1..1 GiB).", 1, 1 * GIB),
+    "delay_levels": ("Retry delay levels, level 1 first (RocketMQ's 18 levels; 1..1024 "
+                     "levels, one schedule queue each, each at most 365d).", None, None),
     "access_lock": ("Transition-state queue access lock for CLUSTERING groups.", None, None),
     "access_lock_hold_s": ("A connected holder not seen this long is displaced, seconds "
-                           "(must exceed long_poll_max_s).", 0.001, None),
+                           "(must exceed long_poll_max_s; at most 86400).", 0.001, DAY_S),
     "access_lock_stable_checks": ("Checks in which an idle holder's deliver offset must not "
-                                  "move before its queue is handed over.", 1, None),
+                                  "move before its queue is handed over (1..100).", 1, 100),
     "access_lock_restore_hold_s": ("After a restart, a saved holder keeps its queues this "
-                                   "long unless it re-asserts or gives them up, seconds.",
-                                   0.001, None),
+                                   "long unless it re-asserts or gives them up, seconds "
+                                   "(0.001..86400).", 0.001, DAY_S),
     "max_output_bytes": ("Bytes queued for one client above which it is disconnected as a "
-                         "slow consumer.", 1, None),
+                         "slow consumer (at most 16 GiB).", 1, 16 * GIB),
     "read_timeout_s": ("A frame once started must be complete within this, seconds "
-                       "(0: off).", 0, None),
+                       "(0: off; at most 86400).", 0, DAY_S),
     "idle_timeout_s": ("A connection that sends nothing and waits for no held pull this "
-                       "long is closed, seconds (0: off).", 0, None),
+                       "long is closed, seconds (0: off; at most 86400).", 0, DAY_S),
     "max_connections": ("Most client connections (0: as many as the fd limit allows, less "
-                        "fd_reserve).", 0, None),
-    "fd_reserve": ("File descriptors always left free for the broker's own files.", 16, None),
+                        "fd_reserve; at most 1,048,576).", 0, MAX_FDS),
+    "fd_reserve": ("File descriptors always left free for the broker's own files (16..65536, "
+                   "and at start well below the process's fd limit).", 16, 65536),
     "max_input_buffer_bytes": ("Bytes of incomplete frames buffered for all connections "
                                "together (0: the larger of 256 MiB and four frames of the "
-                               "largest size).", 0, None),
+                               "largest size; at most 64 GiB).", 0, 64 * GIB),
     "queue_lock_expiry_s": ("An orderly queue lock not renewed this long is free, "
-                            "seconds.", 0.001, None),
+                            "seconds (0.001..86400).", 0.001, DAY_S),
     "writer_expiry_s": ("An idempotent writer (the Spark sink) that sent nothing this long "
                         "is forgotten: a replay of its batches after that is stored again, "
-                        "seconds.", 0.001, None),
+                        "seconds (0.001..2592000: 30 days).", 0.001, 30 * DAY_S),
     "metrics_port": ("Port of the Prometheus endpoint /metrics (-1: off, 0: any free "
-                     "port).", -1, 65535),
+                     "port; at most 65535).", -1, 65535),
     "metrics_host": ("Address the Prometheus endpoint listens on.", None, None),
     # log
     "log_level": ("Log level: DEBUG, INFO, WARNING or ERROR.", None, None),
@@ -155,6 +198,10 @@ BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}
 _TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
 
 
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(x)
+
+
 def _type_name(s: Setting) -> str:
     return _TYPE_NAMES.get(s.type) or getattr(s.type, "__name__", str(s.type))
 
@@ -177,10 +224,29 @@ def _typed(s: Setting, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: must be one of {', '.join(s.choices)}, got {value!r}")
         value = v
     if s.min is not None and value < s.min:
-        raise ConfigError(f"{where}: must be >= {s.min:g}, got {value!r}")
+        raise ConfigError(f"{where}: must be >= {_num(s.min)}, got {value!r}")
     if s.max is not None and value > s.max:
-        raise ConfigError(f"{where}: must be <= {s.max:g}, got {value!r}")
+        raise ConfigError(f"{where}: must be <= {_num(s.max)}, got {value!r}")
+    if s.key == "delay_levels":
+        check_delay_levels(value, where)
     return value
+
+
+def check_delay_levels(spec: str, where: str = "delay_levels") -> list[float]:
+    """The delays of ``spec`` (seconds), or ConfigError naming ``where``: 1..1024 levels
+    (the schedule topic has one queue per level), each 0..365 days."""
+    try:
+        levels = parse_delay_levels(spec)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if len(levels) > MAX_DELAY_LEVELS:
+        raise ConfigError(f"{where}: at most {MAX_DELAY_LEVELS} delay levels (one schedule "
+                          f"queue each), got {len(levels)}")
+    for i, delay in enumerate(levels, 1):
+        if not delay <= MAX_DELAY_S:
+            raise ConfigError(f"{where}: level {i} is longer than 365d ({MAX_DELAY_S} s), "
+                              f"got {spec.split()[i - 1]!r}")
+    return levels
 
 
 def parse_text(s: Setting, text: str, where: str) -> Any:
@@ -229,18 +295,38 @@ def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
             for s in SETTINGS if s.env in environ}
 
 
+_ENV_NAMES = {s.env for s in SETTINGS}
+
+
+def unknown_env(environ: Mapping[str, str]) -> list[str]:
+    """A warning for each ``ONCEQ_`` variable that is neither a setting nor a client
+    variable (``OTHER_ENV``): a misspelled setting would otherwise be silently ignored."""
+    known = sorted(n[len(ENV_PREFIX):] for n in _ENV_NAMES | OTHER_ENV)
+    out = []
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in _ENV_NAMES or name in OTHER_ENV:
+            continue
+        # compared without the prefix, which every name shares
+        close = difflib.get_close_matches(name[len(ENV_PREFIX):], known, n=1)
+        hint = f" (did you mean {ENV_PREFIX}{close[0]}?)" if close else ""
+        out.append(f"environment {name}: not a setting, ignored{hint}; see docs/config.md")
+    return out
+
+
 @dataclass
 class Loaded:
     broker: BrokerConfig
     log_level: str
     log_format: str
     sources: dict[str, str]  # key -> where its value came from (defaults not listed)
+    warnings: list[str] = dataclasses.field(default_factory=list)  # unknown ONCEQ_ variables
 
 
 def load(config_file: str | None = None, environ: Mapping[str, str] | None = None,
          flags: Mapping[str, Any] | None = None) -> Loaded:
     """Merge defaults < file < environment < ``flags`` (already typed: from ``parse_text``)
-    and validate the result. Raises ``ConfigError``."""
+    and validate the result. Raises ``ConfigError``. Unknown ``ONCEQ_`` variables are
+    listed in ``warnings`` (``onceq broker start`` logs them at WARNING)."""
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {s.key: s.default for s in SETTINGS}
     sources: dict[str, str] = {}
@@ -266,4 +352,70 @@ def load(config_file: str | None = None, environ: Mapping[str, str] | None = Non
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return Loaded(cfg, by_section["log"]["log_level"], by_section["log"]["log_format"],
-                  sources)
+                  sources, unknown_env(environ))
+
+
+# ---------------------------------------------------------------- checks at start
+def check_data_dir(path: str) -> None:
+    """``data_dir`` is (or can be made) a directory the broker can write in."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"data_dir: {path} exists and is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"data_dir: cannot create {path}: {exc.strerror}") from None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".onceq-write-check-", dir=path)
+    except OSError as exc:
+        raise ConfigError(f"data_dir: cannot write in {path}: {exc.strerror}") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def check_host(key: str, host: str) -> None:
+    """``host`` resolves to at least one address of this machine (a bind to a free port
+    there succeeds), as the listener will need."""
+    try:
+        infos = socket.getaddrinfo(host or None, 0, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
+        raise ConfigError(f"{key}: cannot resolve {host!r}: {reason}") from None
+    first: OSError | None = None
+    for family, type_, proto, _name, addr in infos:
+        try:
+            with socket.socket(family, type_, proto) as sock:
+                sock.bind(addr)
+            return
+        except OSError as exc:
+            first = first or exc
+    why = ("not an address of this machine" if first is not None
+           and first.errno == errno.EADDRNOTAVAIL else
+           first.strerror if first is not None else "no address")
+    raise ConfigError(f"{key}: cannot listen on {host!r}: {why}")
+
+
+def check_fds(cfg: BrokerConfig, soft_limit: int | None = None) -> None:
+    """``fd_reserve`` and the index-file cache leave descriptors for clients under the
+    process's soft ``RLIMIT_NOFILE``; else every client would be refused."""
+    limit = fd_limit() if soft_limit is None else soft_limit
+    cache = cfg.store.max_open_files or default_capacity(limit)
+    left = limit - cfg.fd_reserve - cache - BROKER_OWN_FDS
+    if left < MIN_CLIENT_FDS:
+        cache_is = (f"max_open_files {cache}" if cfg.store.max_open_files else
+                    f"the index-file cache ({cache}, from the limit)")
+        raise ConfigError(f"fd_reserve: {cfg.fd_reserve} and {cache_is} leave {max(left, 0)} "
+                          f"of the process's {limit} file descriptors (ulimit -n) for "
+                          f"clients, less than {MIN_CLIENT_FDS}: lower fd_reserve or "
+                          f"max_open_files, or raise the limit")
+
+
+def preflight(cfg: BrokerConfig, soft_limit: int | None = None) -> None:
+    """What only the host can tell, checked before the broker opens anything: the data
+    directory, the listen addresses and the descriptor limit. Raises ``ConfigError``
+    naming the key."""
+    check_data_dir(cfg.store.data_dir)
+    check_host("host", cfg.host)
+    if cfg.metrics_port >= 0:
+        check_host("metrics_host", cfg.metrics_host)
+    check_fds(cfg, soft_limit)

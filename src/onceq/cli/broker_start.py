@@ -3,17 +3,31 @@ config file (``--config``) and the ``ONCEQ_<KEY>`` environment variables."""
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
+import os
 from typing import Any
 
 import click
 
-from ..broker.settings import SETTINGS, ConfigError, Loaded, Setting, load, parse_text
+from ..broker.settings import (
+    SETTINGS,
+    ConfigError,
+    Loaded,
+    Setting,
+    load,
+    parse_text,
+    preflight,
+)
 from ..logconfig import setup_logging
 
 EXIT_CONFIG = 2  # a setting that cannot be used (same code as any usage error)
 _SHORT = {"data_dir": "-d", "port": "-p"}
 _METAVAR = {int: "INT", float: "NUMBER", str: "TEXT"}
+# errors on a file of the data directory that are the directory's fault, not the disk's
+_DATA_DIR_ERRNOS = {errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR, errno.EROFS,
+                    errno.EEXIST}
 
 
 class ConfigProblem(click.ClickException):
@@ -42,6 +56,15 @@ def _typed_flags(values: dict[str, Any]) -> dict[str, Any]:
             continue
         flags[s.key] = v if isinstance(v, bool) else parse_text(s, v, s.flag)
     return flags
+
+
+def _data_dir_error(exc: OSError, data_dir: str) -> bool:
+    """Whether ``exc`` is about a file of the data directory that cannot be used as one."""
+    if exc.errno not in _DATA_DIR_ERRNOS or not isinstance(exc.filename, str):
+        return False
+    root = os.path.abspath(data_dir)
+    path = os.path.abspath(exc.filename)
+    return path == root or path.startswith(root + os.sep)
 
 
 def toml_value(v: Any) -> str:
@@ -79,10 +102,18 @@ def make_start_command() -> click.Command:
         except ConfigError as exc:
             raise ConfigProblem(str(exc)) from None
         if print_config:
+            for w in loaded.warnings:
+                click.echo(f"warning: {w}", err=True)
             click.echo(to_toml(loaded))
             return
         setup_logging(loaded.log_level, loaded.log_format)
+        for w in loaded.warnings:  # a misspelled ONCEQ_ variable is not silently ignored
+            logging.getLogger("onceq.broker").warning("%s", w)
         cfg = loaded.broker
+        try:
+            preflight(cfg)
+        except ConfigError as exc:
+            raise ConfigProblem(str(exc)) from None
 
         def ready(b: Any) -> None:
             if loaded.log_format == "json":  # stderr stays one JSON object per line
@@ -94,6 +125,8 @@ def make_start_command() -> click.Command:
         try:
             run(cfg, ready)
         except OSError as exc:
+            if _data_dir_error(exc, cfg.store.data_dir):
+                raise ConfigProblem(f"data_dir: {exc.strerror}: {exc.filename}") from None
             raise click.ClickException(f"cannot start broker: {exc}") from None
 
     fn: Any = start
