@@ -22,7 +22,7 @@ from typing import Any
 from onceq.broker.ownership import QueueOwnership, Refusal
 from onceq.client.connection import ConnectionLost
 from onceq.log.record import build_record, encode_part
-from onceq.protocol.codes import PullStatus, PushCode, RequestCode, retry_topic
+from onceq.protocol.codes import PullStatus, PushCode, RequestCode
 from onceq.protocol.errors import ErrorCode, OnceqError
 from tests.clock import FakeClock
 
@@ -203,8 +203,6 @@ class FakeBroker:
         answer: dict[str, Any] = {"expiry_s": 120, "holds": []}
         for g in h["groups"]:
             group = g["group"]
-            if retry_topic(group) not in self.topics:
-                self.create_topic(retry_topic(group), 1)
             members = self.members.setdefault(group, {})
             new = client not in members
             meta = g.get("meta", {})

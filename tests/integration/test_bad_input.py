@@ -151,7 +151,7 @@ def test_error_codes_are_stable():
         "SERVICE_UNAVAILABLE": 30, "SYSTEM_BUSY": 31, "FLUSH_TIMEOUT": 32, "SHUTTING_DOWN": 33,
         "DISK_FULL": 34, "STORAGE_ERROR": 35, "TOO_MANY_CONNECTIONS": 36,
         "OUT_OF_ORDER_SEQUENCE": 40, "INVALID_SEQUENCE": 41,
-        "NOT_MEMBER": 43,
+        "NOT_MEMBER": 43, "TOO_MANY_GROUPS": 44,
     }
 
 
@@ -618,20 +618,22 @@ async def test_system_topics_are_written_by_the_broker_only(broker, addr, seeded
     assert {t: broker.store.min_max(t, 0) for t in system[:4]} == before
     assert broker.store.topics["%SCHEDULE%"].queues == len(broker.retry.levels)
     assert "%RETRY%new" not in broker.store.topics and "%other" not in broker.store.topics
-    # reading them stays allowed; a push consumer's GET_TOPIC creates its retry topic
+    # reading them stays allowed; a GET_TOPIC creates no retry topic (the first send-back
+    # of the group does)
     code, hdr, _ = await raw.request(RequestCode.PULL, {"topic": "%DLQ%g", "queue": 0,
                                                         "offset": 0}, corr=corr + 1)
     assert (code, hdr["st"]) == (0, PullStatus.FOUND)
     code, hdr, _ = await raw.request(RequestCode.GET_TOPIC, {"topic": "%RETRY%new"},
                                      corr=corr + 2)
-    assert (code, hdr["queues"]) == (0, 1)
+    assert code == ErrorCode.TOPIC_NOT_EXIST, hdr
+    assert "%RETRY%new" not in broker.store.topics
     await raw.close()
     await assert_healthy(addr, seeded)
 
 
 async def test_system_topics_are_not_created_on_first_use(tmp_path):
     """With topics created on first use, a send to a missing system topic is refused and a
-    GET_TOPIC of one (other than a group's retry topic) creates nothing."""
+    GET_TOPIC of one creates nothing."""
     async with running_broker(str(tmp_path / "d"), auto_create_topics=True) as b:
         raw = await Raw.open(b.port)
         code, hdr, _ = await raw.request(RequestCode.SEND, {"topic": "%DLQ%x", "queue": 0},

@@ -46,11 +46,9 @@ def consumer(addr: str, group: str, listener, topic: str = "T", **kw) -> PushCon
     return c
 
 
-def all_queues(topic: str, n: int, group: str | None = None) -> set[MessageQueue]:
-    qs = {MessageQueue(topic, i) for i in range(n)}
-    if group is not None:
-        qs.add(MessageQueue(retry_topic(group), 0))
-    return qs
+def all_queues(topic: str, n: int) -> set[MessageQueue]:
+    """The queues of ``topic`` (a group's retry topic exists only after a send-back)."""
+    return {MessageQueue(topic, i) for i in range(n)}
 
 
 def partition_ok(consumers: list[PushConsumer], expected: set[MessageQueue]) -> bool:
@@ -188,7 +186,7 @@ async def test_members_join_and_leave_while_50k_messages_flow(tmp_path, record_p
         assert len(set(keys)) == batches * per_batch
         await wait_until(lambda: all(k in handled for k in keys), 40, "every key handled")
         elapsed = time.monotonic() - t0
-        await wait_until(lambda: partition_ok([b, c], all_queues("T", n_queues, "churn")), 5,
+        await wait_until(lambda: partition_ok([b, c], all_queues("T", n_queues)), 5,
                          "b and c to split every queue")
         locks_held = len(broker.owners.core.access)
         for x in (b, c):
@@ -447,7 +445,7 @@ async def _kill_or_hang(tmp_path, sig: int, expiry: float) -> None:
         b = consumer(addr, group, listener, topic=topic, client_id="k-b", **kw)
         await a.start()
         await b.start()
-        expected = all_queues(topic, n_queues, group)
+        expected = all_queues(topic, n_queues)
         child = await Child.start(addr, group, topic, tmp_path / "child.keys",
                                   "--rebalance-interval", "60", "--heartbeat-interval", "0.3")
         try:
@@ -517,7 +515,7 @@ async def test_graceful_shutdown_commits_unregisters_and_others_rebalance_at_onc
               for i in range(3)]
         for c in cs:
             await c.start()
-        expected = all_queues(topic, n_queues, group)
+        expected = all_queues(topic, n_queues)
         await wait_until(lambda: partition_ok(cs, expected), 5, "three-way split")
         where: dict[str, int] = {}
         keys = await send_many(addr, topic, 12, 100, where=where)
@@ -597,7 +595,7 @@ async def test_consumers_with_default_ids_in_one_process_split_the_queues(addr):
     for c in cs:
         await c.start()
     try:
-        await wait_until(lambda: partition_ok(cs, all_queues("D", 4, "dflt")), 5, "a split")
+        await wait_until(lambda: partition_ok(cs, all_queues("D", 4)), 5, "a split")
         keys = await send_many(addr, "D", 4, 50)
         await wait_until(lambda: all(k in handled for k in keys), 10, "every key")
         await asyncio.sleep(0.2)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from onceq import Admin, ErrorCode, OnceqError, PullConsumer
+from onceq import Admin, ErrorCode, OnceqError, Producer, PullConsumer
 from onceq.client.connection import BrokerConnection
 from onceq.client.push import ConsumeStatus, PushConsumer
 from onceq.log.record import encode_part
@@ -103,3 +103,67 @@ async def test_a_message_at_the_largest_reconsume_count_is_dead_lettered(tmp_pat
             letters = await admin.dead_letters("g")
         assert seen == [U16_MAX]
         assert [(m.unique_key, m.reconsume_times) for m in letters] == [("MAX", U16_MAX)]
+
+
+async def test_the_retry_topic_is_created_at_the_first_send_back_and_consumed_at_once(tmp_path):
+    """Heartbeats create no topic: a group's retry topic appears at its first send-back,
+    and the broker tells the members, which consume it without waiting for their next
+    rebalance (an interval of 10 minutes here)."""
+    async with running_broker(str(tmp_path / "d"), delay_levels="100ms 100ms 100ms") as b:
+        addr = f"127.0.0.1:{b.port}"
+        async with Admin(addr) as admin:
+            await admin.create_topic("T", 1)
+        seen: list[tuple[str, int]] = []
+        done = asyncio.Event()
+
+        async def listener(msgs, ctx):
+            seen.extend((m.topic, m.reconsume_times) for m in msgs)
+            if msgs[0].reconsume_times == 0:
+                return ConsumeStatus.RECONSUME_LATER
+            done.set()
+            return ConsumeStatus.CONSUME_SUCCESS
+
+        c = PushConsumer(addr, "g", listener, consume_from="FIRST", rebalance_interval_s=600)
+        c.subscribe("T")
+        async with c:
+            async with Admin(addr) as admin:
+                assert await admin.group_members("g")  # registered: heartbeats were sent
+            assert retry_topic("g") not in b.store.topics
+            async with Producer(addr) as p:
+                await p.send("T", b"fail once", queue=0)
+            await asyncio.wait_for(done.wait(), 10)
+        assert retry_topic("g") in b.store.topics
+        assert seen == [("T", 0), ("T", 1)]  # the retry, seen under its origin topic
+
+
+async def test_heartbeats_are_bounded_in_groups_and_create_no_topics(tmp_path):
+    """A heartbeat naming many groups creates no topic; a client past its groups, or a
+    broker past its groups, is refused with TOO_MANY_GROUPS and nothing changes."""
+    async with running_broker(str(tmp_path / "d")) as b:
+        addr = f"127.0.0.1:{b.port}"
+        topics = set(b.store.topics)
+        b.consumer_groups.max_groups = 80
+        conn = await BrokerConnection.open(addr)
+        other = await BrokerConnection.open(addr)
+        try:
+            def hb(client: str, names: list[str]) -> dict:
+                return {"client": client, "groups": [{"group": n, "subs": {}} for n in names]}
+
+            await conn.request(RequestCode.HEARTBEAT, hb("c1", [f"g{i}" for i in range(64)]))
+            assert set(b.store.topics) == topics
+            with pytest.raises(OnceqError) as exc:
+                await conn.request(RequestCode.HEARTBEAT, hb("c1", ["one-more"]))
+            assert exc.value.code == ErrorCode.TOO_MANY_GROUPS
+            assert "one-more" not in b.groups.groups
+            await other.request(RequestCode.HEARTBEAT, hb("c2", [f"h{i}" for i in range(16)]))
+            with pytest.raises(OnceqError) as exc:  # 80 groups on the broker
+                await other.request(RequestCode.HEARTBEAT, hb("c2", ["h16"]))
+            assert exc.value.code == ErrorCode.TOO_MANY_GROUPS
+            assert "h16" not in b.groups.groups
+            # a group whose last member left is forgotten: its place is free again
+            await conn.request(RequestCode.UNREGISTER, {"group": "g0", "client": "c1"})
+            await other.request(RequestCode.HEARTBEAT, hb("c2", ["h16"]))
+            assert len(b.groups.groups) == 80
+        finally:
+            conn.close()
+            other.close()

@@ -144,6 +144,10 @@ class SimGroup:
     def __init__(self, broker: FakeBroker, clock: FakeClock, handler_s: float = 0.2,
                  **consumer_kw) -> None:
         self.broker = broker
+        # the group failed a message before: its retry topic exists (the broker creates it
+        # at a group's first send-back), so every member also balances a second topic
+        if "%RETRY%g" not in broker.topics:
+            broker.create_topic("%RETRY%g", 1)
         self.clock = clock
         self.handler_s = handler_s
         self.kw = {"consume_from": "FIRST", **consumer_kw}

@@ -141,6 +141,7 @@ class Broker:
         cfg = self.config
         self.retry = RetryService(self.store, parse_delay_levels(cfg.delay_levels), self.clock,
                                   self._on_internal_put)
+        self.retry.on_group_topic = self.consumer_groups.retry_topic_created
         self.retry.start()
         self.sends.retry = self.consumer_groups.retry = self.admin.retry = self.retry
         self.flusher = Flusher(self.store, cfg.store.flush, cfg.store.flush_interval_ms)

@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("onceq.broker")
 
+MAX_GROUPS = 10_000  # groups with members on one broker
+MAX_GROUPS_PER_CLIENT = 64  # groups one client (one connection) is a member of
+
 
 def _held(group: dict[str, Any]) -> list[tuple[str, int, int]] | None:
     """The ``held`` field of a heartbeat's group: [[topic, queue, next offset], ...]."""
@@ -67,6 +70,8 @@ class ConsumerGroupService:
         self.durable = durable
         self.retry: RetryService | None = None
         self.started = clock()
+        self.max_groups = MAX_GROUPS
+        self.max_groups_per_client = MAX_GROUPS_PER_CLIENT
 
     # ---------------------------------------------------------------- membership
     def h_heartbeat(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
@@ -99,13 +104,8 @@ class ConsumerGroupService:
         holds = []
         resets = []
         locked = False  # the access lock applies to this member in some group
+        self._check_group_bounds(client, conn, [c[0] for c in checked])
         for name, subs, model, meta, held, reset_gen in checked:
-            if model == CLUSTERING and self.retry is not None:
-                try:
-                    self.retry.ensure_group_topics(name)
-                except OnceqError as exc:  # a full disk: created by a later heartbeat
-                    if not exc.retriable:
-                        raise
             self.groups.heartbeat(name, client, conn, model, subs, now, meta)
             # the queues the member holds (after a reconnect: restore the access lock),
             # and a forced reset it has not handled: repeated, its queues not re-taken
@@ -122,6 +122,29 @@ class ConsumerGroupService:
         if resets:
             answer["resets"] = resets
         return 0, answer, b""
+
+    def _check_group_bounds(self, client: str, conn: Connection, names: list[str]) -> None:
+        """A client is a member of at most ``max_groups_per_client`` groups, and the broker
+        keeps at most ``max_groups`` groups with members: beyond, a heartbeat that would add
+        one is refused (``TOO_MANY_GROUPS``) and changes nothing."""
+        registry = self.groups.groups
+        mine = {g for g, members in registry.items()
+                if (m := members.get(client)) is not None and m.conn is conn}
+        wanted = mine | set(names)
+        if len(wanted) > self.max_groups_per_client:
+            raise OnceqError(ErrorCode.TOO_MANY_GROUPS, f"a client may be a member of at most "
+                             f"{self.max_groups_per_client} groups ({len(wanted)} asked)")
+        new = sum(1 for g in set(names) if not registry.get(g))
+        if new and len(registry) + new > self.max_groups:
+            raise OnceqError(ErrorCode.TOO_MANY_GROUPS, f"the broker keeps at most "
+                             f"{self.max_groups} groups with members")
+
+    def retry_topic_created(self, group: str) -> None:
+        """The group's first send-back created its retry topic: its members rebalance to
+        consume it (a retry is due after its delay level, the rebalance comes at once)."""
+        for m in self.groups.members(group):
+            m.conn.push(PushCode.GROUP_CHANGED, {"group": group, "client": "",
+                                                 "reason": "retry topic"})
 
     def h_unregister(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
                      ) -> Response:

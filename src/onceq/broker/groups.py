@@ -55,6 +55,8 @@ class GroupRegistry:
         if not members or client_id not in members:
             return False
         del members[client_id]
+        if not members:
+            del self.groups[group]
         self.on_change(group, client_id, reason)
         return True
 

@@ -132,6 +132,7 @@ class RetryService:
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self.skipped = 0  # schedule records skipped as undeliverable (module doc)
+        self.on_group_topic: Callable[[str], None] | None = None  # a retry topic created
 
     # ---------------------------------------------------------------- topics
     def ensure_topics(self) -> None:
@@ -141,8 +142,12 @@ class RetryService:
             self.store.create_topic(SCHEDULE_TOPIC, len(self.levels))
 
     def ensure_group_topics(self, group: str) -> None:
+        """Create the group's retry topic at its first send-back (not before: a group that
+        never fails a message has none); ``on_group_topic(group)`` tells its members."""
         if retry_topic(group) not in self.store.topics:
             self.store.create_topic(retry_topic(group), 1)
+            if self.on_group_topic is not None:
+                self.on_group_topic(group)
 
     # ---------------------------------------------------------------- send back
     def send_back(self, group: str, topic: str, queue: int, offset: int, delay_level: int,

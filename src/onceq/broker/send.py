@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..protocol.codes import RETRY_PREFIX, dlq_topic
+from ..protocol.codes import dlq_topic
 from ..protocol.errors import ErrorCode, OnceqError
 from ..storage.store import check_name
 from .fields import (
@@ -52,16 +52,13 @@ class SendService:
 
     def topic_for_write(self, topic: str) -> None:
         """Make sure a topic a client names exists (sends, ``GET_TOPIC``): refuse the
-        internal offsets topic; create a missing group retry topic (a push consumer asks
-        for it before any of its messages failed), or any missing user topic when topics
-        are created on first use (``auto_create_topics``). Other system topics are created
-        by the broker when it first writes them."""
+        internal offsets topic; create a missing user topic when topics are created on first
+        use (``auto_create_topics``). System topics are created by the broker when it first
+        writes them: a group's retry topic at the group's first send-back."""
         user_topic(topic)
         if topic in self.store.topics:
             return
-        if topic.startswith(RETRY_PREFIX) and self.retry is not None:
-            self.retry.ensure_group_topics(check_name("group", topic[len(RETRY_PREFIX):]))
-        elif self.config.auto_create_topics and not is_system_topic(topic):
+        if self.config.auto_create_topics and not is_system_topic(topic):
             check_name("topic", topic)
             self.store.create_topic(topic, self.config.default_queues)
 

@@ -39,6 +39,7 @@ class ErrorCode(IntEnum):
     OUT_OF_ORDER_SEQUENCE = 40
     INVALID_SEQUENCE = 41
     NOT_MEMBER = 43  # an orderly lock request from a client that is no member of the group
+    TOO_MANY_GROUPS = 44  # a heartbeat past the groups a client or the broker may have
 
 
 RETRIABLE: frozenset[ErrorCode] = frozenset(
@@ -83,6 +84,7 @@ DEFAULT_MESSAGES: dict[ErrorCode, str] = {
                                      "first one not acknowledged",
     ErrorCode.INVALID_SEQUENCE: "malformed writer id, epoch or sequence",
     ErrorCode.NOT_MEMBER: "the client is not a member of the group: send a heartbeat first",
+    ErrorCode.TOO_MANY_GROUPS: "too many consumer groups for this client or this broker",
 }
 
 
