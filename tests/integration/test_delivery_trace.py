@@ -127,3 +127,29 @@ async def test_a_large_pull_is_traced_in_bodies_below_the_max_body(tmp_path):
         assert [d["k"] for m in pulls for d in json.loads(m.body)] == sent
         assert [d["o"] for m in pulls for d in json.loads(m.body)] == list(range(200))
         assert b.trace.dropped == 0
+
+
+async def test_message_queries_are_bounded_and_each_accepted_one_is_answered(tmp_path):
+    """Message queries are bounded scans that queue for their turn (two read at once):
+    past ``max_scans`` running or waiting, a query is refused with SYSTEM_BUSY (retriable)
+    and the others are answered in full; the broker keeps serving meanwhile."""
+    async with running_broker(str(tmp_path / "d")) as b:
+        addr = f"127.0.0.1:{b.port}"
+        b.admin.max_scans = 3
+        async with Admin(addr) as admin:
+            await admin.create_topic("Q", 1)
+        async with Producer(addr) as p:
+            for i in range(0, 6000, 500):
+                await asyncio.gather(*(p.send("Q", Message(b"x", keys=f"k{j}"), queue=0)
+                                       for j in range(i, i + 500)))
+        async with Admin(addr) as admin:
+            results = await asyncio.gather(
+                *(admin.query_message("Q", "k5999", by="keys") for _ in range(10)),
+                admin.ping(), return_exceptions=True)
+        busy = [r for r in results if isinstance(r, OnceqError)]
+        answers = [r for r in results[:-1] if not isinstance(r, BaseException)]
+        assert busy and all(e.code == ErrorCode.SYSTEM_BUSY and e.retriable for e in busy)
+        assert 3 <= len(answers) == 10 - len(busy)
+        assert all([m["offset"] for m in r["messages"]] == [5999] for r in answers)
+        assert not isinstance(results[-1], BaseException)
+        assert not b.admin._scans

@@ -10,7 +10,9 @@ offset reset by time), then reads records forward until their store time passes
 scan stops after ``max_scan`` records in all (default 1,000,000; at most 10,000,000) and
 says so (``truncated``), or after ``max_results`` matches. Cost: one read of every record
 stored in the time range, about the cost of a pull of it; the scan yields to other
-requests every ``_CHUNK`` records, so it slows the broker but does not stall it.
+requests every ``_CHUNK`` records (about a millisecond), at most ``MAX_RUNNING_SCANS`` scans
+run at once and the others wait in line, and a query past ``MAX_SCANS`` running or waiting
+is refused with ``SYSTEM_BUSY`` (retriable): scans slow the broker but do not stall it.
 
 Without a time range, a unique-key lookup derives one from the key itself: onceq's
 unique keys carry the producer's clock in milliseconds (``client/message.py``), so the
@@ -44,7 +46,9 @@ log = logging.getLogger("onceq.broker")
 
 DEFAULT_MAX_SCAN = 1_000_000
 LIMIT_MAX_SCAN = 10_000_000
-_CHUNK = 2048
+_CHUNK = 256
+MAX_RUNNING_SCANS = 2  # scans that read at once (each yields every _CHUNK records)
+MAX_SCANS = 16  # scans running or waiting for their turn; past it a query is refused
 _HOUR_MS = 3_600_000
 
 
@@ -84,6 +88,8 @@ class AdminOps:
         self.closing = closing
         self.retry: RetryService | None = None
         self._scans: set[asyncio.Task[None]] = set()
+        self.max_scans = MAX_SCANS
+        self._scan_turns: asyncio.Semaphore | None = None  # MAX_RUNNING_SCANS at once
 
     def handlers(self) -> dict[int, Handler]:
         return {RequestCode.BROKER_STATUS: self.h_broker_status,
@@ -135,6 +141,9 @@ class AdminOps:
             raise OnceqError(ErrorCode.INVALID_ARGUMENT, "end_ms is before begin_ms")
         max_scan = _opt_int(h, "max_scan", DEFAULT_MAX_SCAN, 1, LIMIT_MAX_SCAN)
         max_results = _opt_int(h, "max_results", 32, 1, 1000)
+        if len(self._scans) >= self.max_scans:
+            raise OnceqError(ErrorCode.SYSTEM_BUSY, f"{len(self._scans)} message queries "
+                             "running or waiting: try again later")
         task = asyncio.get_running_loop().create_task(self._scan(
             conn, corr, topic, queues, key, by, begin, end, max_scan, max_results))
         self._scans.add(task)
@@ -143,9 +152,12 @@ class AdminOps:
 
     async def _scan(self, conn: Connection, corr: int, topic: str, queues: int, key: str,
                     by: str, begin: int, end: int, max_scan: int, max_results: int) -> None:
+        if self._scan_turns is None:
+            self._scan_turns = asyncio.Semaphore(MAX_RUNNING_SCANS)
         try:
-            found, scanned, truncated = await self._scan_queues(
-                topic, queues, key, by, begin, end, max_scan, max_results)
+            async with self._scan_turns:
+                found, scanned, truncated = await self._scan_queues(
+                    topic, queues, key, by, begin, end, max_scan, max_results)
         except OnceqError as exc:
             conn.respond(corr, int(exc.code), {"message": exc.message})
             return
