@@ -265,6 +265,52 @@ async def test_non_reading_client_over_the_output_limit_is_dropped(tmp_path):
             assert res.messages[1].queue_offset == r.offset
 
 
+async def test_clients_that_do_not_read_share_one_output_budget(tmp_path, caplog):
+    """Twelve clients that never read, each under its own output limit: together above the
+    broker's output budget, the ones holding the most are dropped until the rest fit, and
+    a reading client is served meanwhile."""
+    mb = 1024 * 1024
+    store_kw = {"max_body": mb + 1024, "segment_size": 16 * mb}
+    async with running_broker(str(tmp_path / "d"), store_kw=store_kw,
+                              max_output_bytes=20 * mb, max_pull_bytes=2 * mb) as broker:
+        assert broker.guard.max_output == broker.config.output_budget() == 256 * mb
+        broker.guard.max_output = budget = 40 * mb
+        addr = f"127.0.0.1:{broker.port}"
+        async with Admin(addr) as admin:
+            await admin.create_topic("T", 1)
+        async with Producer(addr) as p:
+            await p.send("T", b"m" * mb, queue=0)
+        raws, conns = [], []
+        for _ in range(12):
+            raw = await open_raw(broker.port, rcvbuf=4096)
+            await raw.request(RequestCode.PING, corr=1)
+            conn = broker_side(broker, raw)
+            conn.transport.get_extra_info("socket").setsockopt(
+                socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            await raw.write(b"".join(encode_frame(REQUEST, RequestCode.PULL, i, {
+                "topic": "T", "queue": 0, "offset": 0}) for i in range(2, 32)))
+            raws.append(raw)
+            conns.append(conn)
+        async with PullConsumer(addr, "reader") as c:
+            for _ in range(50):
+                assert [m.queue_offset for m in (await c.pull("T", 0, 0, 1)).messages] == [0]
+                if not any(x.write_paused and not x.closed and x.pending_output() < 8 * mb
+                           for x in conns):
+                    break  # every client left is paused at the high-water mark
+                await asyncio.sleep(0.02)
+        dropped = [x for x in conns if x.closed]
+        kept = [x for x in conns if not x.closed]
+        held = sum(x.pending_output() for x in kept if x.write_paused)
+        assert dropped and kept and broker.guard.output_dropped == len(dropped)
+        assert held <= budget, (held, budget)
+        assert all(x.pending_output() <= 20 * mb for x in kept)
+        assert sum("output budget" in r.getMessage() for r in caplog.records) == len(dropped)
+        for raw in raws:
+            await raw.close()
+        print(f"{len(dropped)} of 12 dropped; the other {len(kept)} hold {held / mb:.1f} MiB "
+              f"of a {budget / mb:.0f} MiB budget")
+
+
 def test_output_limit_must_exceed_a_pull_answer(tmp_path):
     from onceq.broker.config import BrokerConfig
     from tests.helpers import small_store

@@ -65,6 +65,7 @@ class Broker:
         self.guard = ConnectionGuard(config.max_connections, config.fd_reserve,
                                      config.read_timeout_s, config.idle_timeout_s,
                                      max_input=config.input_budget(),
+                                     max_output=config.output_budget(),
                                      headroom=self._open_files_headroom)
         self.durable = DurableReplies(self.store)  # answers once a write is fsynced
         self.groups = GroupRegistry(config.heartbeat_expiry_s,

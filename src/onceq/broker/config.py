@@ -56,6 +56,11 @@ class BrokerConfig:
     metrics_host: str = "127.0.0.1"
     extra: dict = field(default_factory=dict)
 
+    def output_budget(self) -> int:
+        """Bytes of output queued for all clients that do not read (above the write
+        high-water mark) together: the larger of 256 MiB and four clients at the limit."""
+        return max(256 * 1024 * 1024, 4 * self.max_output_bytes)
+
     def input_budget(self) -> int:
         """The effective ``max_input_buffer_bytes``."""
         if self.max_input_buffer_bytes:

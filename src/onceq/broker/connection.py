@@ -143,11 +143,13 @@ class Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._write_paused = True
+        self.guard.write_paused.add(self)
         if self.transport is not None and not self.closed:
             self.transport.pause_reading()
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        self.guard.write_paused.discard(self)
         if self.transport is not None and not self.closed:
             self.activity += 1  # the client reads: not idle
             if not self.input_blocked:
@@ -230,6 +232,7 @@ class Connection(asyncio.Protocol):
             self.transport.write(out[0] if len(out) == 1 else b"".join(out))
             if self._write_paused:  # above the high-water mark: is it above the limit?
                 self._check_output()
+                self.guard.check_output()
 
     def held_pull_added(self) -> None:
         if self.held_pulls * HELD_PULL_COST > self.max_output:
@@ -252,6 +255,7 @@ class Connection(asyncio.Protocol):
             return
         log.log(level, "closing connection %s: %s", self.peer, reason)
         self.closed = True
+        self.guard.write_paused.discard(self)
         self._out = []
         self._out_size = 0
         self._pushes.clear()
@@ -270,6 +274,7 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.guard.write_paused.discard(self)
         if not self.refused:
             self._forget_input()
             self.broker.on_disconnect(self)

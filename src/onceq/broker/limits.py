@@ -69,7 +69,8 @@ def sweep_interval(read_timeout_s: float, idle_timeout_s: float) -> float:
 class ConnectionGuard:
     def __init__(self, max_connections: int, fd_reserve: int, read_timeout_s: float,
                  idle_timeout_s: float, clock: Callable[[], float] = time.monotonic,
-                 max_input: int = 1 << 62, headroom: Callable[[], int] = lambda: 0) -> None:
+                 max_input: int = 1 << 62, headroom: Callable[[], int] = lambda: 0,
+                 max_output: int = 1 << 62) -> None:
         self.max_connections = max_connections  # 0: only the file-descriptor bound
         self.fd_reserve = fd_reserve
         self.read_timeout_s = read_timeout_s
@@ -86,8 +87,28 @@ class ConnectionGuard:
         self.max_input = max_input
         self.input_buffered = 0
         self.blocked: set[Connection] = set()
+        # output queued for clients that do not read (write-paused): above max_output in
+        # all, the client with the most is dropped first, until the total is below again
+        self.max_output = max_output
+        self.write_paused: set[Connection] = set()
+        self.output_dropped = 0  # clients dropped for the output budget, total
         self._refused_unlogged = 0
         self._refusal_logged_at = -REFUSAL_LOG_EVERY_S
+
+    # ------------------------------------------------------------------ output budget
+    def check_output(self) -> None:
+        """Drop the clients holding the most unread output until all of them together
+        hold at most ``max_output`` bytes (each one is also bound by its own limit)."""
+        pending = {c: c.pending_output() for c in self.write_paused if not c.closed}
+        total = sum(pending.values())
+        for c in sorted(pending, key=pending.__getitem__, reverse=True):
+            if total <= self.max_output:
+                break
+            total -= pending[c]
+            self.output_dropped += 1
+            c.abort(f"output budget: {pending[c]} bytes of output queued for this client, "
+                    f"{total + pending[c]} for all clients that do not read, above the "
+                    f"budget of {self.max_output} bytes")
 
     # ------------------------------------------------------------------ connection cap
     def measure(self, connections: int) -> None:
