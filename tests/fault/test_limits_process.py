@@ -320,3 +320,41 @@ async def test_large_partial_frames_slowloris_and_idle_connections(tmp_path):
         if proc.poll() is None:
             log = stop(proc)
             assert "read timeout" in log
+
+
+async def test_two_hundred_clients_that_do_not_read_stay_within_the_output_budget(tmp_path):
+    """200 clients that never read, each pipelining pulls of a 1 MiB message: each stays
+    under its own 64 MiB limit (about 9 MiB queued at the high-water mark), 1.7 GiB in all
+    without a budget. The broker drops the largest holders past its 256 MiB output budget,
+    its peak RSS grows by less than BOUND, and a reading client is served."""
+    bound = 480 * MB  # 256 MiB budget + answers being built + allocator slack
+    proc, addr = spawn_broker(str(tmp_path / "d"), "--segment-size", str(64 * MB),
+                              "--max-body", str(2 * MB))
+    try:
+        async with Admin(addr) as admin:
+            await admin.create_topic("T", 1)
+        port = int(addr.rsplit(":", 1)[1])
+        async with Producer(addr) as p, PullConsumer(addr, "reader") as c:
+            await p.send("T", b"m" * MB, queue=0)
+            await c.pull("T", 0, 0, 1)
+            base = status(proc.pid)
+            raws = []
+            pulls = b"".join(encode_frame(REQUEST, RequestCode.PULL, i, {
+                "topic": "T", "queue": 0, "offset": 0}) for i in range(1, 17))
+            for _ in range(200):
+                raw = await open_raw(port)
+                await raw.write(pulls)
+                raws.append(raw)
+            for _ in range(5):  # the broker has read every client's pulls meanwhile
+                r = await c.pull("T", 0, 0, 1)  # and a reading client is served
+                assert [m.queue_offset for m in r.messages] == [0]
+            peak = status(proc.pid)
+            for raw in raws:
+                await raw.close()
+    finally:
+        log = stop(proc) if proc.poll() is None else ""
+    grown = peak["VmHWM"] - base["VmHWM"]
+    dropped = log.count("output budget")
+    assert 0 < dropped < 200, log[-2000:]
+    assert grown < bound
+    print(f"{dropped} of 200 non-reading clients dropped; RSS peak +{grown / MB:.0f} MiB")
