@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from onceq import Admin, Message, Producer
+import pytest
+
+from onceq import Admin, ErrorCode, Message, OnceqError, Producer
 from onceq.client.push import ConsumeStatus, PushConsumer
 from onceq.log.record import encode_part
 from onceq.protocol.codes import PROP_DELIVER_AT, SCHEDULE_TOPIC
@@ -89,8 +91,11 @@ async def test_shutdown_still_leaves_cleanly_when_the_strategy_raises(tmp_path):
         await c.start()
         await asyncio.sleep(0.5)  # a few failed rebalances
         await c.shutdown()  # does not raise, and the member is gone at once
-        async with Admin(addr) as admin:
-            assert await admin.group_members("g") == []
+        assert b.groups.members("g") == []
+        async with Admin(addr) as admin:  # with no member and no offset, no group at all
+            with pytest.raises(OnceqError) as exc:
+                await admin.group_members("g")
+            assert exc.value.code == ErrorCode.GROUP_NOT_EXIST
 
 
 async def test_consumer_follows_a_queue_that_shrank(tmp_path):
