@@ -34,6 +34,7 @@ from ..storage.files import OS_FILES, FileOps
 from ..storage.sequences import SequenceStore
 from ..storage.store import MessageStore
 from .admin_ops import AdminOps
+from .client_ids import CLAIMING, ClientIds
 from .config import BrokerConfig
 from .connection import Connection
 from .consumer_group import ConsumerGroupService
@@ -78,9 +79,11 @@ class Broker:
         self.trace = DeliveryTrace(self.store, clock, self._on_internal_put)
         self.pulls = PullService(config, self.store, owners=self.owners, trace=self.trace)
         self.holds = self.pulls.holds  # held long-poll pulls
+        self.client_ids = ClientIds()  # which connection owns each client id
         self.consumer_groups = ConsumerGroupService(
             config, self.store, clock, groups=self.groups, owners=self.owners,
-            pulls=self.pulls, trace=self.trace, durable=self.durable)
+            pulls=self.pulls, trace=self.trace, durable=self.durable,
+            client_ids=self.client_ids)
         self.sends = SendService(config, self.store, self.sequences, self.durable,
                                  self._on_internal_put)
         topics = TopicAdmin(self.store, config.default_queues,
@@ -348,6 +351,8 @@ class Broker:
                 header = decode_header(raw_header)
             except ValueError as exc:
                 raise OnceqError(ErrorCode.BAD_REQUEST, str(exc)) from None
+            if code in CLAIMING:
+                self.client_ids.check(conn, header)
             result = handler(conn, corr_id, header, payload)
         except OnceqError as exc:
             conn.respond(corr_id, int(exc.code), {"message": exc.message})
@@ -368,6 +373,7 @@ class Broker:
     def on_disconnect(self, conn: Connection) -> None:
         self.connections.discard(conn)
         self.holds.drop_connection(conn)
+        self.client_ids.drop(conn)
         for group, cid in self.groups.drop_connection(conn):
             log.info("group %s: member %s left (connection closed)", group, cid)
 

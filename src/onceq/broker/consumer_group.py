@@ -23,6 +23,7 @@ from .ownership import Refusal
 
 if TYPE_CHECKING:
     from ..storage.store import MessageStore
+    from .client_ids import ClientIds
     from .config import BrokerConfig
     from .connection import Connection
     from .durable import DurableReplies
@@ -59,8 +60,9 @@ class ConsumerGroupService:
     def __init__(self, config: BrokerConfig, store: MessageStore,
                  clock: Callable[[], float], *, groups: GroupRegistry,
                  owners: OwnershipService, pulls: PullService, trace: DeliveryTrace,
-                 durable: DurableReplies) -> None:
+                 durable: DurableReplies, client_ids: ClientIds) -> None:
         self.config = config
+        self.client_ids = client_ids
         self.store = store
         self.clock = clock
         self.groups = groups
@@ -115,6 +117,7 @@ class ConsumerGroupService:
             if pending is not None:
                 resets.append(pending)
         conn.client_ids.add(client)
+        self.client_ids.bind(conn, client)  # checked before (Broker.dispatch)
         self.owners.touch_client(client)
         answer: dict[str, Any] = {"expiry_s": self.config.heartbeat_expiry_s, "holds": holds}
         if locked:  # a holder not seen this long may lose its queues (the client's lease)

@@ -40,6 +40,7 @@ class ErrorCode(IntEnum):
     INVALID_SEQUENCE = 41
     NOT_MEMBER = 43  # an orderly lock request from a client that is no member of the group
     TOO_MANY_GROUPS = 44  # a heartbeat past the groups a client or the broker may have
+    CLIENT_ID_IN_USE = 45  # a request naming a client id another connection owns
 
 
 RETRIABLE: frozenset[ErrorCode] = frozenset(
@@ -51,6 +52,7 @@ RETRIABLE: frozenset[ErrorCode] = frozenset(
         ErrorCode.DISK_FULL,
         ErrorCode.STORAGE_ERROR,
         ErrorCode.TOO_MANY_CONNECTIONS,
+        ErrorCode.CLIENT_ID_IN_USE,
     }
 )
 
@@ -85,6 +87,7 @@ DEFAULT_MESSAGES: dict[ErrorCode, str] = {
     ErrorCode.INVALID_SEQUENCE: "malformed writer id, epoch or sequence",
     ErrorCode.NOT_MEMBER: "the client is not a member of the group: send a heartbeat first",
     ErrorCode.TOO_MANY_GROUPS: "too many consumer groups for this client or this broker",
+    ErrorCode.CLIENT_ID_IN_USE: "the client id belongs to another connection",
 }
 
 
