@@ -125,6 +125,9 @@ async def test_scrape_during_a_run(tmp_path):
         assert get(s, "onceq_disk_used_bytes") > 0
         assert 0 < get(s, "onceq_disk_used_ratio") <= 1
         assert get(s, "onceq_writes_accepted") == 1
+        for protection in ("onceq_schedule_skipped_total", "onceq_output_budget_drops_total",
+                           "onceq_connections_refused_total"):
+            assert get(s, protection) == 0  # nothing went wrong in this run
 
         # the consumer side: every business key claimed once, the re-sends were hits
         assert sorted(handled) == sorted(f"o{i}-{j}" for i in range(n_batches)

@@ -168,6 +168,17 @@ class BrokerMetrics:
                                 "Queues the access lock handed from one member to another.")
         c.add_metric([], b.owners.handovers)
         yield c
+        for name, doc, value in (
+                ("onceq_schedule_skipped", "Schedule records skipped as undeliverable "
+                 "(bad due time or target).", b.retry.skipped if b.retry else 0),
+                ("onceq_output_budget_drops", "Clients that did not read, dropped to keep "
+                 "the output of all of them within the broker's budget.",
+                 b.guard.output_dropped),
+                ("onceq_connections_refused", "Connections refused at the connection cap.",
+                 b.guard.refused)):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], value)
+            yield c
         g = GaugeMetricFamily("onceq_connections", "Open client connections.")
         g.add_metric([], len(b.connections))
         yield g
