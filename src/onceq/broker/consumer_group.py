@@ -131,6 +131,8 @@ class ConsumerGroupService:
         keeps at most ``max_groups`` groups with members: beyond, a heartbeat that would add
         one is refused (``TOO_MANY_GROUPS``) and changes nothing."""
         registry = self.groups.groups
+        if all(client in registry.get(g, ()) for g in names):
+            return  # the steady state: no group joined, nothing to count
         mine = {g for g, members in registry.items()
                 if (m := members.get(client)) is not None and m.conn is conn}
         wanted = mine | set(names)
