@@ -160,16 +160,13 @@ class PipelineResult:
     batches: list[BatchReport] = field(default_factory=list)
     totals: dict[str, ProductTotal] = field(default_factory=dict)  # read after the run
 
-    # the figures count applied batches only: a replayed batch (Spark ran it again after a
-    # stop before its commit) read the same rows and changed nothing (``replayed_batches``)
     @property
     def rows_in(self) -> int:
-        return sum(b.rows_in for b in self.batches if not b.replayed)
+        return sum(b.rows_in for b in self.batches)
 
     @property
     def duplicates_dropped(self) -> int:
-        return sum(b.spark_duplicates + b.late_duplicates for b in self.batches
-                   if not b.replayed)
+        return sum(b.spark_duplicates + b.late_duplicates for b in self.batches)
 
     @property
     def orders_counted(self) -> int:
