@@ -49,6 +49,17 @@ class SparkOutcome:
     seconds: float = 0.0
 
 
+def count_batches(batches: list[dict[str, Any]]) -> tuple[int, int]:
+    """Rows read and duplicates dropped over both runs, each micro-batch once: a batch
+    Spark ran again after the stop (its commit lost, or it ran before its report) read the
+    same rows and dropped the same duplicates; its first report counts."""
+    first: dict[int, dict[str, Any]] = {}
+    for b in batches:
+        first.setdefault(b["batch"], b)
+    return (sum(b["rows_in"] for b in first.values()),
+            sum(b["spark_duplicates"] + b["late_duplicates"] for b in first.values()))
+
+
 def unavailable_reason() -> str | None:
     if importlib.util.find_spec("pyspark") is None:
         return "pyspark is not installed (pip install 'onceq[spark]')"
@@ -120,11 +131,10 @@ class SparkStep:
 
             result = run_pipeline(spark, config, on_batch=on_batch, stop=stop)
             out.runs += 1
-            out.rows_in += result.rows_in
-            out.duplicates_dropped += result.duplicates_dropped
             out.orders_counted += result.orders_counted
             out.replayed_batches += result.replayed_batches
             out.inventory = {p: (t.quantity, t.orders) for p, t in result.totals.items()}
+        out.rows_in, out.duplicates_dropped = count_batches(out.batches)
         qty: Counter[str] = Counter()
         count: Counter[str] = Counter()
         for o in orders:
