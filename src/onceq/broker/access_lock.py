@@ -68,6 +68,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from ..storage.metadata import versioned_doc
+
 __all__ = ["AccessLockTable", "LockDecision", "LockRow", "decode_lock_rows",
            "encode_lock_rows", "lock_rows"]
 
@@ -463,13 +465,7 @@ def encode_lock_rows(rows: list[LockRow]) -> bytes:
 
 def decode_lock_rows(raw: bytes) -> list[LockRow]:
     """Parse :func:`encode_lock_rows` output; ValueError when it is damaged."""
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"access lock file is not JSON: {exc}") from None
-    if not isinstance(doc, dict) or doc.get("version") != LOCK_FILE_VERSION:
-        raise ValueError("access lock file has an unknown version")
-    return lock_rows(doc.get("locks"))
+    return lock_rows(versioned_doc(raw, LOCK_FILE_VERSION, "access lock file").get("locks"))
 
 
 def lock_rows(locks: object) -> list[LockRow]:

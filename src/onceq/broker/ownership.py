@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 
+from ..storage.metadata import versioned_doc
 from .access_lock import AccessLockTable, LockDecision, LockRow
 from .access_lock import lock_rows as access_rows
 from .offset_reset import ResetFence
@@ -315,12 +316,7 @@ class QueueOwnership:
 
 
 def _decode(data: bytes) -> tuple[list[LockRow], list[tuple[str, str, int, str]], ResetFence]:
-    try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"not JSON: {exc}") from None
-    if not isinstance(doc, dict) or doc.get("version") != FILE_VERSION:
-        raise ValueError(f"not a version {FILE_VERSION} ownership file")
+    doc = versioned_doc(data, FILE_VERSION, "ownership file")
     fences = ResetFence()
     try:
         fences.load_doc(doc.get("fences"))

@@ -35,6 +35,8 @@ import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from ..storage.metadata import versioned_doc
+
 __all__ = ["QueueLockTable", "decode_lock_file", "encode_lock_file", "lock_rows"]
 
 _Queue = tuple[str, int]
@@ -51,13 +53,7 @@ def encode_lock_file(rows: Iterable[_Row]) -> bytes:
 
 def decode_lock_file(data: bytes) -> list[_Row]:
     """The rows of a saved lock file; raises ValueError naming what is wrong."""
-    try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"not JSON: {exc}") from None
-    if not isinstance(doc, dict) or doc.get("version") != _VERSION:
-        raise ValueError(f"not a version {_VERSION} queue-lock file")
-    return lock_rows(doc.get("locks"))
+    return lock_rows(versioned_doc(data, _VERSION, "queue-lock file").get("locks"))
 
 
 def lock_rows(rows: object) -> list[_Row]:

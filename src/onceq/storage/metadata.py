@@ -55,6 +55,18 @@ def load_json(path: str, default: Any, files: FileOps = OS_FILES) -> Any:
         raise ValueError(f"{path}: corrupt state file ({exc})") from None
 
 
+def versioned_doc(raw: bytes, version: int, what: str) -> dict[str, Any]:
+    """The JSON object of a state file of ``version``; ValueError naming ``what`` when
+    the bytes are not JSON, not an object, or of another version."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{what} is not JSON: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("version") != version:
+        raise ValueError(f"{what} is not of version {version}")
+    return doc
+
+
 _CHECKPOINT = struct.Struct("<qI")
 _CRC = struct.Struct("<I")
 
