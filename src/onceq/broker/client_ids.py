@@ -48,6 +48,3 @@ class ClientIds:
         for client in conn.client_ids:
             if self._owner.get(client) is conn:
                 del self._owner[client]
-
-    def __len__(self) -> int:
-        return len(self._owner)
