@@ -33,6 +33,14 @@ class RequestCode(IntEnum):
     TOPIC_STATUS = 60  # admin: per queue min/max offsets and last store time
     QUERY_MESSAGE = 61  # admin: find messages by unique key or business key (bounded scan)
     GROUP_TRACE = 62  # admin: turn a group's delivery trace on/off, or show which are on
+    AUTHENTICATE = 70  # one step of a SCRAM-SHA-256 exchange (protocol/scram.py)
+    USER_CREATE = 71  # admin (super user): users and their SCRAM credentials
+    USER_UPDATE = 72
+    USER_DELETE = 73
+    USER_LIST = 74
+    ACL_GRANT = 75  # admin (super user): grants of actions on resources (broker/acl.py)
+    ACL_REVOKE = 76
+    ACL_LIST = 77
 
 
 class PushCode(IntEnum):

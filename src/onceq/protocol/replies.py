@@ -1,0 +1,291 @@
+"""The replies and pushes of the onceq wire protocol: one typed message per request.
+
+A reply is the success answer (code 0); an error answer is ``ErrorReply`` (the frame's code
+is the error code). ``REPLY_OF`` names each request's reply type, so a client decodes an
+answer with ``REPLY_OF[request code].decode(header, payload)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .codes import PullStatus, PushCode, RequestCode
+from .schema import Message, field, message
+
+
+def p_status(name: str, value: Any) -> PullStatus:
+    return PullStatus(value)
+
+
+@message()
+class Empty(Message):
+    """The answer of requests that have nothing to tell."""
+
+
+@message()
+class ErrorReply(Message):
+    message: str = ""
+
+
+@message()
+class Pong(Message):
+    time: int  # the broker's clock, ms since the epoch
+
+
+@message()
+class SendReply(Message):
+    """Where a send's messages are: ``offsets``, one per message, in order. A message the
+    dedup window recognised (index in ``dups``) keeps the offset (and the queue, in
+    ``dupq``) of its first copy, so ``offsets`` may then be out of order."""
+
+    queue: int
+    offsets: list[int] = field(factory=list)
+    dups: list[int] = field(factory=list)
+    dupq: list[int] = field(factory=list)
+
+    @classmethod
+    def decode(cls, header: dict[str, Any], payload: bytes = b"") -> SendReply:
+        if "base" in header:  # every message stored anew: the first offset and the count
+            base, n = header["base"], header["n"]
+            return cls(header["queue"], list(range(base, base + n)))
+        return cls(header["queue"], header["offsets"], header.get("dups", []),
+                   header.get("dupq", []))
+
+    def encode(self) -> dict[str, Any]:
+        offsets = self.offsets
+        if not self.dups and offsets and offsets[-1] - offsets[0] == len(offsets) - 1:
+            return {"queue": self.queue, "base": offsets[0], "n": len(offsets)}
+        return {"queue": self.queue, "offsets": offsets, "dups": self.dups,
+                "dupq": self.dupq}
+
+    def queue_of(self, index: int) -> int:
+        """The queue message ``index`` is stored on (a duplicate's first copy's)."""
+        if index in self.dups:
+            return self.dupq[self.dups.index(index)]
+        return self.queue
+
+
+@message()
+class SequencedReply(Message):
+    """An idempotent writer's batch: the first ``dup`` messages were stored before (by an
+    earlier attempt); the other ``n`` are stored from ``base`` (None when ``n`` is 0)."""
+
+    queue: int
+    dup: int
+    base: int | None = None
+    n: int = 0
+
+    def encode(self) -> dict[str, Any]:
+        return {"queue": self.queue, "dup": self.dup,
+                "base": -1 if self.base is None else self.base, "n": self.n}
+
+    @classmethod
+    def decode(cls, header: dict[str, Any], payload: bytes = b"") -> SequencedReply:
+        base = header.get("base", -1)
+        return cls(header["queue"], header["dup"], None if base < 0 else base, header["n"])
+
+
+@message()
+class SendBackReply(Message):
+    """Where a failed message went: dead-lettered (``dlq``), else to the retry topic at
+    delay ``level``; ``reconsume`` is its count of deliveries so far. A resend of a dead
+    letter answers where its copy is in the retry topic (``queue``, ``offset``) and whether
+    the dedup window found it there already (``duplicate``)."""
+
+    dlq: bool = False
+    reconsume: int = 0
+    level: int | None = None
+    queue: int | None = None
+    offset: int | None = None
+    duplicate: bool = False
+
+
+@message()
+class PullReply(Message):
+    """The messages of a pull (``payload``: ``count`` records), where to continue (``next``)
+    and the queue's bounds. ``behind`` is the group's committed offset when the pull's
+    piggy-backed commit was below it; ``damaged`` the lost range [from, to) when DAMAGED."""
+
+    status: PullStatus = field(wire="st", parse=p_status)
+    next: int
+    min: int
+    max: int
+    count: int = field(0, wire="n")
+    behind: int | None = None
+    damaged: list[int] | None = None
+    payload: bytes = b""
+
+
+@message()
+class QueueOffsets(Message):
+    min: int
+    max: int
+
+
+@message()
+class OffsetReply(Message):
+    offset: int
+
+
+@message()
+class Released(Message):
+    released: bool
+
+
+@message()
+class ResetReply(Message):
+    group: str
+    topic: str
+    queues: list[Any]  # [queue, old offset, new offset]
+    members: list[str] = field(factory=list)  # the live members a forced reset fenced
+    gen: int = 0  # the forced reset's generation (0: not forced)
+
+
+@message()
+class TopicInfo(Message):
+    topic: str
+    queues: int
+
+
+@message()
+class TopicList(Message):
+    topics: list[Any]  # {"topic", "queues"} maps
+
+
+@message()
+class TopicStatusReply(Message):
+    topic: str
+    queues: list[Any]  # per queue {"queue", "min", "max", "first_store_ms", "last_store_ms"}
+
+
+@message()
+class HeartbeatReply(Message):
+    """``holds``: [group, topic, queue, has-lock] the broker holds for the member;
+    ``hold_s``: how long a silent holder keeps its queues (its lease), when the access lock
+    applies; ``resets``: forced resets the member has not handled."""
+
+    expiry_s: Any  # a number: seconds without a heartbeat before the member expires
+    holds: list[Any] = field(factory=list)
+    hold_s: Any = None
+    resets: list[Any] | None = None
+
+
+@message()
+class GroupMembers(Message):
+    group: str
+    members: list[Any]
+
+
+@message()
+class GroupList(Message):
+    groups: list[str]
+
+
+@message()
+class AccessLocks(Message):
+    group: str
+    enabled: bool
+    queues: list[Any]
+    orderly: list[Any] = field(factory=list)
+
+
+@message()
+class Locked(Message):
+    locked: list[Any]  # [topic, queue] now held
+
+
+@message()
+class Unlocked(Message):
+    unlocked: list[Any]  # [topic, queue] released
+
+
+@message()
+class StatusReply(Message):
+    log_start: int
+    log_end: int
+    flush: str
+    damaged: Any
+    writes: Any
+    dedup: Any
+    delay_levels: list[Any]
+
+
+@message()
+class FoundMessages(Message):
+    topic: str
+    messages: list[Any]
+    scanned: int
+    truncated: bool
+    begin_ms: int
+    end_ms: int
+
+
+@message()
+class TraceReply(Message):
+    group: Any
+    enabled: bool
+    groups: list[str]
+
+
+@message()
+class AuthReply(Message):
+    """The server's SCRAM message; ``user`` once the exchange succeeded (then ``message`` is
+    the server-final message, which the client verifies)."""
+
+    message: str
+    user: str | None = None
+
+
+@message()
+class UserInfo(Message):
+    user: dict[str, Any]  # name, super, created, updated, mechanism: never a secret
+
+
+@message()
+class Users(Message):
+    users: list[Any]
+
+
+@message()
+class AclChanged(Message):
+    changed: bool  # False: the grant was already there (grant) or absent (revoke)
+
+
+@message()
+class Grants(Message):
+    grants: list[Any]  # {"user", "kind", "pattern", "actions", "decision", "sources"}
+
+
+# ------------------------------------------------------------------ pushes
+@message(PushCode.GROUP_CHANGED)
+class GroupChanged(Message):
+    group: str
+    client: str = ""
+    reason: str = ""
+
+
+@message(PushCode.OFFSETS_RESET)
+class OffsetsReset(Message):
+    group: str
+    gen: int
+    queues: list[Any]  # [topic, queue]
+
+
+PUSHES: dict[int, type[Message]] = {GroupChanged.CODE: GroupChanged,
+                                    OffsetsReset.CODE: OffsetsReset}
+
+R = RequestCode
+REPLY_OF: dict[int, type[Message]] = {
+    R.PING: Pong, R.SEND: SendReply, R.SEND_BATCH: SendReply,
+    R.SEND_SEQUENCED: SequencedReply, R.CONSUMER_SEND_BACK: SendBackReply,
+    R.PULL: PullReply, R.QUERY_OFFSETS: QueueOffsets, R.SEARCH_OFFSET: OffsetReply,
+    R.GET_OFFSET: OffsetReply, R.COMMIT_OFFSET: Empty, R.RELEASE_QUEUE: Released,
+    R.RESET_OFFSETS: ResetReply, R.CREATE_TOPIC: TopicInfo, R.DELETE_TOPIC: Empty,
+    R.LIST_TOPICS: TopicList, R.GET_TOPIC: TopicInfo, R.TOPIC_STATUS: TopicStatusReply,
+    R.HEARTBEAT: HeartbeatReply, R.UNREGISTER: Empty, R.LIST_GROUP_MEMBERS: GroupMembers,
+    R.LIST_GROUPS: GroupList, R.QUERY_ACCESS_LOCKS: AccessLocks, R.LOCK_QUEUES: Locked,
+    R.UNLOCK_QUEUES: Unlocked, R.BROKER_STATUS: StatusReply, R.QUERY_MESSAGE: FoundMessages,
+    R.GROUP_TRACE: TraceReply, R.AUTHENTICATE: AuthReply, R.USER_CREATE: UserInfo,
+    R.USER_UPDATE: UserInfo, R.USER_DELETE: Empty, R.USER_LIST: Users,
+    R.ACL_GRANT: AclChanged, R.ACL_REVOKE: AclChanged, R.ACL_LIST: Grants,
+}

@@ -1,0 +1,191 @@
+"""Typed messages: how a request or reply dataclass maps to a frame's header map.
+
+A message class is a slotted dataclass declared with ``@message(code)``; each field is one
+header key (the field's name, or ``wire=`` when the wire spells it differently), read and
+checked by a parser chosen from the field's annotation (``int`` is a signed 64-bit integer,
+``str``, ``bool``, ``list[str]``, ``list[int]``, ``dict[str, str]``, ``X | None``) or given
+with ``parse=``. A field named ``payload`` is the frame's payload, not a header key.
+
+``Message.decode(header, payload)`` builds the message from a decoded header map, turning a
+missing or mistyped field into ``INVALID_ARGUMENT`` (the handlers never see a raw map);
+``Message.encode()`` gives the header map back. Pure functions of their input: no sockets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
+
+from .errors import ErrorCode, OnceqError
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+Parse = Callable[[str, Any], Any]
+
+
+def invalid(message: str) -> OnceqError:
+    return OnceqError(ErrorCode.INVALID_ARGUMENT, message)
+
+
+def is_int64(value: object) -> bool:
+    """An integer (not a bool) that fits the wire's and the store's signed 64 bits."""
+    return type(value) is int and INT64_MIN <= value <= INT64_MAX  # type: ignore[operator]
+
+
+def p_int(name: str, value: Any) -> int:
+    if type(value) is not int:  # decoded headers hold plain ints (a bool is not one)
+        raise invalid(f"field {name!r} must be an integer")
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise invalid(f"field {name!r} is out of range (a signed 64-bit integer)")
+    return value
+
+
+def p_str(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise invalid(f"field {name!r} must be a string")
+    return value
+
+
+def p_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise invalid(f"field {name!r} must be a boolean")
+    return value
+
+
+def p_str_list(name: str, value: Any) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise invalid(f"{name} must be a list of strings")
+    return value
+
+
+def p_int_list(name: str, value: Any) -> list[int]:
+    if not isinstance(value, list) or not all(is_int64(v) for v in value):
+        raise invalid(f"{name} must be a list of integers")
+    return value
+
+
+def p_str_map(name: str, value: Any) -> dict[str, str]:
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise invalid(f"{name} must be a map of strings")
+    return value
+
+
+def p_map(name: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise invalid(f"{name} must be a map")
+    return value
+
+
+def p_list(name: str, value: Any) -> list[Any]:
+    if not isinstance(value, list):
+        raise invalid(f"{name} must be a list")
+    return value
+
+
+def p_any(name: str, value: Any) -> Any:
+    return value
+
+
+_BY_ANNOTATION: dict[str, Parse] = {
+    "int": p_int, "str": p_str, "bool": p_bool, "list[str]": p_str_list,
+    "list[int]": p_int_list, "dict[str, str]": p_str_map, "dict[str, Any]": p_map,
+    "list[Any]": p_list, "Any": p_any,
+}
+
+_REQUIRED = object()
+
+
+def field(default: Any = dataclasses.MISSING, *, wire: str | None = None,
+          parse: Parse | None = None, factory: Callable[[], Any] | None = None) -> Any:
+    """A message field: its wire key (default: its name), its parser (default: from its
+    annotation), its default (none: the field is required)."""
+    meta = {"wire": wire, "parse": parse}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Spec:
+    name: str
+    wire: str
+    parse: Parse
+    optional: bool  # ``X | None``: None (or absent) is a value
+    default: Any  # _REQUIRED, or the value (a factory is called)
+    factory: Callable[[], Any] | None
+
+
+def _spec(f: dataclasses.Field[Any]) -> Spec:
+    ann = str(f.type).replace(" ", "")
+    optional = ann.endswith("|None")
+    base = ann[: -len("|None")] if optional else ann
+    parse = f.metadata.get("parse") or _BY_ANNOTATION.get(base.replace(",", ", "))
+    if parse is None:
+        raise TypeError(f"field {f.name}: no parser for {f.type!r}; give parse=")
+    if f.default is not dataclasses.MISSING:
+        default: Any = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        default = None
+    else:
+        default = _REQUIRED
+    factory = None if f.default_factory is dataclasses.MISSING else f.default_factory
+    return Spec(f.name, f.metadata.get("wire") or f.name, parse, optional, default, factory)
+
+
+M = TypeVar("M", bound="Message")
+
+
+class Message:
+    """Base of the typed requests, replies and pushes (``@message`` fills these in)."""
+
+    __slots__ = ()
+    CODE: ClassVar[int] = 0
+    SPECS: ClassVar[tuple[Spec, ...]] = ()
+    HAS_PAYLOAD: ClassVar[bool] = False
+
+    @classmethod
+    def decode(cls: type[M], header: dict[str, Any], payload: bytes = b"") -> M:
+        values: dict[str, Any] = {}
+        get = header.get
+        for s in cls.SPECS:
+            v = get(s.wire, _REQUIRED)
+            if v is _REQUIRED:  # absent: its default (a required field is refused below)
+                if s.factory is not None:
+                    values[s.name] = s.factory()
+                    continue
+                if s.default is not _REQUIRED or s.optional:
+                    values[s.name] = None if s.default is _REQUIRED else s.default
+                    continue
+                v = None
+            elif v is None and s.optional:  # nil: none
+                values[s.name] = None
+                continue
+            values[s.name] = s.parse(s.wire, v)
+        if cls.HAS_PAYLOAD:
+            values["payload"] = payload
+        return cls(**values)
+
+    def encode(self) -> dict[str, Any]:
+        """The header map: every field that is not None."""
+        out = {}
+        for s in self.SPECS:
+            v = getattr(self, s.name)
+            if v is not None:
+                out[s.wire] = v
+        return out
+
+
+def message(code: int = 0) -> Callable[[type[M]], type[M]]:
+    """Make ``cls`` a slotted dataclass message with request, push (or, 0, reply) code."""
+
+    def wrap(cls: type[M]) -> type[M]:
+        dc = dataclasses.dataclass(slots=True)(cls)
+        fields = dataclasses.fields(dc)
+        dc.CODE = code
+        dc.HAS_PAYLOAD = any(f.name == "payload" for f in fields)
+        dc.SPECS = tuple(_spec(f) for f in fields if f.name != "payload")
+        return dc
+
+    return wrap
