@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from onceq.storage import dedup as dedup_mod
+from onceq.storage import dedup_ring
 from onceq.storage.dedup import DedupWindow
 
 
@@ -118,8 +119,8 @@ ops = st.lists(st.one_of(
 @pytest.fixture(params=["default", "two-buckets-tiny-ring"])
 def layout(request, monkeypatch):
     if request.param != "default":
-        monkeypatch.setattr(dedup_mod, "_MAX_BUCKETS", 2)
-        monkeypatch.setattr(dedup_mod, "_RING_MIN", 2)
+        monkeypatch.setattr(dedup_ring, "_MAX_BUCKETS", 2)
+        monkeypatch.setattr(dedup_mod, "RING_MIN", 2)
     return request.param
 
 
@@ -139,7 +140,7 @@ def run_and_compare(sequence, window_s: float, max_keys: int) -> None:
                 m.add(t, k, q, off, now)
         elif kind == "put":
             _k, topic, keys, q, stale = op
-            prevs, found = w.table(topic).find(keys)
+            prevs, found = w.find(topic, keys)
             which: list[int] = []
             seen: set[bytes] = set()
             for i, key in enumerate(keys):
@@ -154,7 +155,7 @@ def run_and_compare(sequence, window_s: float, max_keys: int) -> None:
             for i, off in zip(which, offsets, strict=True):
                 m.add(topic, keys[i], q, off, now)
         elif kind == "lookup":
-            assert w.table(op[1]).get(op[2]) == m.lookup(op[1], op[2])
+            assert w.get(op[1], op[2]) == m.lookup(op[1], op[2])
         elif kind == "expire":
             w.expire(now)
             m.expire(now)
@@ -168,7 +169,7 @@ def run_and_compare(sequence, window_s: float, max_keys: int) -> None:
         assert w.effective_window_s(now) == m.effective_window_s(now)
     for topic in TOPICS:
         for key in KEYS:
-            assert w.table(topic).get(key) == m.lookup(topic, key)
+            assert w.get(topic, key) == m.lookup(topic, key)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -183,7 +184,7 @@ def test_window_matches_model(layout, sequence, window_s, max_keys):
 def test_many_keys_match_model(layout, seed, monkeypatch):
     """Thousands of keys: chains get long (256 buckets), the ring wraps and grows."""
     if layout != "default":
-        monkeypatch.setattr(dedup_mod, "_MAX_BUCKETS", 256)
+        monkeypatch.setattr(dedup_ring, "_MAX_BUCKETS", 256)
     rnd = random.Random(seed)
     keys = [b"%040X" % rnd.getrandbits(160) for _ in range(2000)]
     keys += [b"k%d" % rnd.getrandbits(64) for _ in range(1000)]
@@ -222,8 +223,8 @@ def test_cap_cuts_window_warns_once_a_minute(caplog):
     # keys 7, 8, 9 are kept; key 6, stored 3 s before the last add, was forgotten
     assert w.effective_window_s(now + 9000) == 3.0
     assert len([r for r in caplog.records if "maximum of 3 keys" in r.message]) == 1
-    assert w.table("T").get(b"k7") == (0, 7, now + 7000)
-    assert w.table("T").get(b"k6") is None
+    assert w.get("T", b"k7") == (0, 7, now + 7000)
+    assert w.get("T", b"k6") is None
     assert w.effective_window_s(now + 6000 + 120_000) == 120.0  # the cut key aged out
 
 
@@ -231,7 +232,7 @@ def test_disabled_window_holds_nothing():
     w = DedupWindow(120, 0)
     assert not w.enabled
     w.add("T", b"k", 0, 0, 1)
-    assert len(w) == 0 and w.table("T").get(b"k") is None
+    assert len(w) == 0 and w.get("T", b"k") is None
 
 
 def test_empty_batches_change_nothing():
@@ -287,14 +288,14 @@ def test_export_restores_the_same_window(layout, sequence, max_keys, dropped):
     assert r.entries() == w.entries() and r.effective_window_s(now) == w.effective_window_s(now)
     for topic in TOPICS:
         for key in KEYS:
-            want = None if topic == dropped else w.table(topic).get(key)
-            assert r.table(topic).get(key) == want
-    assert len(r) == len(w) - (len([k for k in KEYS if w.table(dropped).get(k)])
+            want = None if topic == dropped else w.get(topic, key)
+            assert r.get(topic, key) == want
+    assert len(r) == len(w) - (len([k for k in KEYS if w.get(dropped, k)])
                                if dropped else 0)
     # the restored window goes on like the original
     r.add("A", KEYS[1], 1, 99, now)
     r.expire(now + 1_999)
-    assert r.table("A").get(KEYS[1]) == (1, 99, now)
+    assert r.get("A", KEYS[1]) == (1, 99, now)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -335,8 +336,8 @@ def test_chained_exports_restore_every_answer(layout, sequence, max_keys, every)
     dropped_ever = {op[1] for op in sequence if op[0] == "drop"}
     for topic in TOPICS:
         for key in KEYS:
-            want = w.table(topic).get(key)
-            got = r.table(topic).get(key)
+            want = w.get(topic, key)
+            got = r.get(topic, key)
             if want is not None:
                 assert got == want
             elif got is not None:

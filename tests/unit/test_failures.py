@@ -7,7 +7,9 @@ import logging
 
 import pytest
 
-from onceq.protocol.errors import ErrorCode, OnceqError
+from onceq.broker.store_errors import error_code
+from onceq.protocol.errors import ErrorCode
+from onceq.storage.errors import StorageError
 from onceq.storage.failures import DiskGuard, RateLimitedLog, storage_error
 from tests.clock import FakeClock
 
@@ -18,7 +20,7 @@ from tests.clock import FakeClock
 ])
 def test_storage_error_codes(err, code):
     e = storage_error(OSError(err, "boom"), "the write was rolled back")
-    assert e.code == code and e.retriable
+    assert error_code(e) == code and e.retriable
     assert "the write was rolled back" in e.message and "boom" in e.message
 
 
@@ -59,11 +61,11 @@ def test_disk_guard_refuses_above_ratio_and_resumes():
         g.check()
     assert usage.calls == 1
     clock.advance(1.0)
-    with pytest.raises(OnceqError) as ei:
+    with pytest.raises(StorageError) as ei:
         g.check()
-    assert ei.value.code == ErrorCode.DISK_FULL and "80%" in ei.value.message
+    assert error_code(ei.value) == ErrorCode.DISK_FULL and "80%" in ei.value.message
     usage.avail = 300  # 70%
-    with pytest.raises(OnceqError):
+    with pytest.raises(StorageError):
         g.check()
     clock.advance(1.0)
     g.check()
@@ -80,7 +82,7 @@ def test_disk_guard_keeps_last_answer_when_statvfs_fails():
     clock = FakeClock(0.0)
     usage = Usage(1000, 0)
     g = DiskGuard("/data", 0.9, clock, usage)
-    with pytest.raises(OnceqError):
+    with pytest.raises(StorageError):
         g.check()
 
     def broken(path: str) -> tuple[int, int]:
@@ -88,5 +90,5 @@ def test_disk_guard_keeps_last_answer_when_statvfs_fails():
 
     g.usage = broken
     clock.advance(2)
-    with pytest.raises(OnceqError):
+    with pytest.raises(StorageError):
         g.check()

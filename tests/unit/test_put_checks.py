@@ -6,9 +6,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from onceq.broker.store_errors import error_code
 from onceq.log.record import REC_HEADER_SIZE, encode_part
-from onceq.protocol.errors import ErrorCode, OnceqError
+from onceq.protocol.errors import ErrorCode
 from onceq.storage.dedup_keys import DIGEST_KIND, Digests, identities, identity
+from onceq.storage.errors import StorageError
 from onceq.storage.put import check_parts
 
 
@@ -20,18 +22,18 @@ def test_check_parts_gives_key_and_tags_of_each_part():
 
 def test_check_parts_refuses_the_batch_for_one_bad_part():
     good = encode_part(b"a", "K1", 1)
-    with pytest.raises(OnceqError) as e:
+    with pytest.raises(StorageError) as e:
         check_parts([good, good[:-1]], 1, 100, 4096)
-    assert e.value.code == ErrorCode.BAD_REQUEST
-    with pytest.raises(OnceqError) as e:
+    assert error_code(e.value) == ErrorCode.BAD_REQUEST
+    with pytest.raises(StorageError) as e:
         check_parts([good, encode_part(b"x" * 101, "K2", 1)], 1, 100, 4096)
-    assert e.value.code == ErrorCode.MESSAGE_TOO_LARGE
+    assert error_code(e.value) == ErrorCode.MESSAGE_TOO_LARGE
     # the record (header, topic name, part) must fit a segment
     fits = REC_HEADER_SIZE + 5 + len(good)
     assert check_parts([good], 5, 100, fits) == [(b"K1", b"")]
-    with pytest.raises(OnceqError) as e:
+    with pytest.raises(StorageError) as e:
         check_parts([good], 5, 100, fits - 1)
-    assert e.value.code == ErrorCode.MESSAGE_TOO_LARGE
+    assert error_code(e.value) == ErrorCode.MESSAGE_TOO_LARGE
 
 
 keys = st.lists(st.one_of(

@@ -8,10 +8,12 @@ import random
 
 import pytest
 
+from onceq.broker.store_errors import error_code
 from onceq.log.record import REC_HEADER_SIZE, decode_records, encode_part, tag_hash
 from onceq.protocol.codes import PullStatus
-from onceq.protocol.errors import ErrorCode, OnceqError
+from onceq.protocol.errors import ErrorCode
 from onceq.storage.config import StoreConfig
+from onceq.storage.errors import StorageError
 from onceq.storage.store import MessageStore
 from tests.clock import FakeClock
 
@@ -58,7 +60,8 @@ def read_all(store: MessageStore, topic: str, qid: int, start: int | None = None
 
 
 def codes(exc_info) -> ErrorCode:
-    return exc_info.value.code
+    """The wire code a client gets for the store error raised."""
+    return error_code(exc_info.value)
 
 
 # ================================================================== put / get
@@ -182,18 +185,18 @@ def test_search_offset_by_timestamp(tmp_path):
         store.put("T", 0, [part(i)])
         stamps.append(int(clock() * 1000))
         clock.advance(1.5 if i % 3 else 0.0)  # some equal store times
-    assert store.search_offset("T", 0, 0) == 0
-    assert store.search_offset("T", 0, stamps[0]) == 0
-    assert store.search_offset("T", 0, stamps[-1] + 1) == 30
+    assert store.reader.search_offset("T", 0, 0) == 0
+    assert store.reader.search_offset("T", 0, stamps[0]) == 0
+    assert store.reader.search_offset("T", 0, stamps[-1] + 1) == 30
     for ts in {*stamps, *(s + 1 for s in stamps), *(s - 1 for s in stamps)}:
         expect = next((i for i, s in enumerate(stamps) if s >= ts), 30)
-        assert store.search_offset("T", 0, ts) == expect, ts
-    assert store.search_offset("T", 1, stamps[5]) == 0  # empty queue
+        assert store.reader.search_offset("T", 0, ts) == expect, ts
+    assert store.reader.search_offset("T", 1, stamps[5]) == 0  # empty queue
     msgs = read_all(store, "T", 0)
     assert [m.store_ts_ms for m in msgs] == stamps
     store.close()
     store = open_store(tmp_path, clock)
-    assert store.search_offset("T", 0, stamps[10]) == stamps.index(stamps[10])
+    assert store.reader.search_offset("T", 0, stamps[10]) == stamps.index(stamps[10])
 
 
 def test_store_timestamps_never_go_backwards(tmp_path):
@@ -206,7 +209,7 @@ def test_store_timestamps_never_go_backwards(tmp_path):
     stamps = [m.store_ts_ms for m in read_all(store, "T", 0)]
     assert stamps == sorted(stamps)
     for ts in stamps:
-        assert stamps[store.search_offset("T", 0, ts)] == ts
+        assert stamps[store.reader.search_offset("T", 0, ts)] == ts
     store.close()
     clock.advance(-100)  # restart with the clock behind the log
     store = open_store(tmp_path, clock)
@@ -239,7 +242,7 @@ def test_retention_by_bytes_and_offset_moved(tmp_path):
         assert res.status == PullStatus.OFFSET_MOVED and res.next_offset == lo
         first = next(decode_records(store.get("T", qid, lo, 1, 1 << 20).payload))
         assert first.queue_offset == lo and first.position >= store.log.start
-        assert store.search_offset("T", qid, 0) == lo
+        assert store.reader.search_offset("T", qid, 0) == lo
         assert [m.queue_offset for m in read_all(store, "T", qid)] == list(range(lo, hi))
     # the quiet queue lost every record: empty, but its offsets are not reused
     assert store.min_max("Quiet", 0) == (PER_FILE * 2, PER_FILE * 2)
@@ -391,7 +394,7 @@ def test_dedup_max_keys_bounds_memory(tmp_path):
 def test_rejected_put_leaves_no_trace_in_dedup(tmp_path):
     store = open_store(tmp_path)
     store.create_topic("T", 1)
-    with pytest.raises(OnceqError):
+    with pytest.raises(StorageError):
         store.put("T", 0, [part(0), part(1, size=9000)])
     assert store.put("T", 0, [part(0)]).duplicates == []
 
@@ -414,16 +417,16 @@ def test_consumer_offsets_persist(tmp_path):
     assert store.get_offset("g1", "T", 3) == 5
     assert store.get_offset("g2", "T", 0) == 2
     assert store.get_offset("g2", "T", 1) == -1
-    with pytest.raises(OnceqError) as ei:
+    with pytest.raises(StorageError) as ei:
         store.commit_offset("bad group", "T", 0, 1)
     assert codes(ei) == ErrorCode.INVALID_NAME
-    with pytest.raises(OnceqError) as ei:
+    with pytest.raises(StorageError) as ei:
         store.commit_offset("g1", "Nope", 0, 1)
     assert codes(ei) == ErrorCode.TOPIC_NOT_EXIST
-    with pytest.raises(OnceqError) as ei:
+    with pytest.raises(StorageError) as ei:
         store.get_offset("g1", "T", 4)
     assert codes(ei) == ErrorCode.INVALID_QUEUE
-    store.save_offsets()
+    store.offsets.save()
     store.delete_topic("T")
     store.create_topic("T", 4)
     assert store.get_offset("g1", "T", 0) == -1
@@ -443,11 +446,11 @@ def test_topic_create_update_delete(tmp_path):
     assert store.create_topic("T", 5).queues == 5  # grow
     assert store.min_max("T", 1) == (0, 1)  # existing queue untouched
     assert store.put("T", 4, [part(1)]).offsets == [0]
-    with pytest.raises(OnceqError) as ei:
+    with pytest.raises(StorageError) as ei:
         store.create_topic("T", 3)
     assert codes(ei) == ErrorCode.INVALID_ARGUMENT
     for bad in (0, -1, 1025, "3", 2.0, None):
-        with pytest.raises(OnceqError) as ei:
+        with pytest.raises(StorageError) as ei:
             store.create_topic("X", bad)
         assert codes(ei) == ErrorCode.INVALID_ARGUMENT
     assert "X" not in store.topics
@@ -467,10 +470,10 @@ def test_deleted_topic_records_do_not_reappear(tmp_path):
         store.put("T", q, [part(q * 100 + i) for i in range(10)])
     store.put("Other", 0, [part(9000)])
     store.delete_topic("T")
-    with pytest.raises(OnceqError) as ei:
+    with pytest.raises(StorageError) as ei:
         store.get_topic("T")
     assert codes(ei) == ErrorCode.TOPIC_NOT_EXIST
-    with pytest.raises(OnceqError) as ei:
+    with pytest.raises(StorageError) as ei:
         store.get("T", 0, 0, 32, 1 << 20)
     assert codes(ei) == ErrorCode.TOPIC_NOT_EXIST
     assert not os.path.exists(os.path.join(tmp_path, "queues", "T"))
@@ -521,11 +524,11 @@ def test_invalid_names(tmp_path, name):
         lambda: store.get(name, 0, 0, 1, 1),
         lambda: store.delete_topic(name),
     ):
-        with pytest.raises(OnceqError) as ei:
+        with pytest.raises(StorageError) as ei:
             call()
         assert codes(ei) == ErrorCode.INVALID_NAME
     store.create_topic("T", 1)
-    with pytest.raises(OnceqError) as ei:
+    with pytest.raises(StorageError) as ei:
         store.commit_offset(name, "T", 0, 1)
     assert codes(ei) == ErrorCode.INVALID_NAME
 
@@ -549,7 +552,7 @@ def test_put_errors_store_nothing(tmp_path):
     end = store.log.end
 
     def rejected(code, topic, qid, parts):
-        with pytest.raises(OnceqError) as ei:
+        with pytest.raises(StorageError) as ei:
             store.put(topic, qid, parts)
         assert codes(ei) == code
         assert store.log.end == end

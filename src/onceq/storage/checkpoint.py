@@ -26,10 +26,10 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from .commitlog import CommitLog
-    from .consumequeue import ConsumeQueue
     from .damage import DamageRegistry
     from .dedup import DedupWindow
     from .files import FileOps
+    from .topics import Topics
 
 log = logging.getLogger("onceq.storage")
 
@@ -46,20 +46,23 @@ class DirtyIndexes:
 
 
 class Checkpoints:
-    """The checkpoints of ``MessageStore`` and its dedup window's journal."""
+    """The checkpoints (the file at ``path``) of the log and the consume queues of
+    ``topics``, and the journal of the dedup window ``dedup``."""
 
-    log: CommitLog
-    files: FileOps
-    clock: Callable[[], float]
-    queues: dict[tuple[str, int], ConsumeQueue]
-    dedup: DedupWindow
-    dedup_journal: DedupJournal
-    dedup_restored_to: int | None
-    damage: DamageRegistry
-    _checkpoint_path: str
-    _legacy_dedup_path: str
+    def __init__(self, path: str, log_: CommitLog, topics: Topics, dedup: DedupWindow,
+                 journal: DedupJournal, damage: DamageRegistry, files: FileOps,
+                 clock: Callable[[], float], legacy_dedup_path: str) -> None:
+        self.path = path
+        self.log = log_
+        self.topics = topics
+        self.dedup = dedup
+        self.journal = journal
+        self.damage = damage
+        self.files = files
+        self.clock = clock
+        self.legacy_dedup_path = legacy_dedup_path  # the window's file before the journal
 
-    def write_checkpoint(self) -> None:
+    def write(self) -> None:
         """Fsync log and indexes, then record that everything before the log end is indexed."""
         end = self.log.end
         chunk = self.dedup_chunk(end)
@@ -70,8 +73,9 @@ class Checkpoints:
         """The index files written since the last call (to fsync before a checkpoint) and
         the queues' ends they cover; take it on the loop, after the log end ``end`` that
         the checkpoint records, and pass it to ``checkpoint_at``."""
-        paths = [p for cq in self.queues.values() for p in cq.dirty_paths()]
-        ends = {f"{t}/{q}": cq.max_offset for (t, q), cq in self.queues.items()}
+        queues = self.topics.queues
+        paths = [p for cq in queues.values() for p in cq.dirty_paths()]
+        ends = {f"{t}/{q}": cq.max_offset for (t, q), cq in queues.items()}
         return DirtyIndexes(paths, ends)
 
     def checkpoint_at(self, end: int, indexes: DirtyIndexes,
@@ -80,32 +84,32 @@ class Checkpoints:
         queue ends of ``indexes``, then append ``dedup_chunk`` to the dedup window's
         journal (safe to run off the loop: nothing here reads what the loop changes)."""
         fsync_paths(self.files, indexes.paths)
-        write_atomic(self._checkpoint_path, encode_checkpoint(end, indexes.ends), self.files)
+        write_atomic(self.path, encode_checkpoint(end, indexes.ends), self.files)
         if dedup_chunk is not None:
             d = self.dedup
-            self.dedup_journal.append(dedup_chunk, d.window_ms, d.max_keys,
-                                      int(self.clock() * 1000))
+            self.journal.append(dedup_chunk, d.window_ms, d.max_keys, int(self.clock() * 1000))
 
-    def _restore_dedup(self, checkpoint: int | None) -> None:
-        """Fill the dedup window from its journal, when no damage is known (the log after
-        the journal's end is read by the recovery)."""
+    def restore_dedup(self, checkpoint: int | None) -> int | None:
+        """Fill the dedup window from its journal, when no damage is known; the log
+        position below which it then holds every key (the recovery reads the log after
+        it), or None."""
         try:
-            self.files.unlink(self._legacy_dedup_path)
+            self.files.unlink(self.legacy_dedup_path)
         except FileNotFoundError:
             pass
         except OSError as exc:
-            log.error("store: cannot remove %s: %s", self._legacy_dedup_path, exc)
-        self.dedup_restored_to = None
+            log.error("store: cannot remove %s: %s", self.legacy_dedup_path, exc)
         if (checkpoint is None or not self.dedup.enabled or self.damage.log_ranges
                 or self.log.end < checkpoint):
-            return
-        self.dedup_restored_to = self.dedup_journal.load(self.dedup, checkpoint, self.log.end,
-                                                   self._topic_positions())
-        if self.dedup_restored_to is not None:
+            return None
+        restored_to = self.journal.load(self.dedup, checkpoint, self.log.end,
+                                        self.topics.positions())
+        if restored_to is not None:
             log.info("store: dedup window of %d keys restored from its journal (log read "
-                     "from position %d)", len(self.dedup), self.dedup_restored_to)
+                     "from position %d)", len(self.dedup), restored_to)
+        return restored_to
 
     def dedup_chunk(self, end: int) -> PendingChunk | None:
         """The dedup window's entries for its journal, up to log position ``end`` (take it
         on the loop with ``end``; ``checkpoint_at`` writes it)."""
-        return self.dedup_journal.take(self.dedup, end, self._topic_positions())
+        return self.journal.take(self.dedup, end, self.topics.positions())

@@ -7,70 +7,66 @@ at start (records carry their unique key and store time), or restored from its j
 bounded by ``max_keys``: above it the oldest keys are forgotten first, and the window is
 then shorter than configured (``effective_window_s``; a warning is logged).
 
-This module holds the window's data structure; each key is kept as a 20-byte identity
-(``dedup_keys``), looked up through ``TopicTable`` (``dedup_lookup``) and added through the
-paths of ``dedup_add``. Compact layout (about 65 bytes per key, no Python object per key):
-
-* the entries live in an insertion-ordered ring of parallel ``array`` columns (identity,
-  topic id, hash, chain link, queue, offset, store time), numbered by a sequence number
-  that only grows; expiry moves the ring's head past the oldest entries;
-* the index is a table of buckets (one per possible key, up to 4 M) placed by Python's
-  per-process randomised hash of the identity; each bucket holds the sequence number of its
-  newest entry, each entry that of the next older one in its bucket. A link to a sequence
-  number below the ring's head ends the chain, so expiry never touches the index.
+``DedupWindow`` is the one object callers see. It keeps each key as a 20-byte identity
+(``dedup_keys``) in its table of keys (``KeyRing``, ``dedup_ring``: the ring of entries and
+the bucket index), and holds what the table does not know: topic names and their ids, the
+keys that still answer per topic, the window's time and its key limit.
 
 A key added again marks its older entry dead. A topic gets a new id when it is dropped: its
 entries stay in the ring (they still count against ``max_keys``) but can no longer be
 found, and go with their time.
+
+Adds: one key, a batch in store order (the rebuild at start: each ring column written with
+one slice assignment), or the keys a put's lookup found absent, with the identities that
+lookup computed (``find`` then ``add_found``).
 """
 
 from __future__ import annotations
 
 import logging
-from array import array
+from binascii import unhexlify
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-from .dedup_add import SMALL_BATCH, Adds
-from .dedup_keys import DEAD, DIGEST_KIND, H32, IDENT, Digests
-from .dedup_lookup import TopicTable
+from .dedup_keys import (
+    DEAD,
+    DIGEST_KIND,
+    H32,
+    HEX_DIGITS,
+    HEX_KEY,
+    Digests,
+    Found,
+    identities,
+    identity,
+)
+from .dedup_ring import COLUMN_WIDTHS, RING_MIN, Hit, KeyRing
+
+__all__ = ["COLUMN_WIDTHS", "DedupWindow"]
 
 log = logging.getLogger("onceq.storage")
 
-_MAX_BUCKETS = 1 << 22  # index buckets: one per key up to this (32 MiB), then shared
-_RING_MIN = 1024  # entries of the ring when first needed
 _MAX_TID = DIGEST_KIND - 1  # topic ids run below this, so no live entry reads as DEAD
 _WARN_EVERY_MS = 60_000
-# bytes per entry of each column of ``export``: identity, topic id, queue, offset, store time
-COLUMN_WIDTHS = (IDENT, 4, 2, 8, 8)
+SMALL_BATCH = 8  # batches up to this size are added key by key
+_new = object.__new__
 
 
-class DedupWindow(Adds):
-    __slots__ = ("_base", "_bmask", "_cap", "_cut_ts", "_digest", "_hash", "_head", "_heads",
-                 "_ident", "_live", "_next", "_next_tid", "_offset", "_queue", "_tables", "_tail",
-                 "_tid", "_topics", "_ts", "_warned_ms", "max_keys", "window_ms")
+class DedupWindow:
+    __slots__ = ("_cut_ts", "_digest", "_live", "_next_tid", "_ring", "_topics",
+                 "_warned_ms", "max_keys", "window_ms")
 
     def __init__(self, window_s: float, max_keys: int) -> None:
         self.window_ms = int(window_s * 1000)
         self.max_keys = max_keys
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every key (a new digest secret is drawn)."""
         self._digest = Digests()
         self._topics: dict[str, int] = {}  # topic -> topic id (a new one after a drop)
-        self._tables: dict[str, TopicTable] = {}  # of the topics in _topics
         self._live: dict[int, int] = {}  # topic id -> keys that answer
         self._next_tid = 0
-        # the ring: sequence number n is at slot (n - _base) % _cap; held seqs [_head, _tail)
-        self._cap = 0
-        self._base = self._head = self._tail = 0
-        self._ident = bytearray()
-        self._tid = array("I")
-        self._hash = array("I")
-        self._next = array("Q")  # seq + 1 of the next older entry of the bucket (0: none)
-        self._queue = array("H")
-        self._offset = array("q")
-        self._ts = array("q")
-        # the index: seq + 1 of each bucket's newest entry (allocated at the first add)
-        self._heads = array("Q")
-        self._bmask = 0
+        self._ring = KeyRing()
         self._cut_ts: int | None = None  # store time of the newest key the cap cut early
         self._warned_ms = -_WARN_EVERY_MS
 
@@ -83,18 +79,61 @@ class DedupWindow(Adds):
 
     def entries(self) -> int:
         """Entries held, dropped topics' and replaced copies' included (at most max_keys)."""
-        return self._tail - self._head
+        return len(self._ring)
 
     # ------------------------------------------------------------------ lookups
-    def table(self, topic: str) -> TopicTable:
-        """One topic's key table: ``get(key)`` -> (queue_id, offset, ts_ms) or None."""
-        t = self._tables.get(topic)
-        if t is None:
-            tid = self._topics.get(topic)
-            t = TopicTable(self, tid)
-            if tid is not None:
-                self._tables[topic] = t
-        return t
+    def get(self, topic: str, key: bytes) -> Hit | None:
+        """(queue_id, offset, ts_ms) where ``key`` of ``topic`` was stored, or None."""
+        tid = self._topics.get(topic)
+        r = self._ring
+        if tid is None or not r.heads:
+            return None
+        ident, tidk = identity(key, tid, self._digest)
+        h = hash(ident) & H32
+        v = r.seek(r.bucket(h), h, tidk, ident)
+        return r.hit(v) if v else None
+
+    def find(self, topic: str, keys: Sequence[bytes]) -> tuple[list[Hit | None], Found]:
+        """``get`` for each of ``keys`` (an empty key is never found), and the keys'
+        identities for ``add_found``."""
+        if len(keys) == 1:
+            return self._find_one(topic, keys)
+        f = Found(keys, self._digest)
+        tid = self._topics.get(topic)
+        if tid is None:
+            return [None] * len(keys), f
+        return self._ring.find(tid, f), f
+
+    def _find_one(self, topic: str, keys: Sequence[bytes]) -> tuple[list[Hit | None], Found]:
+        """``find`` of one key, without its per-batch costs."""
+        f = _new(Found)
+        f.keys = keys
+        f.seqs = None
+        key = keys[0]
+        if len(key) == HEX_KEY and not key.translate(None, HEX_DIGITS):
+            f.raw = ident = unhexlify(key)
+            f.exact = None
+            exact = True
+        else:
+            f.raw = None
+            ident = self._digest(key) if key else b""
+            f.exact = [False]
+            exact = False
+        f.idents = (ident,)
+        h = hash(ident) & H32
+        f.hashes = (h,)
+        tid = self._topics.get(topic)
+        r = self._ring
+        if tid is None or not ident:
+            return [None], f
+        v = r.bucket(h)
+        if v <= r.head:  # the usual case: an empty bucket
+            return [None], f
+        v = r.seek(v, h, tid if exact else tid | DIGEST_KIND, ident)
+        if not v:
+            return [None], f
+        f.seqs = [v]
+        return [r.hit(v)], f
 
     def _topic(self, topic: str) -> int:
         tid = self._topics.get(topic)
@@ -104,28 +143,174 @@ class DedupWindow(Adds):
             self._live[tid] = 0
         return tid
 
+    # ------------------------------------------------------------------ adds
+    def add(self, topic: str, key: bytes, queue_id: int, offset: int, ts_ms: int) -> None:
+        """Remember ``key`` of ``topic`` as stored at (queue_id, offset) at ``ts_ms``.
+
+        A key already there is replaced (its older copy no longer answers). Above
+        ``max_keys`` entries the oldest go first, whatever their age."""
+        if self.max_keys > 0:
+            if not self._ring.heads:
+                self._ring.alloc_heads(self.max_keys)
+            self._add_one(topic, key, queue_id, offset, ts_ms)
+
+    def add_many(self, items: Iterable[tuple[str, bytes, int, int, int]]) -> None:
+        """``add`` for many (topic, key, queue_id, offset, ts_ms), in store order."""
+        cols = list(zip(*items, strict=True))
+        if cols:
+            self.add_columns(*cols)
+
+    def add_columns(self, topics: Sequence[str], keys: Sequence[bytes],
+                    queues: Sequence[int], offsets: Sequence[int],
+                    ts_ms: Sequence[int]) -> None:
+        """``add_many`` with the items as columns (the same length), in store order."""
+        max_keys = self.max_keys
+        n = len(keys)
+        if max_keys <= 0 or not n:
+            return
+        if not self._ring.heads:
+            self._ring.alloc_heads(max_keys)
+        if n <= SMALL_BATCH:
+            for i in range(n):
+                self._add_one(topics[i], keys[i], queues[i], offsets[i], ts_ms[i])
+            return
+        step = min(n, max_keys)
+        for a in range(0, n, step):  # a chunk never evicts its own keys
+            b = a + step
+            self._add_chunk(topics[a:b], keys[a:b], queues[a:b], offsets[a:b], ts_ms[a:b])
+
+    def add_found(self, topic: str, found: Found, which: Sequence[int], queue_id: int,
+                  offsets: Sequence[int], ts_ms: int) -> None:
+        """``add_columns`` for the keys ``which`` (indexes, no key twice, none empty) of a
+        ``find`` of ``topic`` that nothing has changed since, all stored in ``queue_id`` at
+        ``ts_ms``, at ``offsets``."""
+        k = len(which)
+        max_keys = self.max_keys
+        if max_keys <= 0 or not k:
+            return
+        if k > max_keys:  # the batch evicts its own keys: the general way
+            self.add_columns([topic] * k, [found.keys[i] for i in which], [queue_id] * k,
+                             offsets, [ts_ms] * k)
+            return
+        r = self._ring
+        if not r.heads:
+            r.alloc_heads(max_keys)
+        tid = self._topics.get(topic)
+        if tid is None:
+            tid = self._topic(topic)
+        live = self._live
+        if k == 1:  # without the per-batch costs
+            i = which[0]
+            exact = found.exact
+            self._room(1, (ts_ms,))
+            r.put(found.idents[i], tid if exact is None or exact[i] else tid | DIGEST_KIND,
+                  found.hashes[i], queue_id, offsets[0], ts_ms)
+            live[tid] += 1
+            if found.seqs is not None and r.kill(found.seqs[i]):  # an older copy answers no more
+                live[tid] -= 1
+            return
+        whole = k == len(found.idents)  # every key of the find (which is then 0..k-1)
+        idents = found.idents if whole else [found.idents[i] for i in which]
+        hashes = found.hashes if whole else [found.hashes[i] for i in which]
+        exact = found.exact
+        if exact is not None and not whole:
+            exact = [exact[i] for i in which]
+        self._room(k, [ts_ms] * k)
+        first = r.tail
+        digest_tid = tid | DIGEST_KIND
+        tidks = None if exact is None else [tid if x else digest_tid for x in exact]
+        s0 = r.write(found.raw if whole else None, idents, tidks, tid, hashes, queue_id,
+                     offsets, ts_ms)
+        live[tid] += k
+        r.link(first, s0, hashes)
+        # an older copy the find saw, if still held, answers no more
+        seqs = found.seqs
+        if seqs is not None:
+            for i in which:
+                if r.kill(seqs[i]):
+                    live[tid] -= 1
+
+    def _room(self, k: int, nows: Sequence[int]) -> None:
+        """Make the ring take ``k`` more entries (``k`` <= max_keys): the oldest are
+        evicted first (the i-th at ``nows[i]``), then it grows (at least doubling, up to
+        ``max_keys``)."""
+        r = self._ring
+        free = self.max_keys - len(r)
+        if free < k:
+            self._evict(nows[max(free, 0):])
+        n = len(r) + k
+        if n > r.cap:
+            r.grow(min(max(r.cap * 2, RING_MIN, n), self.max_keys))
+
+    def _add_one(self, topic: str, key: bytes, queue_id: int, offset: int,
+                 ts_ms: int) -> None:
+        """``_add_chunk`` for one key, without its per-batch costs."""
+        tid = self._topics.get(topic)
+        if tid is None:
+            tid = self._topic(topic)
+        ident, tidk = identity(key, tid, self._digest)
+        h = hash(ident) & H32
+        r = self._ring
+        if len(r) >= self.max_keys:
+            self._evict((ts_ms,))
+        if len(r) >= r.cap:
+            r.grow(min(max(r.cap * 2, RING_MIN), self.max_keys))
+        v = r.put(ident, tidk, h, queue_id, offset, ts_ms)
+        self._live[tid] += 1
+        old = r.seek(v, h, tidk, ident)
+        if old:
+            r.kill(old)
+            self._live[tid] -= 1
+
+    def _add_chunk(self, topics: Sequence[str], keys: Sequence[bytes],
+                   queues: Sequence[int], offsets: Sequence[int],
+                   ts_ms: Sequence[int]) -> None:
+        """``add_columns`` for at most ``max_keys`` keys (so none evicts another)."""
+        known = self._topics
+        for t in set(topics):
+            if t not in known:
+                self._topic(t)
+        tids = list(map(known.__getitem__, topics))
+        raw, exact, idents = identities(keys, self._digest)
+        tidks = tids if exact is None else \
+            [t if e else t | DIGEST_KIND for t, e in zip(tids, exact, strict=True)]
+        h32 = H32
+        hashes = [hash(ident) & h32 for ident in idents]
+        # room: the oldest entries go first (the i-th add evicts when the window is full)
+        self._room(len(keys), ts_ms)
+        r = self._ring
+        first = r.tail
+        s0 = r.write(raw, idents, tidks, 0, hashes, queues, offsets, ts_ms)
+        live = self._live
+        for t, c in Counter(tids).items():
+            live[t] += c
+        # link each entry in at the head of its bucket; an older copy of its key dies
+        for j in r.link_replacing(first, s0, hashes, tidks, idents):
+            live[tids[j]] -= 1
+
     # ------------------------------------------------------------------ room and expiry
     def reserve(self, n: int) -> None:
         """Make room for ``n`` more keys (at most ``max_keys`` in all) at once, rather than
         growing step by step while they are added (a rebuild knows how many will come)."""
-        want = min(self._tail - self._head + n, self.max_keys)
-        if want > self._cap:
-            self._grow_ring(want)
+        r = self._ring
+        want = min(len(r) + n, self.max_keys)
+        if want > r.cap:
+            r.grow(want)
 
     def expire(self, now_ms: int) -> None:
         """Forget the keys stored before the window (and any above ``max_keys``)."""
-        first = self._head
-        tail = self._tail
-        if first == tail or (self._ts[(first - self._base) % self._cap] >= now_ms -
-                             self.window_ms and tail - first <= self.max_keys):
+        r = self._ring
+        n = len(r)
+        if not n or (r.oldest_ts() >= now_ms - self.window_ms and n <= self.max_keys):
             return  # the usual case on a send: nothing to forget
-        if tail - first > self.max_keys:
-            self._evict([now_ms] * (tail - first - self.max_keys))
-            first = self._head
+        if n > self.max_keys:
+            self._evict([now_ms] * (n - self.max_keys))
+        first = r.head
+        tail = r.tail
         limit = now_ms - self.window_ms
-        ts = self._ts
-        cap = self._cap
-        s = (first - self._base) % cap
+        ts = r.ts
+        cap = r.cap
+        s = r.slot(first)
         h = first
         while h < tail and ts[s] < limit:
             h += 1
@@ -133,13 +318,48 @@ class DedupWindow(Adds):
             if s == cap:
                 s = 0
         if h > first:
-            self._drop(first, h)
+            self._drop(h)
 
     def drop_topic(self, topic: str) -> None:
-        self._tables.pop(topic, None)
         tid = self._topics.pop(topic, None)
         if tid is not None:
             del self._live[tid]
+
+    def _evict(self, nows: Sequence[int]) -> None:
+        """Drop the ``len(nows)`` oldest entries for the key cap, the i-th at ``nows[i]``;
+        note those still inside the window then (the window is cut short)."""
+        r = self._ring
+        ts = r.ts
+        cap = r.cap
+        window = self.window_ms
+        s = r.slot(r.head)
+        cut = None
+        for now_ms in nows:
+            t = ts[s]
+            if t >= now_ms - window:
+                cut = (t, now_ms) if cut is None or t > cut[0] else cut
+            s += 1
+            if s == cap:
+                s = 0
+        self._drop(r.head + len(nows))
+        if cut is not None:
+            t, now_ms = cut
+            if self._cut_ts is None or t > self._cut_ts:
+                self._cut_ts = t
+            if now_ms - self._warned_ms >= _WARN_EVERY_MS:
+                self._warned_ms = now_ms
+                log.warning("store: the dedup window holds its maximum of %d keys: keys "
+                            "stored %.1f s ago are forgotten (window %g s); raise "
+                            "--dedup-max-keys to keep the whole window",
+                            self.max_keys, (now_ms - t) / 1000, window / 1000)
+
+    def _drop(self, end: int) -> None:
+        """Move the ring's head to ``end``: those entries' keys no longer answer."""
+        r = self._ring
+        live = self._live
+        for t, c in r.drop(end, end - r.head <= SMALL_BATCH).items():
+            if t in live:  # not a dropped topic's
+                live[t] -= c
 
     def effective_window_s(self, now_ms: int) -> float:
         """Seconds back from ``now_ms`` in which every stored key is still remembered: the
@@ -159,7 +379,7 @@ class DedupWindow(Adds):
     @property
     def next_seq(self) -> int:
         """Sequence number of the next entry added (``export`` takes the ones from a seq)."""
-        return self._tail
+        return self._ring.tail
 
     def export(self, since: int, topics: dict[str, int]) -> tuple[dict, list[bytes]]:
         """The entries from sequence number ``since`` (from the oldest held, if older) to
@@ -168,21 +388,13 @@ class DedupWindow(Adds):
 
         ``topics``: name -> creation position of the live topics (a topic deleted and
         created again in between must not find its old keys)."""
-        first = max(since, self._head)
-        n = self._tail - first
-        cap = self._cap
-        s = (first - self._base) % cap if cap else 0
-        k1 = min(n, cap - s)
-        parts = []
-        for col, w in ((self._ident, IDENT), (self._tid, 0), (self._queue, 0),
-                       (self._offset, 0), (self._ts, 0)):
-            if w:
-                parts.append(bytes(col[s * w:(s + k1) * w]) + bytes(col[:(n - k1) * w]))
-            else:
-                parts.append(col[s:s + k1].tobytes() + col[:n - k1].tobytes())
+        r = self._ring
+        first = max(since, r.head)
+        parts = r.export(first)
         meta = {
             "window_ms": self.window_ms, "max_keys": self.max_keys,
-            "secret": self._digest.secret.hex(), "cut_ts": self._cut_ts, "entries": n,
+            "secret": self._digest.secret.hex(), "cut_ts": self._cut_ts,
+            "entries": r.tail - first,
             "topics": {name: [tid, topics[name]] for name, tid in self._topics.items()
                        if name in topics},
         }
@@ -195,7 +407,7 @@ class DedupWindow(Adds):
         they do not fit: other window settings or columns of unequal lengths. Above
         ``max_keys`` entries the newest are kept."""
         n = len(columns[1]) // 4
-        if (self._tail or meta["window_ms"] != self.window_ms or not self.enabled
+        if (self._ring.tail or meta["window_ms"] != self.window_ms or not self.enabled
                 or meta["max_keys"] != self.max_keys or not n
                 or any(len(c) != n * w for c, w in zip(columns, COLUMN_WIDTHS, strict=True))):
             return False
@@ -210,159 +422,12 @@ class DedupWindow(Adds):
                 self._live[tid] = 0
         self._next_tid = (max(tid for tid, _c in meta["topics"].values()) + 1) % _MAX_TID \
             if meta["topics"] else 0
-        cap = max(n, min(self.max_keys, _RING_MIN))
-        self._ident = bytearray(cols[0])
-        self._ident.extend(bytes((cap - n) * IDENT))
-        for name, code, col in (("_tid", "I", cols[1]), ("_queue", "H", cols[2]),
-                                ("_offset", "q", cols[3]), ("_ts", "q", cols[4]),
-                                ("_hash", "I", None), ("_next", "Q", None)):
-            a = array(code)
-            if col is not None:
-                a.frombytes(col)
-                a.extend(array(code, bytes((cap - n) * a.itemsize)))
-            else:
-                a.frombytes(bytes(cap * a.itemsize))
-            setattr(self, name, a)
-        self._cap = cap
-        self._base = self._head = 0
-        self._tail = n
+        r = self._ring
+        r.load(cols, n, max(n, min(self.max_keys, RING_MIN)), self.max_keys)
         live = self._live
-        for t, c in Counter(self._tid[:n]).items():
+        for t, c in Counter(r.tid[:n]).items():
             if t != DEAD:
                 t &= ~DIGEST_KIND
                 if t in live:
                     live[t] += c
-        self._alloc_heads()
-        heads = self._heads
-        bmask = self._bmask
-        hs = self._hash
-        nxt = self._next
-        h32 = H32
-        idents = bytes(cols[0])
-        step = 1 << 16
-        for a in range(0, n, step):  # hashes and chains, in slices (the idents are objects)
-            b = min(a + step, n)
-            hashes = [hash(idents[i:i + IDENT]) & h32
-                      for i in range(a * IDENT, b * IDENT, IDENT)]
-            hs[a:b] = array("I", hashes)
-            seq = a
-            for h in hashes:
-                bk = h & bmask
-                nxt[seq] = heads[bk]
-                seq += 1
-                heads[bk] = seq
         return True
-
-    # ------------------------------------------------------------------ internals
-    def _alloc_heads(self) -> None:
-        b = 1
-        while b < min(self.max_keys, _MAX_BUCKETS):
-            b *= 2
-        self._heads = array("Q", bytes(8 * b))
-        self._bmask = b - 1
-
-    def _put_entry(self, ident: bytes, tidk: int, h: int, queue_id: int, offset: int,
-                   ts_ms: int) -> int:
-        """Append one entry (room made first) and link it at the head of its bucket;
-        the bucket's previous head (seq + 1, 0: none), where its chain goes on."""
-        if self._tail - self._head >= self.max_keys:
-            self._evict((ts_ms,))
-        if self._tail - self._head >= self._cap:
-            self._grow_ring()
-        s = (self._tail - self._base) % self._cap
-        self._ident[s * IDENT:s * IDENT + IDENT] = ident
-        self._tid[s] = tidk
-        self._hash[s] = h
-        self._queue[s] = queue_id
-        self._offset[s] = offset
-        self._ts[s] = ts_ms
-        seq = self._tail = self._tail + 1  # seq + 1 of the new entry
-        heads = self._heads
-        b = h & self._bmask
-        v = heads[b]
-        self._next[s] = v
-        heads[b] = seq
-        return v
-
-    def _grow_for(self, k: int) -> None:
-        """Make the ring take ``k`` more entries (``k`` <= max_keys, room made first):
-        at least doubling, up to ``max_keys``."""
-        n = self._tail - self._head + k
-        if n > self._cap:
-            self._grow_ring(min(max(self._cap * 2, _RING_MIN, n), self.max_keys))
-
-    def _evict(self, nows: Sequence[int]) -> None:
-        """Drop the ``len(nows)`` oldest entries for the key cap, the i-th at ``nows[i]``;
-        note those still inside the window then (the window is cut short)."""
-        first = self._head
-        ts = self._ts
-        cap = self._cap
-        window = self.window_ms
-        s = (first - self._base) % cap
-        cut = None
-        for now_ms in nows:
-            t = ts[s]
-            if t >= now_ms - window:
-                cut = (t, now_ms) if cut is None or t > cut[0] else cut
-            s += 1
-            if s == cap:
-                s = 0
-        self._drop(first, first + len(nows))
-        if cut is not None:
-            t, now_ms = cut
-            if self._cut_ts is None or t > self._cut_ts:
-                self._cut_ts = t
-            if now_ms - self._warned_ms >= _WARN_EVERY_MS:
-                self._warned_ms = now_ms
-                log.warning("store: the dedup window holds its maximum of %d keys: keys "
-                            "stored %.1f s ago are forgotten (window %g s); raise "
-                            "--dedup-max-keys to keep the whole window",
-                            self.max_keys, (now_ms - t) / 1000, window / 1000)
-
-    def _drop(self, first: int, end: int) -> None:
-        """Move the head from ``first`` to ``end``: those entries' keys no longer answer."""
-        cap = self._cap
-        s = (first - self._base) % cap
-        e = s + (end - first)
-        tids = self._tid
-        live = self._live
-        if end - first <= SMALL_BATCH:
-            for i in range(s, e):
-                t = tids[i if i < cap else i - cap]
-                if t != DEAD:
-                    t &= ~DIGEST_KIND
-                    if t in live:  # not a dropped topic's
-                        live[t] -= 1
-            self._head = end
-            return
-        counts = Counter(tids[s:min(e, cap)])
-        if e > cap:
-            counts.update(tids[:e - cap])
-        for t, c in counts.items():
-            if t != DEAD:
-                t &= ~DIGEST_KIND
-                if t in live:
-                    live[t] -= c
-        self._head = end
-
-    def _grow_ring(self, cap: int = 0) -> None:
-        """Grow the ring (doubling, up to max_keys), laying it out from the head again."""
-        n = self._tail - self._head
-        cap = max(cap or min(max(self._cap * 2, _RING_MIN), self.max_keys), n + 1)
-        start = (self._head - self._base) % self._cap if self._cap else 0
-        for name, width in (("_ident", IDENT), ("_tid", 0), ("_hash", 0), ("_next", 0),
-                            ("_queue", 0), ("_offset", 0), ("_ts", 0)):
-            old = getattr(self, name)
-            w = width or old.itemsize
-            if width:
-                new = bytearray(old[start * w:(start + n) * w])
-            else:
-                new = array(old.typecode, old[start:start + n])
-            k = n - len(new) // w if width else n - len(new)
-            if k:
-                new.extend(old[:k * w] if width else old[:k])
-            new.extend(bytes((cap - n) * w) if width else
-                       array(old.typecode, bytes((cap - n) * w)))
-            setattr(self, name, new)
-        self._base = self._head
-        self._cap = cap

@@ -9,7 +9,7 @@ at another's key without the secret.
 
 The window's topic-id column says which kind an identity is (``DIGEST_KIND``), and marks an
 entry whose key was added again since (``DEAD``). ``Found`` carries the identities of one
-put's keys from its lookup (``TopicTable.find``) to its add (``DedupWindow.add_found``).
+put's keys from its lookup (``DedupWindow.find``) to its add (``DedupWindow.add_found``).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def split(raw: bytes, n: int) -> list[bytes] | tuple[bytes, ...]:
 
 
 class Found:
-    """The keys of one put, looked up at once (``TopicTable.find``): their identities, kept
+    """The keys of one put, looked up at once (``DedupWindow.find``): their identities, kept
     for ``DedupWindow.add_found`` so that no key's identity is computed twice."""
 
     __slots__ = ("exact", "hashes", "idents", "keys", "raw", "seqs")

@@ -1,14 +1,14 @@
-"""What the store does when the disk fails it: stable error codes, quiet logs, a usage limit.
+"""What the store does when the disk fails it: stable errors, quiet logs, a usage limit.
 
-* ``storage_error`` maps an ``OSError`` of the write path to a stable wire error:
-  ``ENOSPC``/``EDQUOT`` to ``DISK_FULL``, anything else to ``STORAGE_ERROR`` (both
+* ``storage_error`` maps an ``OSError`` of the write path to a store error (``errors.py``):
+  ``ENOSPC``/``EDQUOT`` to ``DiskFull``, anything else to ``StoreUnavailable`` (both
   retriable).
 * ``RateLimitedLog`` writes one line per kind of failure and per interval (10 s), with the
   number of repeats it held back, instead of one line (or traceback) per request.
-* ``DiskGuard`` refuses writes with ``DISK_FULL`` while the data directory's file system is
+* ``DiskGuard`` refuses writes with ``DiskFull`` while the data directory's file system is
   used above a ratio; it asks the file system at most once per interval (clock passed in)
   and lets writes through again by itself once space returns.
-* ``WriteGate`` (of ``MessageStore``) says whether writes are accepted: refused on a full
+* ``WriteGate`` says whether the store accepts writes: refused on a full
   disk, and stopped until a restart after a failure that leaves the files' state unknown (a
   failed write that could not be undone, a failed fsync); reads go on.
 """
@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..protocol.errors import ErrorCode, OnceqError
+from .errors import DiskFull, StorageError, StoreUnavailable
 
 if TYPE_CHECKING:
     from .commitlog import CommitLog
@@ -35,12 +35,12 @@ def is_disk_full(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS
 
 
-def storage_error(exc: OSError, what: str) -> OnceqError:
-    """The wire error for a failed write: ``what`` says what became of it."""
+def storage_error(exc: OSError, what: str) -> StorageError:
+    """The store error for a failed write: ``what`` says what became of it."""
     reason = exc.strerror or str(exc)
     if is_disk_full(exc):
-        return OnceqError(ErrorCode.DISK_FULL, f"disk full ({reason}): {what}")
-    return OnceqError(ErrorCode.STORAGE_ERROR, f"storage I/O error ({reason}): {what}")
+        return DiskFull(f"disk full ({reason}): {what}")
+    return StoreUnavailable(f"storage I/O error ({reason}): {what}")
 
 
 class RateLimitedLog:
@@ -80,7 +80,7 @@ class DiskGuard:
     """Refuse writes while the file system is used above ``max_ratio`` (1.0: never).
 
     ``usage(path)`` returns ``(total, available)`` bytes of the file system; it is called at
-    most once per ``interval_s`` of ``clock``. Above the ratio ``check`` raises ``DISK_FULL``.
+    most once per ``interval_s`` of ``clock``. Above the ratio ``check`` raises ``DiskFull``.
     """
 
     def __init__(self, path: str, max_ratio: float, clock: Callable[[], float],
@@ -101,8 +101,7 @@ class DiskGuard:
             return
         self.refresh()
         if self.refusing:
-            raise OnceqError(
-                ErrorCode.DISK_FULL,
+            raise DiskFull(
                 f"disk {self.used_ratio:.0%} used, above the limit of {self.max_ratio:.0%}: "
                 "writes refused until space is freed")
 
@@ -127,20 +126,34 @@ class DiskGuard:
                 self.on_change(refusing, ratio)
 
 
-class WriteGate:
-    """Whether ``MessageStore`` accepts writes (``write_failure``, ``guard``)."""
+def disk_state_changed(refusing: bool, ratio: float, max_ratio: float) -> None:
+    """Log a flip of the disk guard's answer."""
+    if refusing:
+        log.error("store: disk %.1f%% used, above disk_max_used_ratio %.0f%%: writes "
+                  "refused with DISK_FULL until space is freed", ratio * 100, max_ratio * 100)
+    else:
+        log.warning("store: disk %.1f%% used: writes accepted again", ratio * 100)
 
-    log: CommitLog
-    queues: dict[tuple[str, int], ConsumeQueue]
-    guard: DiskGuard
-    write_failure: str | None
+
+class WriteGate:
+    """Whether the store accepts writes: refused above the disk guard's limit, and stopped
+    until a restart after a failure (``write_failure``); reads go on."""
+
+    def __init__(self, log_: CommitLog, queues: dict[tuple[str, int], ConsumeQueue],
+                 guard: DiskGuard) -> None:
+        self.log = log_
+        self.queues = queues
+        self.guard = guard
+        # set when a failed write could not be undone (or an fsync failed): writes are
+        # refused until a restart, reads go on
+        self.write_failure: str | None = None
 
     def check_writable(self, space: bool = True) -> None:
         """Raise unless writes are accepted: not stopped by a failure, and (``space``) the
         disk is used below ``disk_max_used_ratio``."""
         if self.write_failure is not None:
-            raise OnceqError(ErrorCode.STORAGE_ERROR, "writes refused until the broker "
-                             f"restarts: {self.write_failure}")
+            raise StoreUnavailable("writes refused until the broker restarts: "
+                                   f"{self.write_failure}")
         if space:
             self.guard.check()
 
@@ -157,15 +170,7 @@ class WriteGate:
         return {"accepted": reason is None, "reason": reason,
                 "disk_used": round(guard.used_ratio, 4), "disk_max_used": guard.max_ratio}
 
-    def _disk_state_changed(self, refusing: bool, ratio: float) -> None:
-        if refusing:
-            log.error("store: disk %.1f%% used, above disk_max_used_ratio %.0f%%: writes "
-                      "refused with DISK_FULL until space is freed", ratio * 100,
-                      self.guard.max_ratio * 100)
-        else:
-            log.warning("store: disk %.1f%% used: writes accepted again", ratio * 100)
-
-    def _fail_stop(self, reason: str) -> None:
+    def stop(self, reason: str) -> None:
         """Refuse every later write (reads go on): logged once."""
         if self.write_failure is None:
             self.write_failure = reason
@@ -179,7 +184,7 @@ class WriteGate:
         every record after it (never acknowledged: sync flush) is removed from the log and
         the indexes, so that it can never be read, nor come back after a restart.
         """
-        self._fail_stop(reason)
+        self.stop(reason)
         if rollback_to is None or rollback_to >= self.log.end:
             return
         try:
@@ -196,5 +201,5 @@ class WriteGate:
         try:
             self.log.sync()
         except OSError as exc:
-            self._fail_stop(f"fsync of the commit log failed: {exc}")
+            self.stop(f"fsync of the commit log failed: {exc}")
             raise

@@ -3,7 +3,7 @@ dispatch to the consume queue.
 
 A put is all or nothing: a malformed or oversized message refuses the whole batch before
 anything is written (``check_parts``), and a failed write (log, segment roll, index) is
-rolled back to where it started (``_undo_put``), or stops writes when even that fails. The
+rolled back to where it started (``_undo``), or stops writes when even that fails. The
 dedup window is asked for every key of the batch at once and learns the new keys only once
 their records are written: a failed write must not turn the producer's retry into a
 "duplicate" of a message that was never stored.
@@ -18,18 +18,18 @@ from typing import TYPE_CHECKING
 
 from ..log.record import REC_HEADER_SIZE, RecordError, build_record_parts, check_part, tag_hash
 from ..log.segment import DAMAGED_ENTRY_SIZE, INDEX_ENTRY
-from ..protocol.errors import ErrorCode, OnceqError
+from .errors import MalformedMessage, MessageTooLarge, StorageError, StoreUnavailable
 from .failures import storage_error
-from .recovery import read_record
+from .records import read_record
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from .commitlog import CommitLog
-    from .config import StoreConfig
     from .consumequeue import ConsumeQueue
     from .dedup import DedupWindow
-    from .failures import RateLimitedLog
+    from .failures import RateLimitedLog, WriteGate
+    from .topics import Topics
 
 
 @dataclass(slots=True)
@@ -52,32 +52,33 @@ def check_parts(parts: Sequence[bytes | memoryview], topic_size: int, max_body: 
         try:
             key, tags, body_size, _uk = check_part(part)
         except RecordError as exc:
-            raise OnceqError(ErrorCode.BAD_REQUEST, f"malformed message: {exc}") from None
+            raise MalformedMessage(f"malformed message: {exc}") from None
         if body_size > max_body:
-            raise OnceqError(
-                ErrorCode.MESSAGE_TOO_LARGE,
-                f"message body of {body_size} bytes exceeds the limit of {max_body} bytes",
-            )
+            raise MessageTooLarge(
+                f"message body of {body_size} bytes exceeds the limit of {max_body} bytes")
         if fixed + len(part) > max_record:
-            raise OnceqError(
-                ErrorCode.MESSAGE_TOO_LARGE,
+            raise MessageTooLarge(
                 f"message of {len(part)} bytes (body, tags, keys and properties) does "
-                f"not fit a commit-log segment of {max_record} bytes",
-            )
+                f"not fit a commit-log segment of {max_record} bytes")
         metas.append((key, tags))
     return metas
 
 
-class PutPath:
-    """The put path of ``MessageStore``: ``put``, undone when its write fails."""
+class Appender:
+    """The put path: appends checked messages to the commit log and the consume queues of
+    ``topics``, asks ``dedup`` first, refuses what ``gate`` refuses; undone when its write
+    fails."""
 
-    config: StoreConfig
-    clock: Callable[[], float]
-    log: CommitLog
-    queues: dict[tuple[str, int], ConsumeQueue]
-    dedup: DedupWindow
-    errors: RateLimitedLog
-    _last_store_ms: int
+    def __init__(self, log_: CommitLog, topics: Topics, dedup: DedupWindow, gate: WriteGate,
+                 max_body: int, clock: Callable[[], float], errors: RateLimitedLog) -> None:
+        self.log = log_
+        self.topics = topics
+        self.dedup = dedup
+        self.gate = gate
+        self.max_body = max_body
+        self.clock = clock
+        self.errors = errors
+        self.last_store_ms = 0  # store times never go backwards (search_offset bisects them)
 
     def put(self, topic: str, queue_id: int, parts: Sequence[bytes | memoryview],
             dedup: bool = True, space: bool = True) -> PutResult:
@@ -85,12 +86,12 @@ class PutPath:
 
         ``dedup``: apply the producer-retry dedup window (internal re-puts may opt out).
         ``space``: refuse the write above the disk usage limit (offset commits do not)."""
-        cq = self._queue(topic, queue_id)
-        self.check_writable(space)
+        cq = self.topics.queue(topic, queue_id)
+        self.gate.check_writable(space)
         tb = topic.encode()
         fixed = REC_HEADER_SIZE + len(tb)
-        metas = check_parts(parts, len(tb), self.config.max_body, self.log.segment_size)
-        now_ms = max(int(self.clock() * 1000), self._last_store_ms)
+        metas = check_parts(parts, len(tb), self.max_body, self.log.segment_size)
+        now_ms = max(int(self.clock() * 1000), self.last_store_ms)
         use_dedup = dedup and self.dedup.enabled
         dedup = self.dedup
         if use_dedup:
@@ -108,14 +109,13 @@ class PutPath:
         pack_entry = INDEX_ENTRY.pack
         build = build_record_parts
         seen_tags: dict[bytes, int] = {}
-        window = dedup.table(topic) if use_dedup else None
-        if window is not None:  # every key looked up at once
-            found, looked_up = window.find([m[0] for m in metas])
+        if use_dedup:  # every key looked up at once
+            found, looked_up = dedup.find(topic, [m[0] for m in metas])
         batch_idx: list[int] = []  # the indexes of the keys in batch_keys
         try:  # a failed write (log, roll, index) leaves no trace: it is rolled back
             for i, part in enumerate(parts):
                 key, tags = metas[i]
-                if window is not None and key:
+                if use_dedup and key:
                     prev = found[i]
                     if prev is not None and self._still_stored(topic, prev[0], prev[1]):
                         dups.append(i)
@@ -146,11 +146,11 @@ class PutPath:
                 room -= size
             if records:
                 log_.write(records)
-                self._last_store_ms = now_ms
+                self.last_store_ms = now_ms
             if entries:
                 cq.append(b"".join(entries), len(entries))
         except OSError as exc:
-            raise self._undo_put(cq, topic, start_pos, start_offset, exc) from None
+            raise self._undo(cq, topic, start_pos, start_offset, exc) from None
         if use_dedup and batch_keys:
             # only now that the records are written: a failed write must not turn the
             # producer's retry into a "duplicate" of a message that was never stored
@@ -162,7 +162,7 @@ class PutPath:
     def _still_stored(self, topic: str, queue_id: int, offset: int) -> bool:
         """Whether the record a "duplicate" answer would point at is intact in the log: a
         retry must be stored again rather than stand for a copy lost to disk damage."""
-        cq = self.queues.get((topic, queue_id))
+        cq = self.topics.queues.get((topic, queue_id))
         if cq is None or not cq.min_offset <= offset < cq.max_offset:
             return False
         try:
@@ -172,8 +172,8 @@ class PutPath:
         except OSError:
             return False
 
-    def _undo_put(self, cq: ConsumeQueue, topic: str, position: int, offset: int,
-                  exc: OSError) -> OnceqError:
+    def _undo(self, cq: ConsumeQueue, topic: str, position: int, offset: int,
+              exc: OSError) -> StorageError:
         """Roll a failed put back to the log end and queue offset it started from."""
         failed: OSError | None = None
         try:
@@ -186,10 +186,10 @@ class PutPath:
             failed = failed or again
             cq.max_offset = offset  # at least never read through the failed entries
         if failed is not None:
-            self._fail_stop(f"a failed write to {topic}[{cq.dir.rsplit(os.sep, 1)[-1]}] "
+            self.gate.stop(f"a failed write to {topic}[{cq.dir.rsplit(os.sep, 1)[-1]}] "
                             f"could not be rolled back ({exc}; then {failed})")
-            return OnceqError(ErrorCode.STORAGE_ERROR, f"storage I/O error ({exc}): the write "
-                              "could not be rolled back; writes refused until a restart")
+            return StoreUnavailable(f"storage I/O error ({exc}): the write could not be "
+                                    "rolled back; writes refused until a restart")
         self.errors.error("put", "store: a write to %s failed and was rolled back: %s",
                           topic, exc)
         return storage_error(exc, "the write was rolled back")

@@ -4,27 +4,40 @@ range, and the search of an offset by store time.
 Every record read is checked against what its index entry promises (size, queue, offset,
 position, topic, checksum) before it is returned; one that is not goes to the index repair
 (``repair.py``) and is read again, or is skipped as damaged.
+
+A read answers a ``ReadStatus`` (the same names and numbers as the pull statuses of the
+protocol) with the records found.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import TYPE_CHECKING
 
 from ..log.record import first_mismatch
 from ..log.segment import DAMAGED_ENTRY_SIZE, INDEX_ENTRY
-from ..protocol.codes import PullStatus
-from ..protocol.errors import ErrorCode, OnceqError
 from .consumequeue import ConsumeQueue
-from .recovery import read_range
+from .errors import StoreUnavailable
+from .records import read_range
 
 if TYPE_CHECKING:
     from .commitlog import CommitLog
+    from .repair import IndexRepair
+    from .topics import Topics
+
+
+class ReadStatus(IntEnum):
+    FOUND = 0
+    NO_NEW_MESSAGE = 1
+    OFFSET_MOVED = 2  # the offset is below the queue's first one (retention)
+    OFFSET_ILLEGAL = 3  # the offset is beyond the queue's end
+    DAMAGED = 5  # offsets [requested, next) were lost to disk damage: continue at next
 
 
 @dataclass(slots=True)
 class GetResult:
-    status: PullStatus
+    status: ReadStatus
     payload: bytes
     count: int
     next_offset: int
@@ -43,10 +56,14 @@ def _damaged_run_end(cq: ConsumeQueue, offset: int) -> int:
     return offset
 
 
-class Reads:
-    """The reads of ``MessageStore``: ``get``, ``min_max``, ``search_offset``."""
+class Reader:
+    """Reads of the queues of ``topics`` from the log, checked against their index
+    entries; a record that does not check goes to ``repair``."""
 
-    log: CommitLog
+    def __init__(self, log_: CommitLog, topics: Topics, repair: IndexRepair) -> None:
+        self.log = log_
+        self.topics = topics
+        self.repair = repair
 
     def get(
         self, topic: str, queue_id: int, offset: int, max_msgs: int, max_bytes: int,
@@ -63,19 +80,19 @@ class Reads:
             res = self._get(topic, queue_id, offset, max_msgs, max_bytes, tag_hashes)
             if res is not None:
                 return res
-        raise OnceqError(ErrorCode.STORAGE_ERROR, f"{topic} queue {queue_id} offset {offset}: "
-                         "index repair did not converge")
+        raise StoreUnavailable(f"{topic} queue {queue_id} offset {offset}: "
+                               "index repair did not converge")
 
     def _get(self, topic: str, queue_id: int, offset: int, max_msgs: int, max_bytes: int,
              tag_hashes: frozenset[int] | None) -> GetResult | None:
-        cq = self._queue(topic, queue_id)
+        cq = self.topics.queue(topic, queue_id)
         lo, hi = cq.min_offset, cq.max_offset
         if offset < lo:
-            return GetResult(PullStatus.OFFSET_MOVED, b"", 0, lo, lo, hi)
+            return GetResult(ReadStatus.OFFSET_MOVED, b"", 0, lo, lo, hi)
         if offset > hi:
-            return GetResult(PullStatus.OFFSET_ILLEGAL, b"", 0, hi, lo, hi)
+            return GetResult(ReadStatus.OFFSET_ILLEGAL, b"", 0, hi, lo, hi)
         if offset == hi:
-            return GetResult(PullStatus.NO_NEW_MESSAGE, b"", 0, hi, lo, hi)
+            return GetResult(ReadStatus.NO_NEW_MESSAGE, b"", 0, hi, lo, hi)
         raw = cq.read(offset, max_msgs)
         log_start = self.log.start
         ranges: list[list[int]] = []
@@ -86,10 +103,10 @@ class Reads:
             if size == DAMAGED_ENTRY_SIZE:
                 if scanned:
                     break
-                return GetResult(PullStatus.DAMAGED, b"", 0, _damaged_run_end(cq, offset),
+                return GetResult(ReadStatus.DAMAGED, b"", 0, _damaged_run_end(cq, offset),
                                  lo, hi)
             if pos < log_start:
-                return GetResult(PullStatus.OFFSET_MOVED, b"", 0, lo, lo, hi)
+                return GetResult(ReadStatus.OFFSET_MOVED, b"", 0, lo, lo, hi)
             if picked and total + size > max_bytes:
                 break
             scanned += 1
@@ -105,25 +122,25 @@ class Reads:
         i = first_mismatch(payload, picked, topic.encode(), queue_id)
         if i >= 0:
             off = picked[i][0]
-            if self._repair_entry(topic, queue_id, off):
+            if self.repair.repair_entry(topic, queue_id, off):
                 return None  # read again through the repaired entry
             if i == 0:
-                return GetResult(PullStatus.DAMAGED, b"", 0, off + 1, lo, hi)
+                return GetResult(ReadStatus.DAMAGED, b"", 0, off + 1, lo, hi)
             good = sum(size for _o, _p, size in picked[:i])
-            return GetResult(PullStatus.FOUND, payload[:good], i, off, lo, hi)
+            return GetResult(ReadStatus.FOUND, payload[:good], i, off, lo, hi)
         nxt = offset + scanned
         if not picked and nxt == hi:
-            return GetResult(PullStatus.NO_NEW_MESSAGE, b"", 0, hi, lo, hi)
-        return GetResult(PullStatus.FOUND, payload, len(picked), nxt, lo, hi)
+            return GetResult(ReadStatus.NO_NEW_MESSAGE, b"", 0, hi, lo, hi)
+        return GetResult(ReadStatus.FOUND, payload, len(picked), nxt, lo, hi)
 
     def min_max(self, topic: str, queue_id: int) -> tuple[int, int]:
-        cq = self._queue(topic, queue_id)
+        cq = self.topics.queue(topic, queue_id)
         return cq.min_offset, cq.max_offset
 
     def store_times(self, topic: str, queue_id: int) -> tuple[int | None, int | None]:
         """Store times (ms) of the queue's first and last message (None when empty); the
         index entries hold them."""
-        cq = self._queue(topic, queue_id)
+        cq = self.topics.queue(topic, queue_id)
         lo, hi = cq.min_offset, cq.max_offset
         if hi <= lo:
             return None, None
@@ -131,4 +148,4 @@ class Reads:
 
     def search_offset(self, topic: str, queue_id: int, ts_ms: int) -> int:
         """First offset whose store time is >= ts_ms (max offset when none)."""
-        return self._queue(topic, queue_id).first_offset_where(3, ts_ms)
+        return self.topics.queue(topic, queue_id).first_offset_where(3, ts_ms)

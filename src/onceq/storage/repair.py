@@ -15,14 +15,12 @@ from typing import TYPE_CHECKING
 from ..log.record import RecordHead
 from ..log.segment import DAMAGED_ENTRY_SIZE, INDEX_ENTRY, damaged_entry
 from .damage import DamageRegistry
-from .recovery import read_record
+from .records import read_record
 
 if TYPE_CHECKING:
     from .commitlog import CommitLog
-    from .consumequeue import ConsumeQueue
     from .failures import RateLimitedLog
-    from .files import FileOps
-    from .topics import TopicConfig
+    from .topics import Topics
 
 log = logging.getLogger("onceq.storage")
 
@@ -32,17 +30,18 @@ LOST_RUN_MAX = 100_000  # entries marked at once when their segment file is lost
 
 
 class IndexRepair:
-    """Index repair and damage tracking of ``MessageStore``."""
+    """Index repair on read, and the damaged ranges of the log and the queues
+    (``damage``, saved to its file when ``dirty``)."""
 
-    log: CommitLog
-    files: FileOps
-    topics: dict[str, TopicConfig]
-    queues: dict[tuple[str, int], ConsumeQueue]
-    damage: DamageRegistry
-    errors: RateLimitedLog
-    _damage_dirty: bool
+    def __init__(self, log_: CommitLog, topics: Topics, damage: DamageRegistry,
+                 errors: RateLimitedLog) -> None:
+        self.log = log_
+        self.topics = topics
+        self.damage = damage
+        self.errors = errors
+        self.dirty = False  # the registry changed since it was last saved
 
-    def _repair_entry(self, topic: str, qid: int, offset: int) -> bool:
+    def repair_entry(self, topic: str, qid: int, offset: int) -> bool:
         """Find the record of ``offset`` near where it must be; fix its entry or mark it.
 
         The record lies between the ends of the nearest earlier and later entries that
@@ -50,7 +49,7 @@ class IndexRepair:
         Returns True when the entry was repaired (or a run of entries into a lost segment
         file was marked): read again; False when the offset is now marked damaged.
         """
-        cq = self.queues[(topic, qid)]
+        cq = self.topics.queues[(topic, qid)]
         log_ = self.log
         pos, size, _th, _ts = cq.entry(offset)
         if size > DAMAGED_ENTRY_SIZE and log_.lost(pos):
@@ -65,8 +64,8 @@ class IndexRepair:
             for k in range(offset, last + 1):
                 p, _sz, _th, ets = cq.entry(k)
                 cq.write_entry(k, damaged_entry(p, ets))
-            self._mark_damaged((topic, qid), offset, last + 1, "its segment file is lost")
-            self._save_damage()
+            self.mark_damaged((topic, qid), offset, last + 1, "its segment file is lost")
+            self.save()
             return True
         lo_pos = hi_pos = None
         ts = 0
@@ -98,33 +97,33 @@ class IndexRepair:
                               "wrong bytes; repaired from the log", topic, qid, offset)
                     return True
         cq.write_entry(offset, damaged_entry(lo_pos, ts))
-        self._mark_damaged((topic, qid), offset, offset + 1, "record unreadable")
-        if self._damage_dirty:
-            self._save_damage()
+        self.mark_damaged((topic, qid), offset, offset + 1, "record unreadable")
+        if self.dirty:
+            self.save()
         return False
 
-    def _save_damage(self) -> None:
+    def save(self) -> None:
         """Save the damage registry; on a full disk a read still succeeds (the markers are
         in the index entries, and the registry is saved again with the next change or at
         the next start)."""
         try:
             self.damage.save()
-            self._damage_dirty = False
+            self.dirty = False
         except OSError as exc:
-            self._damage_dirty = True
+            self.dirty = True
             self.errors.error("damage", "store: cannot save the damaged ranges: %s", exc)
 
-    def _keep_live_damage(self) -> None:
+    def keep_live(self) -> None:
         """At open: drop from the registry the ranges no longer held (``damaged``), and
         save it when that or the recovery changed it."""
         live = self.damaged()
-        if live != self.damage.to_json() or self._damage_dirty:
+        if live != self.damage.to_json() or self.dirty:
             self.damage.log_ranges = live["log"]
             self.damage.queues = {(t, int(q)): r for t, qs in live["queues"].items()
                                   for q, r in qs.items()}
             try:
                 self.damage.save()
-                self._damage_dirty = False
+                self.dirty = False
             except OSError as exc:  # a full disk: kept in memory, saved with the next change
                 log.error("store: cannot save the damaged ranges: %s", exc)
 
@@ -133,11 +132,11 @@ class IndexRepair:
 
         Queue ranges are the offsets the queue still holds whose index entry is a damage
         marker (a topic deleted and created again starts clean)."""
-        live = DamageRegistry(self.damage.path, self.files)
+        live = DamageRegistry(self.damage.path, self.damage.files)
         live.log_ranges = [[max(a, self.log.start), b] for a, b in self.damage.log_ranges
                            if b > self.log.start]
         for (topic, qid), ranges in self.damage.queues.items():
-            cq = self.queues.get((topic, qid))
+            cq = self.topics.queues.get((topic, qid))
             if cq is None:
                 continue
             for a, b in ranges:
@@ -148,8 +147,8 @@ class IndexRepair:
                         live.add_offsets(topic, qid, a + i, a + i + 1)
         return live.to_json()
 
-    def _mark_damaged(self, key: tuple[str, int], lo: int, hi: int, why: str) -> None:
+    def mark_damaged(self, key: tuple[str, int], lo: int, hi: int, why: str) -> None:
         if self.damage.add_offsets(key[0], key[1], lo, hi):
-            self._damage_dirty = True
+            self.dirty = True
         log.error("store: %s queue %d offsets %d..%d are damaged (%s); they are skipped",
                   key[0], key[1], lo, hi - 1, why)

@@ -1,5 +1,8 @@
 """Topics: their names, the topics table (``topics.json``) and each topic's consume queues.
 
+``Topics`` is a read-only map of name -> ``TopicConfig`` that also creates and deletes
+topics and holds each topic's consume queues (``queues``, keyed by (topic, queue id)).
+
 A topic's record of ``created_position`` is the commit-log position it was created at: a
 record below it belongs to an older topic of the same name (deleted since), so recovery
 and reads never take it for this one's. The table is written atomically before anything
@@ -17,19 +20,22 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..protocol.errors import ErrorCode, OnceqError
 from .consumequeue import ConsumeQueue
+from .errors import InvalidArgument, InvalidName, QueueNotFound, TopicNotFound
 from .failures import storage_error
 from .metadata import RenameNotDurable, load_json, save_json
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from .config import StoreConfig
+    from .commitlog import CommitLog
+    from .failures import RateLimitedLog, WriteGate
     from .files import FileOps
+    from .openfiles import OpenFiles
 
 log = logging.getLogger("onceq.storage")
 
@@ -39,10 +45,8 @@ MAX_QUEUES = 1024
 
 def check_name(kind: str, name: object) -> str:
     if not isinstance(name, str) or not NAME_RE.fullmatch(name) or name in (".", ".."):
-        raise OnceqError(
-            ErrorCode.INVALID_NAME,
-            f"invalid {kind} name {name!r}: use 1-127 of A-Z a-z 0-9 _ - . % |",
-        )
+        raise InvalidName(
+            f"invalid {kind} name {name!r}: use 1-127 of A-Z a-z 0-9 _ - . % |")
     return name
 
 
@@ -59,7 +63,7 @@ class TopicConfig:
         creation accepts (see ``create_topic``)."""
         try:
             check_name("topic", name)
-        except OnceqError as exc:
+        except InvalidName as exc:
             raise ValueError(exc.message) from None
         assert isinstance(name, str)
         if not isinstance(raw, dict):
@@ -104,32 +108,83 @@ def load_topics_table(path: str, files: FileOps) -> tuple[dict[str, TopicConfig]
     return topics, skipped
 
 
-class Topics:
-    """The topic operations of ``MessageStore``: create, delete, look up; the topics table
-    and the consume queues of each topic (``queues``)."""
+class Topics(Mapping[str, TopicConfig]):
+    """The topics (name -> ``TopicConfig``, read-only as a map), the topics table at
+    ``path``, and the consume queues of each topic (``queues``) under ``queues_dir``.
 
-    config: StoreConfig
-    files: FileOps
-    clock: Callable[[], float]
-    topics: dict[str, TopicConfig]
-    queues: dict[tuple[str, int], ConsumeQueue]
-    # entries of the table that failed the checks at open, written back as they are
-    skipped_topics: dict[str, Any]
+    ``queues``: the (empty) map of consume queues to fill, shared with whoever rolls them
+    back; ``log``: where a new topic's creation position comes from; ``gate``: whether
+    writes are accepted (a table that cannot be restored stops them)."""
 
-    def create_topic(self, name: str, queues: int) -> TopicConfig:
+    def __init__(self, path: str, queues_dir: str,
+                 queues: dict[tuple[str, int], ConsumeQueue], index_entries_per_file: int,
+                 files: FileOps, open_files: OpenFiles, clock: Callable[[], float],
+                 log_: CommitLog, gate: WriteGate, errors: RateLimitedLog) -> None:
+        self.path = path
+        self.queues_dir = queues_dir
+        self.index_entries_per_file = index_entries_per_file
+        self.files = files
+        self.open_files = open_files
+        self.clock = clock
+        self.log = log_
+        self.gate = gate
+        self.errors = errors
+        self._topics: dict[str, TopicConfig] = {}
+        self.queues = queues
+        # entries of the table that failed the checks at open, written back as they are
+        self.skipped: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ the map
+    def __getitem__(self, name: str) -> TopicConfig:
+        return self._topics[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._topics)
+
+    def __len__(self) -> int:
+        return len(self._topics)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._topics
+
+    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+        return self._topics.get(name, default)
+
+    def lookup(self, name: str) -> TopicConfig:
+        """The topic ``name``; ``TopicNotFound`` (``InvalidName`` for a bad name)."""
+        t = self._topics.get(name)
+        if t is None:
+            check_name("topic", name)
+            raise TopicNotFound(f"topic {name!r} does not exist")
+        return t
+
+    def queue(self, topic: str, queue_id: int) -> ConsumeQueue:
+        """The consume queue ``queue_id`` of ``topic``; ``QueueNotFound`` when the topic
+        has no such queue (``TopicNotFound`` when there is no such topic)."""
+        cq = self.queues.get((topic, queue_id))
+        if cq is None:
+            t = self.lookup(topic)
+            raise QueueNotFound(
+                f"queue {queue_id!r} out of range for topic {topic!r} ({t.queues} queues)")
+        return cq
+
+    def positions(self) -> dict[str, int]:
+        """name -> creation position of every topic."""
+        return {n: t.created_position for n, t in self._topics.items()}
+
+    # ------------------------------------------------------------------ changes
+    def create(self, name: str, queues: int) -> TopicConfig:
         check_name("topic", name)
         if not isinstance(queues, int) or not 1 <= queues <= MAX_QUEUES:
-            raise OnceqError(ErrorCode.INVALID_ARGUMENT, f"queue count must be 1..{MAX_QUEUES}")
-        old = self.topics.get(name)
+            raise InvalidArgument(f"queue count must be 1..{MAX_QUEUES}")
+        old = self._topics.get(name)
         if old is not None:
             if queues < old.queues:
-                raise OnceqError(
-                    ErrorCode.INVALID_ARGUMENT,
-                    f"topic {name!r} has {old.queues} queues; the count cannot shrink",
-                )
+                raise InvalidArgument(
+                    f"topic {name!r} has {old.queues} queues; the count cannot shrink")
             if queues == old.queues:
                 return old
-        self.check_writable()
+        self.gate.check_writable()
         new: list[ConsumeQueue] = []
         try:
             if old is not None:
@@ -138,7 +193,7 @@ class Topics:
                 # the log must be durable up to created_position first: a log that ended
                 # below it after a power loss would make the new topic's records look like
                 # an old topic's
-                self.sync_log()
+                self.gate.sync_log()
                 t = TopicConfig(name, queues, self.log.end, int(self.clock() * 1000))
             # index directories first: left over after a failure, the next open drops them
             for qid in range(old.queues if old else 0, queues):
@@ -147,12 +202,12 @@ class Topics:
                 cq.load()
                 cq.reset(0)
             # the table is durable before anything changes in memory
-            self._write_topics({**self.topics, name: t})
+            self._write_topics({**self._topics, name: t})
         except OSError as exc:
             for cq in new:
                 cq.close()
             if old is None:
-                self.files.rmtree(os.path.join(self._queues_dir, name))
+                self.files.rmtree(os.path.join(self.queues_dir, name))
             else:
                 for cq in new:
                     self.files.rmtree(cq.dir)
@@ -161,39 +216,34 @@ class Topics:
             raise err from None
         for qid, cq in enumerate(new, start=old.queues if old else 0):
             self.queues[(name, qid)] = cq
-        self.topics[name] = t
-        self.skipped_topics.pop(name, None)  # replaced by the new topic
+        self._topics[name] = t
+        self.skipped.pop(name, None)  # replaced by the new topic
         return t
 
-    def delete_topic(self, name: str) -> None:
-        t = self.get_topic(name)
-        self.check_writable(space=False)  # deleting frees space: allowed on a full disk
-        table = {n: v for n, v in self.topics.items() if n != name}
+    def delete(self, name: str) -> None:
+        """Delete topic ``name`` and its consume queues (its dedup keys and offsets are the
+        caller's to drop)."""
+        t = self.lookup(name)
+        self.gate.check_writable(space=False)  # deleting frees space: allowed on a full disk
+        table = {n: v for n, v in self._topics.items() if n != name}
         try:
             self._write_topics(table)
         except OSError as exc:
             self.errors.error("topics", "store: cannot delete topic %s: %s", name, exc)
             raise storage_error(exc, f"topic {name!r} was not deleted") from None
-        del self.topics[name]
+        del self._topics[name]
         for qid in range(t.queues):
             try:
                 self.queues.pop((name, qid)).destroy()
             except OSError as exc:  # the next open drops the directory of an unknown topic
                 log.warning("store: index files of deleted topic %s: %s", name, exc)
-        self.files.rmtree(os.path.join(self._queues_dir, name))
-        self.dedup.drop_topic(name)
-        self.offset_table.drop_topic(name)
+        self.files.rmtree(os.path.join(self.queues_dir, name))
 
-    def get_topic(self, name: str) -> TopicConfig:
-        t = self.topics.get(name)
-        if t is None:
-            check_name("topic", name)
-            raise OnceqError(ErrorCode.TOPIC_NOT_EXIST, f"topic {name!r} does not exist")
-        return t
-
-    def _load_topics(self) -> None:
+    # ------------------------------------------------------------------ open
+    def load(self) -> None:
+        """Load the topics table (rebuilt from the index directories when unreadable)."""
         try:
-            topics, self.skipped_topics = load_topics_table(self._topics_path, self.files)
+            topics, self.skipped = load_topics_table(self.path, self.files)
         except ValueError as exc:
             log.error("store: %s; the topics are rebuilt from the index directories", exc)
             topics = self._topics_from_index_dirs()
@@ -204,7 +254,7 @@ class Topics:
                 self._save_topics(topics)
             except OSError as save_exc:  # rebuilt again at the next start
                 log.error("store: cannot save the rebuilt topics table: %s", save_exc)
-        self.topics.update(topics)
+        self._topics.update(topics)
 
     def _topics_from_index_dirs(self) -> dict[str, TopicConfig]:
         """The topics table as the index directories show it: one topic per directory
@@ -213,11 +263,11 @@ class Topics:
         of an older topic of the same name stay apart."""
         topics: dict[str, TopicConfig] = {}
         now_ms = int(self.clock() * 1000)
-        for name in sorted(self.files.listdir(self._queues_dir)):
+        for name in sorted(self.files.listdir(self.queues_dir)):
             try:
                 check_name("topic", name)
-                qids = set(self.files.listdir(os.path.join(self._queues_dir, name)))
-            except (OnceqError, OSError):
+                qids = set(self.files.listdir(os.path.join(self.queues_dir, name)))
+            except (InvalidName, OSError):
                 continue
             queues = 0
             while queues < MAX_QUEUES and str(queues) in qids:
@@ -243,10 +293,10 @@ class Topics:
     def _save_topics(self, table: dict[str, TopicConfig] | None = None) -> None:
         """Write ``table`` (None: the topics in memory) as the topics table, with the
         skipped entries that no topic of ``table`` replaces."""
-        table = self.topics if table is None else table
-        out = {n: e for n, e in self.skipped_topics.items() if n not in table}
+        table = self._topics if table is None else table
+        out = {n: e for n, e in self.skipped.items() if n not in table}
         out.update((n, t.to_json()) for n, t in table.items())
-        save_json(self._topics_path, out, self.files)
+        save_json(self.path, out, self.files)
 
     def _write_topics(self, table: dict[str, TopicConfig]) -> None:
         """Make ``table`` the durable topics table, or raise with the old one in place.
@@ -261,46 +311,54 @@ class Topics:
             try:
                 self._save_topics()
             except OSError as again:
-                self._fail_stop(f"the topics table cannot be restored: {again}")
+                self.gate.stop(f"the topics table cannot be restored: {again}")
             raise exc from None
 
-    def _queue(self, topic: str, queue_id: int) -> ConsumeQueue:
-        cq = self.queues.get((topic, queue_id))
-        if cq is None:
-            t = self.get_topic(topic)
-            raise OnceqError(
-                ErrorCode.INVALID_QUEUE,
-                f"queue {queue_id!r} out of range for topic {topic!r} ({t.queues} queues)",
-            )
-        return cq
-
     def _queue_dir(self, topic: str, qid: int) -> str:
-        return os.path.join(self._queues_dir, topic, str(qid))
+        return os.path.join(self.queues_dir, topic, str(qid))
 
     def _consume_queue(self, topic: str, qid: int) -> ConsumeQueue:
         """The consume queue of ``qid`` of ``topic``, not loaded yet."""
-        return ConsumeQueue(self._queue_dir(topic, qid), self.config.index_entries_per_file,
+        return ConsumeQueue(self._queue_dir(topic, qid), self.index_entries_per_file,
                             self.open_files)
 
-    def _open_queue(self, topic: str, qid: int) -> ConsumeQueue:
-        cq = self._consume_queue(topic, qid)
-        cq.load()
-        self.queues[(topic, qid)] = cq
-        return cq
+    def open_queues(self, checkpoint: int | None, ends: dict[str, int] | None) -> bool:
+        """Load every topic's consume queues, and drop the index directories of unknown
+        topics; True when an index file was lost or cut below what the checkpoint
+        (``checkpoint``, queue ends ``ends``) counted: the indexes are then rebuilt."""
+        lost_index = False
+        for name, t in self._topics.items():
+            for qid in range(t.queues):
+                try:
+                    self.files.listdir(self._queue_dir(name, qid))
+                except FileNotFoundError:
+                    # an index that vanished while the log may hold its records
+                    lost_index = lost_index or checkpoint is None or (
+                        t.created_position < checkpoint)
+                cq = self._consume_queue(name, qid)
+                cq.load()
+                self.queues[(name, qid)] = cq
+                # entries lost before kept ones, or fewer entries than the checkpoint
+                # counted: an index file was cut or lost. Entries past that count may be
+                # missing after a power cut (no checkpoint fsynced them yet): the tail scan
+                # rebuilds them. Without the counts, any lost last entry may have been
+                # below the checkpoint.
+                lost_index = lost_index or cq.lost_entries or (
+                    cq.lost_tail if ends is None
+                    else cq.max_offset < ends.get(f"{name}/{qid}", 0))
+        for name in self.files.listdir(self.queues_dir):
+            if name not in self._topics and name not in self.skipped:
+                self.files.rmtree(os.path.join(self.queues_dir, name))
+        return lost_index
 
-    def _drop_unknown_queue_dirs(self) -> None:
-        for name in self.files.listdir(self._queues_dir):
-            if name not in self.topics and name not in self.skipped_topics:
-                self.files.rmtree(os.path.join(self._queues_dir, name))
-
-    def _move_back_topics(self) -> None:
+    def move_back(self) -> None:
         """Topic creation positions beyond the recovered log end are moved back to it.
 
         Otherwise the records the topic receives next, written from the log end, would lie
         below its creation position and be taken for an older topic's after a restart.
         """
         end = self.log.end
-        moved = [t for t in self.topics.values() if t.created_position > end]
+        moved = [t for t in self._topics.values() if t.created_position > end]
         for t in moved:
             log.error("store: topic %s was created at position %d, beyond the recovered log "
                       "end %d; moved back", t.name, t.created_position, end)
@@ -311,5 +369,3 @@ class Topics:
             except OSError as exc:  # moved back again at the next start
                 log.error("store: cannot save the moved topics: %s", exc)
 
-    def _topic_positions(self) -> dict[str, int]:
-        return {n: t.created_position for n, t in self.topics.items()}
