@@ -11,11 +11,12 @@ import pytest
 
 from onceq.broker.connection import Connection
 from onceq.broker.durable import DurableReplies
-from onceq.broker.fields import int_field, split_parts, str_field, user_topic
+from onceq.broker.fields import Call, split_parts, user_topic
 from onceq.broker.ownership import CommitDecision, QueueOwnership, Refusal, moves_forward
 from onceq.log.offset_record import OFFSETS_TOPIC
 from onceq.protocol.errors import ErrorCode, OnceqError
 from onceq.protocol.frame import FrameDecoder, decode_header
+from onceq.protocol.replies import OffsetReply
 
 # -- header fields -----------------------------------------------------------------------------
 
@@ -39,15 +40,7 @@ def test_split_parts_refuses_malformed_batches(payload, message):
     assert err.value.code == ErrorCode.BAD_REQUEST and err.value.message == message
 
 
-def test_fields_check_their_types():
-    h = {"n": 3, "flag": True, "s": "x"}
-    assert int_field(h, "n") == 3 and int_field(h, "missing", 7) == 7
-    assert str_field(h, "s") == "x"
-    for check, name in ((int_field, "flag"), (int_field, "s"), (str_field, "n"),
-                        (str_field, "missing")):
-        with pytest.raises(OnceqError) as err:
-            check(h, name)
-        assert err.value.code == ErrorCode.INVALID_ARGUMENT and repr(name) in err.value.message
+def test_user_topic_refuses_the_offsets_journal():
     assert user_topic("orders") == "orders"
     with pytest.raises(OnceqError) as err:
         user_topic(OFFSETS_TOPIC)
@@ -63,6 +56,9 @@ class _Conn:
 
     def respond(self, corr, code, header) -> None:
         self.answers.append((corr, code, header))
+
+    def answer(self, corr, reply) -> None:
+        self.respond(corr, 0, reply.encode())
 
 
 class _Flusher:
@@ -85,25 +81,28 @@ def _replies(end: int, flusher: _Flusher | None) -> DurableReplies:
 
 async def test_a_reply_is_immediate_without_sync_flush_or_once_flushed():
     conn = _Conn()
-    assert _replies(100, None).reply(conn, 1, {"a": 1}) == (0, {"a": 1}, b"")
-    assert _replies(100, _Flusher(False, 0)).reply(conn, 1, {}) == (0, {}, b"")
-    assert _replies(100, _Flusher(True, 100)).reply(conn, 1, {}) == (0, {}, b"")
-    assert _replies(100, _Flusher(True, 50)).reply(conn, 1, {}, end=50) == (0, {}, b"")
+    call = Call(conn, 1)
+    r = OffsetReply(1)
+    assert _replies(100, None).reply(call, r) is r
+    assert _replies(100, _Flusher(False, 0)).reply(call, r) is r
+    assert _replies(100, _Flusher(True, 100)).reply(call, r) is r
+    assert _replies(100, _Flusher(True, 50)).reply(call, r, end=50) is r
     assert conn.answers == []
 
 
 async def test_a_sync_reply_waits_for_the_fsync_of_its_end():
     conn, flusher = _Conn(), _Flusher(True, 10)
     d = _replies(100, flusher)
-    assert d.reply(conn, 7, {"ok": 1}) is None  # default end: everything written so far
-    assert d.reply(conn, 8, {"ok": 2}, end=40) is None
-    assert d.reply(conn, 9, {"ok": 3}, end=60) is None
+    # default end: everything written so far
+    assert d.reply(Call(conn, 7), OffsetReply(1)) is None
+    assert d.reply(Call(conn, 8), OffsetReply(2), end=40) is None
+    assert d.reply(Call(conn, 9), OffsetReply(3), end=60) is None
     assert [e for e, _ in flusher.waits] == [100, 40, 60]
     flusher.waits[0][1].set_result(None)
     flusher.waits[1][1].set_exception(OnceqError(ErrorCode.DISK_FULL, "full"))
     flusher.waits[2][1].cancel()
     await asyncio.sleep(0)
-    assert conn.answers == [(7, 0, {"ok": 1}),
+    assert conn.answers == [(7, 0, {"offset": 1}),
                             (8, int(ErrorCode.DISK_FULL), {"message": "full"}),
                             (9, int(ErrorCode.FLUSH_TIMEOUT),
                              {"message": OnceqError(ErrorCode.FLUSH_TIMEOUT).message})]

@@ -23,6 +23,7 @@ from onceq.protocol.codes import (
     dlq_topic,
     retry_topic,
 )
+from onceq.protocol.replies import SendBackReply
 from onceq.storage.store import MessageStore
 from tests.clock import FakeClock
 from tests.helpers import small_store
@@ -175,9 +176,9 @@ def test_the_reconsume_count_saturates_and_the_message_is_dead_lettered(env, cou
     store.put("t", 0, [encode_part(b"z", "Z", 1, reconsume_times=count)])
     res = retry.send_back("g", "t", 0, 1, 0, 10**6)
     if count < MAX_RECONSUME_TIMES:
-        assert res == {"dlq": False, "reconsume": MAX_RECONSUME_TIMES, "level": 3}
+        assert res == SendBackReply(dlq=False, reconsume=MAX_RECONSUME_TIMES, level=3)
         return
-    assert res == {"dlq": True, "reconsume": MAX_RECONSUME_TIMES}
+    assert res == SendBackReply(dlq=True, reconsume=MAX_RECONSUME_TIMES)
     [m] = read(store, dlq_topic("g"))
     assert (m.unique_key, m.reconsume_times) == ("Z", MAX_RECONSUME_TIMES)
     assert "limit" in m.properties[PROP_DLQ_REASON]

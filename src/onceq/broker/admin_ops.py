@@ -28,16 +28,19 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..log.record import RecordError, decode_records
-from ..protocol.codes import PullStatus, RequestCode
+from ..protocol.codes import PullStatus
 from ..protocol.errors import ErrorCode, OnceqError
+from ..protocol.replies import AccessLocks, FoundMessages, StatusReply, TraceReply
+from ..protocol.requests import BrokerStatus, GroupTrace, QueryAccessLocks, QueryMessage
 from ..storage.store import check_name
-from .fields import str_field
+from .fields import Call
+from .store_errors import StorageError, wire_error
 
 if TYPE_CHECKING:
+    from ..protocol.schema import Message
     from ..storage.store import MessageStore
     from .config import BrokerConfig
-    from .connection import Connection
-    from .fields import Handler, Response
+    from .fields import Handler
     from .ownership_service import OwnershipService
     from .retry import RetryService
     from .trace import DeliveryTrace
@@ -63,8 +66,7 @@ def unique_key_time_ms(key: str) -> int | None:
         return None
 
 
-def _opt_int(h: dict[str, Any], name: str, default: int, lo: int, hi: int) -> int:
-    v = h.get(name, default)
+def _opt_int(name: str, v: object, default: int, lo: int, hi: int) -> int:
     if v is None:
         v = default
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
@@ -91,38 +93,33 @@ class AdminOps:
         self.max_scans = MAX_SCANS
         self._scan_turns: asyncio.Semaphore | None = None  # MAX_RUNNING_SCANS at once
 
-    def handlers(self) -> dict[int, Handler]:
-        return {RequestCode.BROKER_STATUS: self.h_broker_status,
-                RequestCode.QUERY_ACCESS_LOCKS: self.h_query_access_locks,
-                RequestCode.QUERY_MESSAGE: self.h_query_message,
-                RequestCode.GROUP_TRACE: self.h_group_trace}
+    def handlers(self) -> dict[type[Message], Handler]:
+        return {BrokerStatus: self.h_broker_status,
+                QueryAccessLocks: self.h_query_access_locks,
+                QueryMessage: self.h_query_message, GroupTrace: self.h_group_trace}
 
     # ---------------------------------------------------------------- status
-    def h_broker_status(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                        ) -> Response:
+    def h_broker_status(self, call: Call, req: BrokerStatus) -> StatusReply:
         """Store health: log range, flush policy, damaged positions and offsets, whether
         writes are accepted, the dedup window; the retry delay levels (seconds), which
         consumers need to size their dedup retention."""
         store = self.store
-        return 0, {"log_start": store.log.start, "log_end": store.log.end,
-                   "flush": self.config.store.flush, "damaged": store.damaged(),
-                   "writes": store.write_state(),
-                   "dedup": store.dedup.status(int(store.clock() * 1000)),
-                   "delay_levels": list(self.retry.levels)}, b""
+        return StatusReply(log_start=store.log.start, log_end=store.log.end,
+                           flush=self.config.store.flush, damaged=store.repair.damaged(),
+                           writes=store.gate.write_state(),
+                           dedup=store.dedup.status(int(store.clock() * 1000)),
+                           delay_levels=list(self.retry.levels))
 
-    def h_query_access_locks(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                             ) -> Response:
+    def h_query_access_locks(self, call: Call, req: QueryAccessLocks) -> AccessLocks:
         """A group's access-lock holders and orderly queue locks."""
-        group = check_name("group", str_field(h, "group"))
-        return 0, {"group": group, "enabled": self.config.access_lock,
-                   "queues": self.owners.status(group),
-                   "orderly": self.owners.orderly_status(group)}, b""
+        group = check_name("group", req.group)
+        return AccessLocks(group, self.config.access_lock, self.owners.status(group),
+                           self.owners.orderly_status(group))
 
     # ---------------------------------------------------------------- message lookup
-    def h_query_message(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                        ) -> Response:
+    def h_query_message(self, call: Call, req: QueryMessage) -> None:
         store = self.store
-        topic, key, by = h.get("topic"), h.get("key"), h.get("by", "unique")
+        topic, key, by = req.topic, req.key, "unique" if req.by is None else req.by
         if not isinstance(topic, str) or not isinstance(key, str) or not key:
             raise OnceqError(ErrorCode.INVALID_ARGUMENT, "fields 'topic' and 'key' must be "
                                                          "non-empty strings")
@@ -135,22 +132,22 @@ class AdminOps:
             begin_default, end_default = max(0, born - 60_000), born + _HOUR_MS
         else:
             begin_default, end_default = now - 24 * _HOUR_MS, now + 60_000
-        begin = _opt_int(h, "begin_ms", begin_default, 0, 2 ** 62)
-        end = _opt_int(h, "end_ms", end_default, 0, 2 ** 62)
+        begin = _opt_int("begin_ms", req.begin_ms, begin_default, 0, 2 ** 62)
+        end = _opt_int("end_ms", req.end_ms, end_default, 0, 2 ** 62)
         if end < begin:
             raise OnceqError(ErrorCode.INVALID_ARGUMENT, "end_ms is before begin_ms")
-        max_scan = _opt_int(h, "max_scan", DEFAULT_MAX_SCAN, 1, LIMIT_MAX_SCAN)
-        max_results = _opt_int(h, "max_results", 32, 1, 1000)
+        max_scan = _opt_int("max_scan", req.max_scan, DEFAULT_MAX_SCAN, 1, LIMIT_MAX_SCAN)
+        max_results = _opt_int("max_results", req.max_results, 32, 1, 1000)
         if len(self._scans) >= self.max_scans:
             raise OnceqError(ErrorCode.SYSTEM_BUSY, f"{len(self._scans)} message queries "
                              "running or waiting: try again later")
         task = asyncio.get_running_loop().create_task(self._scan(
-            conn, corr, topic, queues, key, by, begin, end, max_scan, max_results))
+            call, topic, queues, key, by, begin, end, max_scan, max_results))
         self._scans.add(task)
         task.add_done_callback(self._scans.discard)
         return None
 
-    async def _scan(self, conn: Connection, corr: int, topic: str, queues: int, key: str,
+    async def _scan(self, call: Call, topic: str, queues: int, key: str,
                     by: str, begin: int, end: int, max_scan: int, max_results: int) -> None:
         if self._scan_turns is None:
             self._scan_turns = asyncio.Semaphore(MAX_RUNNING_SCANS)
@@ -159,22 +156,24 @@ class AdminOps:
                 found, scanned, truncated = await self._scan_queues(
                     topic, queues, key, by, begin, end, max_scan, max_results)
         except OnceqError as exc:
-            conn.respond(corr, int(exc.code), {"message": exc.message})
+            call.fail(exc)
+            return
+        except StorageError as exc:
+            call.fail(wire_error(exc))
             return
         except Exception as exc:  # answer it: the client must not wait for its timeout
             log.exception("message query failed")
-            conn.respond(corr, int(ErrorCode.SYSTEM_ERROR), {"message": f"internal: {exc}"})
+            call.fail(OnceqError(ErrorCode.SYSTEM_ERROR, f"internal: {exc}"))
             return
         if not found:
             what = "unique key" if by == "unique" else "business key"
             more = (f"; the scan stopped after {scanned} records (raise max_scan or narrow "
                     "the time range)") if truncated else f"; {scanned} record(s) scanned"
-            conn.respond(corr, int(ErrorCode.MESSAGE_NOT_FOUND), {"message": (
+            call.fail(OnceqError(ErrorCode.MESSAGE_NOT_FOUND, (
                 f"no message with {what} {key!r} in topic {topic!r} stored between "
-                f"{begin} and {end} (epoch ms){more}")})
+                f"{begin} and {end} (epoch ms){more}")))
             return
-        conn.respond(corr, 0, {"topic": topic, "messages": found, "scanned": scanned,
-                               "truncated": truncated, "begin_ms": begin, "end_ms": end})
+        call.answer(FoundMessages(topic, found, scanned, truncated, begin, end))
 
     async def _scan_queues(self, topic: str, queues: int, key: str, by: str, begin: int,
                            end: int, max_scan: int, max_results: int
@@ -185,7 +184,7 @@ class AdminOps:
         for q in range(queues):
             if topic not in store.topics:
                 raise OnceqError(ErrorCode.TOPIC_NOT_EXIST, "topic was deleted")
-            offset = store.search_offset(topic, q, begin)
+            offset = store.reader.search_offset(topic, q, begin)
             while scanned < max_scan and len(found) < max_results:
                 if self.closing():  # the store closes after the last answers
                     raise OnceqError(ErrorCode.SHUTTING_DOWN)
@@ -223,18 +222,15 @@ class AdminOps:
         return found, scanned, scanned >= max_scan
 
     # ---------------------------------------------------------------- trace switch
-    def h_group_trace(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                      ) -> Response:
+    def h_group_trace(self, call: Call, req: GroupTrace) -> TraceReply:
         """``enabled`` true/false turns the group's delivery trace on/off; without it,
         only answers. Answers whether it is on and every traced group."""
         trace = self.trace
-        group = h.get("group")
-        enabled = h.get("enabled")
+        group, enabled = req.group, req.enabled
         if enabled is not None:
             if not isinstance(enabled, bool):
                 raise OnceqError(ErrorCode.INVALID_ARGUMENT, "enabled must be a boolean")
             trace.set(check_name("group", group), enabled)
         elif group is not None:
             check_name("group", group)
-        return 0, {"group": group, "enabled": group in trace.groups,
-                   "groups": sorted(trace.groups)}, b""
+        return TraceReply(group, group in trace.groups, sorted(trace.groups))

@@ -26,20 +26,42 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..protocol.codes import PushCode, RequestCode
 from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.frame import REQUEST, decode_header, max_frame_for_body
+from ..protocol.replies import GroupChanged, Pong
+from ..protocol.requests import (
+    REQUESTS,
+    CommitOffset,
+    GetOffset,
+    Heartbeat,
+    ListGroupMembers,
+    ListGroups,
+    LockQueues,
+    Ping,
+    Pull,
+    QueryOffsets,
+    ReleaseQueue,
+    ResetOffsets,
+    SearchOffset,
+    Send,
+    SendBack,
+    SendBatch,
+    SendSequenced,
+    UnlockQueues,
+    Unregister,
+)
+from ..protocol.schema import Message
 from ..storage.failures import storage_error
 from ..storage.files import OS_FILES, FileOps
 from ..storage.sequences import SequenceStore
 from ..storage.store import MessageStore
 from .admin_ops import AdminOps
 from .client_ids import CLAIMING, ClientIds
-from .config import BrokerConfig
+from .config import BrokerConfig, is_loopback
 from .connection import Connection
 from .consumer_group import ConsumerGroupService
 from .durable import DurableReplies
-from .fields import Handler, Response
+from .fields import Call, Handler
 from .flush import Flusher
 from .groups import GroupRegistry
 from .limits import ConnectionGuard
@@ -47,7 +69,10 @@ from .metrics import BrokerMetrics, start_metrics
 from .ownership_service import OwnershipService
 from .pull import PullService
 from .retry import RetryService, parse_delay_levels
+from .security import Security
 from .send import SendService
+from .store_errors import StorageError, wire_error
+from .tls import server_context
 from .topic_admin import TopicAdmin
 from .trace import DeliveryTrace
 
@@ -89,6 +114,7 @@ class Broker:
         topics = TopicAdmin(self.store, config.default_queues,
                             topic_for_write=self.sends.topic_for_write,
                             forget_topic=self._forget_topic)
+        self.security = Security(config, clock)  # users, grants, the audit log
         self.admin = AdminOps(config, self.store, clock, owners=self.owners, trace=self.trace,
                               closing=lambda: self._closing)
         self._locks_dirty: asyncio.Event | None = None
@@ -105,31 +131,37 @@ class Broker:
         self.port = config.port
         self.metrics: BrokerMetrics | None = None  # counters, when metrics_port is set
         groups, pulls, sends = self.consumer_groups, self.pulls, self.sends
-        self.handlers: dict[int, Handler] = {
-            RequestCode.PING: self.h_ping,
-            RequestCode.SEND: sends.h_send,
-            RequestCode.SEND_BATCH: sends.h_send,
-            RequestCode.SEND_SEQUENCED: sends.h_send_sequenced,
-            RequestCode.CONSUMER_SEND_BACK: sends.h_send_back,
-            RequestCode.PULL: pulls.h_pull,
-            RequestCode.QUERY_OFFSETS: pulls.h_query_offsets,
-            RequestCode.SEARCH_OFFSET: pulls.h_search_offset,
-            RequestCode.GET_OFFSET: pulls.h_get_offset,
-            RequestCode.HEARTBEAT: groups.h_heartbeat,
-            RequestCode.UNREGISTER: groups.h_unregister,
-            RequestCode.LIST_GROUP_MEMBERS: groups.h_list_members,
-            RequestCode.LIST_GROUPS: groups.h_list_groups,
-            RequestCode.COMMIT_OFFSET: groups.h_commit_offset,
-            RequestCode.RELEASE_QUEUE: groups.h_release_queue,
-            RequestCode.RESET_OFFSETS: groups.h_reset_offsets,
-            RequestCode.LOCK_QUEUES: self.owners.h_lock,
-            RequestCode.UNLOCK_QUEUES: self.owners.h_unlock,
+        handlers: dict[type[Message], Handler] = {
+            Ping: self.h_ping,
+            Send: sends.h_send,
+            SendBatch: sends.h_send,
+            SendSequenced: sends.h_send_sequenced,
+            SendBack: sends.h_send_back,
+            Pull: pulls.h_pull,
+            QueryOffsets: pulls.h_query_offsets,
+            SearchOffset: pulls.h_search_offset,
+            GetOffset: pulls.h_get_offset,
+            Heartbeat: groups.h_heartbeat,
+            Unregister: groups.h_unregister,
+            ListGroupMembers: groups.h_list_members,
+            ListGroups: groups.h_list_groups,
+            CommitOffset: groups.h_commit_offset,
+            ReleaseQueue: groups.h_release_queue,
+            ResetOffsets: groups.h_reset_offsets,
+            LockQueues: self.owners.h_lock,
+            UnlockQueues: self.owners.h_unlock,
             **topics.handlers(),
             **self.admin.handlers(),
+            **self.security.handlers(),
         }
+        # request code -> (its request type, its handler)
+        self.handlers: dict[int, tuple[type[Message], Handler]] = {
+            cls.CODE: (cls, h) for cls, h in handlers.items()}
+        assert set(self.handlers) == set(REQUESTS), "a request type without a handler"
 
     # ================================================================ lifecycle
     async def start(self) -> None:
+        self.config.check_exposure()  # no listening beyond loopback without ACLs
         t0 = time.perf_counter()
         self.store.open()
         log.info("store opened in %.2fs (%d records)", time.perf_counter() - t0,
@@ -157,7 +189,10 @@ class Broker:
         try:
             self._server = await loop.create_server(
                 lambda: Connection(self, max_frame, cfg.max_output_bytes), cfg.host, cfg.port,
-                reuse_address=True)
+                reuse_address=True, ssl=server_context(cfg))
+            if not (cfg.acl or is_loopback(cfg.host)):
+                log.warning("INSECURE: listening on %s without acl: anyone who reaches the "
+                            "port can do anything", cfg.host)
         except BaseException:  # e.g. port in use: leave no flusher task nor open store
             await self.retry.stop()
             await self.flusher.stop()
@@ -170,7 +205,7 @@ class Broker:
             loop.create_task(self._every(cfg.offsets_save_s, self._save_offsets)),
             loop.create_task(self._every(cfg.offsets_save_s, self._save_sequences)),
             loop.create_task(self._every(cfg.offsets_journal_ms / 1000,
-                                         self.store.offset_table.flush_pending)),
+                                         self.store.offsets.flush_pending)),
             loop.create_task(self._every(cfg.expiry_check_s, self._expire_members)),
             loop.create_task(self._every(cfg.retention_check_s, self._retention)),
             loop.create_task(self._save_locks()),
@@ -207,10 +242,11 @@ class Broker:
         if store.write_failure is not None:  # the log after the last checkpoint is suspect
             return
         end = store.log.end
-        chunk = store.dedup_chunk(end)
+        chunk = store.checkpoints.dedup_chunk(end)
         if self.flusher is not None:
             await self.flusher.flush_now()
-        await self._off_loop(store.checkpoint_at, end, store.dirty_index_files(), chunk)
+        await self._off_loop(store.checkpoints.checkpoint_at, end,
+                             store.checkpoints.dirty_index_files(), chunk)
 
     async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run blocking file work in a thread. A cancelled caller does not stop the thread,
@@ -224,13 +260,13 @@ class Broker:
     async def _save_offsets(self) -> None:
         # the periodic save and the one before retention must not share the temp file
         async with self._offsets_lock:
-            snap = self.store.offsets_snapshot()
+            snap = self.store.offsets.snapshot()
             if snap is None:
                 return
             try:
-                await self._off_loop(self.store.write_offsets_file, *snap)
+                await self._off_loop(self.store.offsets.write, *snap)
             except OSError:
-                self.store.offsets_changed()  # written again on the next round and at close
+                self.store.offsets.changed()  # written again on the next round and at close
                 raise
 
     async def _save_sequences(self) -> None:
@@ -245,8 +281,7 @@ class Broker:
         """Members that did not come back drop out of the member lists now: tell the groups."""
         for group in sorted({r.group for r in self.owners.core.access.export()}):
             for m in self.groups.members(group):
-                m.conn.push(PushCode.GROUP_CHANGED, {"group": group, "client": "",
-                                                     "reason": "restore-hold-ended"})
+                m.conn.push(GroupChanged(group, "", "restore-hold-ended"))
 
     def _locks_changed(self) -> None:
         if self._locks_dirty is not None:
@@ -334,6 +369,7 @@ class Broker:
             log.error("cannot save the writers' sequences: %s", exc)
         self.trace.close()  # the members' disconnects at shutdown are not traced
         self.store.close()
+        self.security.close()
         log.info("broker stopped")
 
     # ================================================================ dispatch
@@ -342,23 +378,31 @@ class Broker:
         if kind != REQUEST:
             return  # clients send requests only; anything else is ignored
         try:
-            handler = self.handlers.get(code)
-            if handler is None:
+            entry = self.handlers.get(code)
+            if entry is None:
                 raise OnceqError(ErrorCode.UNKNOWN_REQUEST, f"unknown request code {code}")
             if self._closing:
                 raise OnceqError(ErrorCode.SHUTTING_DOWN)
+            self.security.admit(conn, code, corr_id)  # a user first (ACLs on)
             try:
                 header = decode_header(raw_header)
             except ValueError as exc:
                 raise OnceqError(ErrorCode.BAD_REQUEST, str(exc)) from None
+            cls, handler = entry
+            request = cls.decode(header, payload)  # typed and checked, once
+            self.security.authorize(conn, code, corr_id, request)
             if code in CLAIMING:
-                self.client_ids.check(conn, header)
-            result = handler(conn, corr_id, header, payload)
+                self.client_ids.check(conn, request.client)  # type: ignore[attr-defined]
+            result = handler(Call(conn, corr_id), request)
         except OnceqError as exc:
             conn.respond(corr_id, int(exc.code), {"message": exc.message})
             return
+        except StorageError as exc:
+            err = wire_error(exc)
+            conn.respond(corr_id, int(err.code), {"message": err.message})
+            return
         except OSError as exc:  # disk trouble outside the store's own handling: no trace
-            err = storage_error(exc, "the request failed")
+            err = wire_error(storage_error(exc, "the request failed"))
             self.store.errors.error(f"request:{code}", "request %s failed: %s", code, exc)
             conn.respond(corr_id, int(err.code), {"message": err.message})
             return
@@ -367,8 +411,7 @@ class Broker:
             conn.respond(corr_id, int(ErrorCode.SYSTEM_ERROR), {"message": f"internal: {exc}"})
             return
         if result is not None:
-            rcode, rheader, rpayload = result
-            conn.respond(corr_id, rcode, rheader, rpayload)
+            conn.answer(corr_id, result)
 
     def on_disconnect(self, conn: Connection) -> None:
         self.connections.discard(conn)
@@ -378,8 +421,8 @@ class Broker:
             log.info("group %s: member %s left (connection closed)", group, cid)
 
     # ================================================================ handlers
-    def h_ping(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes) -> Response:
-        return 0, {"time": int(self.clock() * 1000)}, b""
+    def h_ping(self, call: Call, req: Ping) -> Pong:
+        return Pong(int(self.clock() * 1000))
 
     # ================================================================ notifications
     def _on_internal_put(self, topic: str, queue: int) -> None:

@@ -11,7 +11,7 @@ member, nor release, unlock or commit in its name, nor pull under its lock.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..protocol.codes import RequestCode
 from ..protocol.errors import ErrorCode, OnceqError
@@ -29,10 +29,9 @@ class ClientIds:
     def __init__(self) -> None:
         self._owner: dict[str, Connection] = {}
 
-    def check(self, conn: Connection, header: dict[str, Any]) -> None:
+    def check(self, conn: Connection, client: str | None) -> None:
         """Refuse a request of ``conn`` that names a client id another connection owns."""
-        client = header.get("client")
-        if not isinstance(client, str):
+        if client is None:
             return
         owner = self._owner.get(client)
         if owner is not None and owner is not conn and not owner.closed:

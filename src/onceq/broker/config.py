@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 
 from ..protocol.frame import HEADER_ALLOWANCE, max_frame_for_body
@@ -9,6 +10,15 @@ from ..storage.config import StoreConfig
 from .retry import DEFAULT_DELAY_LEVELS, parse_delay_levels
 
 WRITE_HIGH_WATER = 8 * 1024 * 1024  # a client's requests wait while this much output is unsent
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def min_output_bytes(max_pull_bytes: int) -> int:
@@ -54,7 +64,25 @@ class BrokerConfig:
     # Prometheus endpoint (broker/metrics.py): -1 off, 0 any free port
     metrics_port: int = -1
     metrics_host: str = "127.0.0.1"
+    # security (broker/security.py, docs/security.md)
+    acl: bool = False  # users authenticate (SCRAM-SHA-256) and every request is authorized
+    insecure: bool = False  # allow listening beyond loopback without ACLs
+    tls_cert: str = ""  # server certificate (PEM): TLS on the client port when set
+    tls_key: str = ""
+    tls_client_ca: str = ""  # CA of client certificates (mTLS: the subject CN is the user)
+    tls_client_auth: str = "none"  # none, optional or required
+    audit_log: str = ""  # JSON lines of decisions ("": <data_dir>/audit.log when acl is on)
     extra: dict = field(default_factory=dict)
+
+    def check_exposure(self) -> None:
+        """Without ACLs anyone who reaches the port can do anything: refuse to listen
+        beyond loopback then, unless ``insecure`` says so."""
+        if self.acl or self.insecure or is_loopback(self.host):
+            return
+        raise ValueError(f"host {self.host!r} is not a loopback address and acl is off: "
+                         "anyone who reaches the port could delete topics and read every "
+                         "message. Turn acl on (docs/security.md), or set insecure to "
+                         "listen anyway")
 
     def output_budget(self) -> int:
         """Bytes of output queued for all clients that do not read (above the write
@@ -69,6 +97,10 @@ class BrokerConfig:
 
     def validate(self) -> None:
         self.store.validate()
+        if self.tls_client_auth not in ("none", "optional", "required"):
+            raise ValueError("tls_client_auth must be none, optional or required")
+        if self.tls_client_auth != "none" and not (self.tls_cert and self.tls_client_ca):
+            raise ValueError("tls_client_auth needs tls_cert and tls_client_ca")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be 0..65535, not {self.port}")
         if self.long_poll_max_s < 0 or self.heartbeat_expiry_s <= 0:

@@ -12,6 +12,7 @@ from ..protocol.frame import PUSH, RESPONSE, FrameDecoder, encode_frame
 from .config import WRITE_HIGH_WATER
 
 if TYPE_CHECKING:
+    from ..protocol.schema import Message
     from .broker import Broker
 
 log = logging.getLogger("onceq.broker")
@@ -31,6 +32,9 @@ class Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.peer = "?"
+        self.source: str | None = None  # the peer's address (ACL source conditions)
+        self.user: str | None = None  # who authenticated on this connection (security.py)
+        self.scram: Any = None  # a SCRAM exchange under way (its server side)
         self.client_ids: set[str] = set()
         self.refused = False  # over the connection cap: answered and closed at once
         self.guard = broker.guard
@@ -58,6 +62,7 @@ class Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self.source = peer[0] if isinstance(peer, tuple) else None
         broker = self.broker
         if not broker.guard.admit(len(broker.connections), self.peer):
             self.closed = self.refused = True  # never a member nor a puller
@@ -68,6 +73,9 @@ class Connection(asyncio.Protocol):
             return
         self.transport.set_write_buffer_limits(high=HIGH_WATER)  # type: ignore[union-attr]
         broker.connections.add(self)
+        cert = transport.get_extra_info("peercert")  # verified by TLS (mTLS)
+        if cert:
+            broker.security.certificate_user(self, _common_name(cert))
 
     def data_received(self, data: bytes) -> None:
         if self.closed or self._broken is not None:
@@ -86,17 +94,16 @@ class Connection(asyncio.Protocol):
                 self._broken = decoder.broken  # after the frames before it
         buffered = decoder.buffered
         if buffered != self.buffered:
-            guard = self.guard
-            guard.input_buffered += buffered - self.buffered
-            if buffered > self.buffered and guard.input_buffered > guard.max_input:
+            if self.guard.input_changed(self.buffered, buffered):
                 self.block_input()
             self.buffered = buffered
         self._drain()
 
     def block_input(self) -> None:
-        """Stop reading: partial frames of all connections hold the whole input budget.
-        It is read again once the total is below the budget (``guard.unblock``, on every
-        sweep and connection end); its read timeout keeps running meanwhile."""
+        """Stop reading: partial frames of all connections hold the whole input budget and
+        this one holds more than its share. It is read again once the total is below the
+        budget (``guard.unblock``, on every sweep and connection end); its read timeout
+        keeps running meanwhile."""
         if not self.input_blocked and self.transport is not None and not self.closed:
             self.input_blocked = True
             self.guard.blocked.add(self)
@@ -110,7 +117,7 @@ class Connection(asyncio.Protocol):
     def _forget_input(self) -> None:
         """The connection ends: its partial frame no longer counts."""
         guard = self.guard
-        guard.input_buffered -= self.buffered
+        guard.input_changed(self.buffered, 0)
         self.buffered = 0
         self.input_blocked = False
         guard.blocked.discard(self)
@@ -177,14 +184,18 @@ class Connection(asyncio.Protocol):
                                  {"message": f"internal: answer not encodable: {exc}"})
         self._write(frame)
 
-    def push(self, code: int, header: dict[str, Any]) -> None:
+    def answer(self, corr_id: int, reply: Message) -> None:
+        """Answer a request with its typed reply."""
+        self.respond(corr_id, 0, reply.encode(), getattr(reply, "payload", b""))
+
+    def push(self, message: Message) -> None:
         """Queue a one-way push. Pushes of one code and group coalesce: while one is not
         sent yet, a later one replaces it (only the latest state matters to the client)."""
         if self.closed or self.transport is None:
             return
         if not self._pushes:
             asyncio.get_running_loop().call_soon(self.send_pushes)
-        self._pushes[(code, header.get("group"))] = header
+        self._pushes[(message.CODE, getattr(message, "group", None))] = message.encode()
 
     def send_pushes(self, force: bool = False) -> None:
         """Write the waiting pushes (with the frames of this loop pass), unless the socket
@@ -278,3 +289,12 @@ class Connection(asyncio.Protocol):
         if not self.refused:
             self._forget_input()
             self.broker.on_disconnect(self)
+
+
+def _common_name(cert: dict[str, Any]) -> str | None:
+    """The subject CN of a certificate as ``ssl`` gives it (``getpeercert``)."""
+    for rdn in cert.get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName":
+                return str(value)
+    return None

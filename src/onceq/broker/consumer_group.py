@@ -11,22 +11,40 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from ..protocol.codes import PushCode
 from ..protocol.errors import ErrorCode, OnceqError
+from ..protocol.replies import (
+    Empty,
+    GroupChanged,
+    GroupList,
+    GroupMembers,
+    HeartbeatReply,
+    Released,
+    ResetReply,
+)
 from ..storage.store import check_name
-from .fields import Response, int_field, is_int64, str_field, user_topic
-from .groups import BROADCASTING, CLUSTERING
+from .fields import user_topic
+from .groups import CLUSTERING
 from .offset_reset import parse_targets, reset_offsets
 from .ownership import Refusal
 
 if TYPE_CHECKING:
+    from ..protocol.requests import (
+        CommitOffset,
+        Heartbeat,
+        ListGroupMembers,
+        ListGroups,
+        ReleaseQueue,
+        ResetOffsets,
+        Unregister,
+    )
     from ..storage.store import MessageStore
     from .client_ids import ClientIds
     from .config import BrokerConfig
     from .connection import Connection
     from .durable import DurableReplies
+    from .fields import Call
     from .groups import GroupRegistry
     from .ownership_service import OwnershipService
     from .pull import PullService
@@ -37,19 +55,6 @@ log = logging.getLogger("onceq.broker")
 
 MAX_GROUPS = 10_000  # groups with members on one broker
 MAX_GROUPS_PER_CLIENT = 64  # groups one client (one connection) is a member of
-
-
-def _held(group: dict[str, Any]) -> list[tuple[str, int, int]] | None:
-    """The ``held`` field of a heartbeat's group: [[topic, queue, next offset], ...]."""
-    held = group.get("held")
-    if held is None:
-        return None
-    if not isinstance(held, list) or not all(
-            isinstance(x, list) and len(x) == 3 and isinstance(x[0], str)
-            and all(is_int64(v) for v in x[1:]) for x in held):
-        raise OnceqError(ErrorCode.INVALID_ARGUMENT,
-                         "held must be a list of [topic, queue, next offset]")
-    return [(t, q, d) for t, q, d in held]
 
 
 class ConsumerGroupService:
@@ -76,42 +81,23 @@ class ConsumerGroupService:
         self.max_groups_per_client = MAX_GROUPS_PER_CLIENT
 
     # ---------------------------------------------------------------- membership
-    def h_heartbeat(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                    ) -> Response:
-        client = str_field(h, "client")
+    def h_heartbeat(self, call: Call, req: Heartbeat) -> HeartbeatReply:
+        client, conn = req.client, call.conn
         if not 1 <= len(client) <= 255:
             raise OnceqError(ErrorCode.INVALID_ARGUMENT, "client id must be 1-255 characters")
-        groups = h.get("groups", [])
-        if not isinstance(groups, list):
-            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "groups must be a list")
-        checked = []
-        for g in groups:  # validate everything first: a bad heartbeat changes nothing
-            if not isinstance(g, dict):
-                raise OnceqError(ErrorCode.INVALID_ARGUMENT, "each group must be a map")
-            name = check_name("group", g.get("group"))
-            subs = g.get("subs", {})
-            if not isinstance(subs, dict) or not all(
-                    isinstance(k, str) and isinstance(v, str) for k, v in subs.items()):
-                raise OnceqError(ErrorCode.INVALID_ARGUMENT,
-                                 "subs must be a map of topic -> tag expression")
-            model = g.get("model", CLUSTERING)
-            if model not in (CLUSTERING, BROADCASTING):
-                raise OnceqError(ErrorCode.INVALID_ARGUMENT,
-                                 f"model must be {CLUSTERING} or {BROADCASTING}")
-            meta = g.get("meta")
-            if meta is not None and not isinstance(meta, dict):
-                raise OnceqError(ErrorCode.INVALID_ARGUMENT, "meta must be a map")
-            checked.append((name, subs, model, meta, _held(g), g.get("reset_gen")))
+        # every field was checked when decoded; the names too before anything changes
+        names = [check_name("group", g.group) for g in req.groups]
         now = self.clock()
         holds = []
         resets = []
         locked = False  # the access lock applies to this member in some group
-        self._check_group_bounds(client, conn, [c[0] for c in checked])
-        for name, subs, model, meta, held, reset_gen in checked:
-            self.groups.heartbeat(name, client, conn, model, subs, now, meta)
+        self._check_group_bounds(client, conn, names)
+        for name, g in zip(names, req.groups, strict=True):
+            self.groups.heartbeat(name, client, conn, g.model, g.subs, now, g.meta)
             # the queues the member holds (after a reconnect: restore the access lock),
             # and a forced reset it has not handled: repeated, its queues not re-taken
-            applies, held_now, pending = self.owners.heartbeat(name, client, held, reset_gen)
+            applies, held_now, pending = self.owners.heartbeat(name, client, g.held,
+                                                               g.reset_gen)
             locked = locked or applies
             holds += [[name, t, q, has] for t, q, has in held_now]
             if pending is not None:
@@ -119,12 +105,10 @@ class ConsumerGroupService:
         conn.client_ids.add(client)
         self.client_ids.bind(conn, client)  # checked before (Broker.dispatch)
         self.owners.touch_client(client)
-        answer: dict[str, Any] = {"expiry_s": self.config.heartbeat_expiry_s, "holds": holds}
-        if locked:  # a holder not seen this long may lose its queues (the client's lease)
-            answer["hold_s"] = self.config.access_lock_hold_s
-        if resets:
-            answer["resets"] = resets
-        return 0, answer, b""
+        # a holder not seen for hold_s may lose its queues (the client's lease)
+        return HeartbeatReply(self.config.heartbeat_expiry_s, holds,
+                              self.config.access_lock_hold_s if locked else None,
+                              resets or None)
 
     def _check_group_bounds(self, client: str, conn: Connection, names: list[str]) -> None:
         """A client is a member of at most ``max_groups_per_client`` groups, and the broker
@@ -148,20 +132,17 @@ class ConsumerGroupService:
         """The group's first send-back created its retry topic: its members rebalance to
         consume it (a retry is due after its delay level, the rebalance comes at once)."""
         for m in self.groups.members(group):
-            m.conn.push(PushCode.GROUP_CHANGED, {"group": group, "client": "",
-                                                 "reason": "retry topic"})
+            m.conn.push(GroupChanged(group, "", "retry topic"))
 
-    def h_unregister(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                     ) -> Response:
-        group = check_name("group", str_field(h, "group"))
-        self.groups.unregister(group, str_field(h, "client"), "leave")
-        self.owners.unregistered(group, str_field(h, "client"))
-        return 0, None, b""
+    def h_unregister(self, call: Call, req: Unregister) -> Empty:
+        group = check_name("group", req.group)
+        self.groups.unregister(group, req.client, "leave")
+        self.owners.unregistered(group, req.client)
+        return Empty()
 
-    def h_list_members(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                       ) -> Response:
-        group = check_name("group", str_field(h, "group"))
-        if group not in self.groups.groups and group not in self.store.offsets:
+    def h_list_members(self, call: Call, req: ListGroupMembers) -> GroupMembers:
+        group = check_name("group", req.group)
+        if group not in self.groups.groups and group not in self.store.offsets.groups:
             raise OnceqError(ErrorCode.GROUP_NOT_EXIST, f"consumer group {group!r} is unknown")
         members = [
             {"client": m.client_id, "model": m.model, "subs": m.subscriptions,
@@ -173,16 +154,14 @@ class ConsumerGroupService:
             {"client": cid, "model": CLUSTERING, "subs": {}, "peer": "(restored)",
              "last_heartbeat_ms": int(self.started * 1000), "restored": True}
             for cid in self.restored_members(group) if cid not in known]
-        return 0, {"group": group, "members": members}, b""
+        return GroupMembers(group, members)
 
     def restored_members(self, group: str) -> list[str]:
         """Holders of access or orderly locks saved before a restart, not back yet."""
         return self.owners.restored_members(group)
 
-    def h_list_groups(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                      ) -> Response:
-        names = sorted(set(self.groups.groups) | set(self.store.offsets))
-        return 0, {"groups": names}, b""
+    def h_list_groups(self, call: Call, req: ListGroups) -> GroupList:
+        return GroupList(sorted(set(self.groups.groups) | set(self.store.offsets.groups)))
 
     def on_group_change(self, group: str, client_id: str, reason: str) -> None:
         """A member joined, changed or left: drop its locks when it left, tell the group."""
@@ -191,22 +170,17 @@ class ConsumerGroupService:
         if reason in ("leave", "disconnect", "expired"):
             self.owners.member_gone(group, client_id, reason)
         for m in self.groups.members(group):
-            m.conn.push(PushCode.GROUP_CHANGED, {"group": group, "client": client_id,
-                                                 "reason": reason})
+            m.conn.push(GroupChanged(group, client_id, reason))
 
     # ---------------------------------------------------------------- ack offsets
-    def h_commit_offset(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                        ) -> Response:
-        offset = int_field(h, "offset")
+    def h_commit_offset(self, call: Call, req: CommitOffset) -> Empty | None:
+        offset, client = req.offset, req.client
         if offset < 0:
             raise OnceqError(ErrorCode.INVALID_ARGUMENT, "offset must be >= 0")
-        group = check_name("group", str_field(h, "group"))
-        topic, queue = user_topic(str_field(h, "topic")), int_field(h, "queue")
-        client = h.get("client")
-        if client is not None and not isinstance(client, str):
-            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "field 'client' must be a string")
+        group = check_name("group", req.group)
+        topic, queue = user_topic(req.topic), req.queue
         self.store.min_max(topic, queue)  # TOPIC_NOT_EXIST / INVALID_QUEUE first
-        self.owners.seen(group, client, h.get("reset_gen"))
+        self.owners.seen(group, client, req.reset_gen)
         v, end = self.owners.commit(group, client, topic, queue, offset)
         if v.refused is Refusal.FENCED:
             raise OnceqError(ErrorCode.NOT_HOLDER, (
@@ -226,36 +200,27 @@ class ConsumerGroupService:
                 f"offset {offset} of group {group!r} on {topic}:{queue} is below its "
                 f"committed offset {v.stored}; offsets move back only by a reset "
                 f"(onceq offsets reset)"))
-        return self.durable.reply(conn, corr, {}, end=end)
+        return self.durable.reply(call, Empty(), end=end)
 
-    def h_release_queue(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                        ) -> Response:
+    def h_release_queue(self, call: Call, req: ReleaseQueue) -> Released | None:
         """End of a drain: commit the final offset, drop held pulls, release the lock."""
-        group = check_name("group", str_field(h, "group"))
-        client = str_field(h, "client")
-        topic, queue = str_field(h, "topic"), int_field(h, "queue")
+        group = check_name("group", req.group)
+        client, topic, queue = req.client, req.topic, req.queue
         if topic not in self.store.topics:  # deleted meanwhile: nothing left to release
-            return 0, {"released": False}, b""
-        offset = int_field(h, "offset", -1)
+            return Released(False)
         self.pulls.give_up(client=client, topic=topic, queue=queue)
-        self.owners.seen(group, client, h.get("reset_gen"))
+        self.owners.seen(group, client, req.reset_gen)
         # a client that never got the queue must not move its offset under the one still
         # draining it; a lower offset than the stored one is a stale start, not progress
-        released, end = self.owners.release(group, client, topic, queue,
-                                            offset if offset >= 0 else None)
-        return self.durable.reply(conn, corr, {"released": released}, end=end)
+        released, end = self.owners.release(group, client, topic, queue, req.offset)
+        return self.durable.reply(call, Released(released), end=end)
 
-    def h_reset_offsets(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                        ) -> Response:
+    def h_reset_offsets(self, call: Call, req: ResetOffsets) -> ResetReply | None:
         """Admin: move a group's offsets on a topic (see ``offset_reset.py``)."""
-        group = check_name("group", str_field(h, "group"))
-        topic = user_topic(str_field(h, "topic"))
-        force = h.get("force", False)
-        if not isinstance(force, bool):
-            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "force must be a boolean")
-        targets = parse_targets(h.get("offsets"), self.store.get_topic(topic).queues)
-        answer, end = reset_offsets(self.store, self.groups, self.owners, self.pulls.wake,
-                                    group=group, topic=topic,
-                                    targets=targets, force=force,
-                                    restored=self.restored_members(group))
-        return self.durable.reply(conn, corr, answer, end=end)
+        group = check_name("group", req.group)
+        topic = user_topic(req.topic)
+        targets = parse_targets(req.offsets, self.store.get_topic(topic).queues)
+        reply, end = reset_offsets(self.store, self.groups, self.owners, self.pulls.wake,
+                                   group=group, topic=topic, targets=targets, force=req.force,
+                                   restored=self.restored_members(group))
+        return self.durable.reply(call, reply, end=end)

@@ -4,26 +4,26 @@ once the log bytes it depends on are fsynced (``flush.py``); otherwise at once."
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 from ..protocol.errors import ErrorCode, OnceqError
+from ..protocol.schema import Message
 
 if TYPE_CHECKING:
     from ..storage.store import MessageStore
-    from .connection import Connection
-    from .fields import Response
+    from .fields import Call
     from .flush import Flusher
 
+M = TypeVar("M", bound=Message)
 
-def _answer_durable(conn: Connection, corr: int, header: dict[str, Any],
-                    fut: asyncio.Future[None]) -> None:
+
+def _answer_durable(call: Call, reply: Message, fut: asyncio.Future[None]) -> None:
     """Answer a sync-flush write once its fsync is done (or failed)."""
     exc = None if fut.cancelled() else fut.exception()
     if fut.cancelled() or exc is not None:
-        err = exc if isinstance(exc, OnceqError) else OnceqError(ErrorCode.FLUSH_TIMEOUT)
-        conn.respond(corr, int(err.code), {"message": err.message})
+        call.fail(exc if isinstance(exc, OnceqError) else OnceqError(ErrorCode.FLUSH_TIMEOUT))
     else:
-        conn.respond(corr, 0, header)
+        call.answer(reply)
 
 
 class DurableReplies:
@@ -34,14 +34,13 @@ class DurableReplies:
         self.store = store
         self.flusher: Flusher | None = None
 
-    def reply(self, conn: Connection, corr: int, header: dict[str, Any], *,
-              end: int | None = None) -> Response:
+    def reply(self, call: Call, reply: M, *, end: int | None = None) -> M | None:
         """Answer now, or (sync flush) once the bytes before ``end`` (default: everything
         written so far) are fsynced."""
         flusher = self.flusher
         end = self.store.log.end if end is None else end
         if flusher is not None and flusher.sync_policy and end > flusher.flushed:
             fut = flusher.wait_durable(end)
-            fut.add_done_callback(lambda f: _answer_durable(conn, corr, header, f))
+            fut.add_done_callback(lambda f: _answer_durable(call, reply, f))
             return None
-        return 0, header, b""
+        return reply

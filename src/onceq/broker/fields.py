@@ -1,7 +1,9 @@
-"""Request header fields as the handlers read them, and the shape of a handler's answer.
+"""What the services share at the request boundary: ``Call`` (one request being answered),
+the shape of a handler, batch payloads and the topic-name rules of client requests.
 
-Each handler reads its header's fields once, through these checks, which turn a missing
-or mistyped field into ``INVALID_ARGUMENT`` (a malformed batch into ``BAD_REQUEST``).
+Requests reach the services decoded and checked (``protocol/requests.py``): a handler
+takes the ``Call`` and its typed request and returns its typed reply, or None when it
+answers later itself (``Call.answer``), e.g. once a write is durable or a held pull wakes.
 """
 
 from __future__ import annotations
@@ -13,15 +15,34 @@ from typing import TYPE_CHECKING, Any
 from ..log.offset_record import OFFSETS_TOPIC
 from ..protocol.codes import SYSTEM_PREFIX
 from ..protocol.errors import ErrorCode, OnceqError
+from ..protocol.schema import Message
 
 if TYPE_CHECKING:
     from .connection import Connection
 
 _U32 = struct.Struct("<I")
 
-# (code, header, payload) to answer now; None when the handler answers later itself
-Response = tuple[int, dict[str, Any] | None, bytes] | None
-Handler = Callable[["Connection", int, dict[str, Any], bytes], Response]
+
+class Call:
+    """One request being answered: the connection it came on and its correlation id. A
+    second front end gives the services its own ``Call`` (``conn`` is what the member
+    registry and the held pulls keep: pushes go to it)."""
+
+    __slots__ = ("conn", "corr")
+
+    def __init__(self, conn: Connection, corr: int) -> None:
+        self.conn = conn
+        self.corr = corr
+
+    def answer(self, reply: Message) -> None:
+        self.conn.answer(self.corr, reply)
+
+    def fail(self, exc: OnceqError) -> None:
+        self.conn.respond(self.corr, int(exc.code), {"message": exc.message})
+
+
+# a handler: the typed request in, its typed reply out (None: it answers later itself)
+Handler = Callable[[Call, Any], Message | None]
 
 
 def split_parts(payload: bytes) -> list[memoryview]:
@@ -42,34 +63,6 @@ def split_parts(payload: bytes) -> list[memoryview]:
     if not parts:
         raise OnceqError(ErrorCode.BAD_REQUEST, "empty batch")
     return parts
-
-
-INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
-
-
-def is_int64(value: object) -> bool:
-    """An integer (not a bool) that fits the wire's and the store's signed 64 bits."""
-    return (isinstance(value, int) and not isinstance(value, bool)
-            and INT64_MIN <= value <= INT64_MAX)
-
-
-def int_field(header: dict[str, Any], name: str, default: int | None = None) -> int:
-    """An integer field, checked against 64 bits here, where it is read: nothing out of
-    range reaches the store or a reply."""
-    value = header.get(name, default)
-    if type(value) is not int:  # decoded headers hold plain ints (a bool is not one)
-        raise OnceqError(ErrorCode.INVALID_ARGUMENT, f"field {name!r} must be an integer")
-    if not INT64_MIN <= value <= INT64_MAX:
-        raise OnceqError(ErrorCode.INVALID_ARGUMENT,
-                         f"field {name!r} is out of range (a signed 64-bit integer)")
-    return value
-
-
-def str_field(header: dict[str, Any], name: str) -> str:
-    value = header.get(name)
-    if not isinstance(value, str):
-        raise OnceqError(ErrorCode.INVALID_ARGUMENT, f"field {name!r} must be a string")
-    return value
 
 
 def user_topic(topic: str) -> str:

@@ -9,7 +9,7 @@ arrive while an fsync is running wait for the next one, so concurrent sends shar
 
 A failed fsync is never retried: after it the state of the written pages is unknown (Linux
 may mark them clean and report the next fsync as a success). The store stops accepting
-writes until a restart (``MessageStore.fail_stop``); in ``sync`` mode the records after the
+writes until a restart (``WriteGate.fail_stop``); in ``sync`` mode the records after the
 last successful fsync, none of them acknowledged, are removed from the log and the indexes
 first, and the sends waiting for that fsync get ``STORAGE_ERROR``.
 """
@@ -81,7 +81,7 @@ class Flusher:
                     # again hoping for a success: stop writing (sync: remove the records
                     # that were waiting for this fsync first)
                     reason = f"fsync of the commit log failed: {exc}"
-                    store.fail_stop(reason, self.flushed if self.sync_policy else None)
+                    store.gate.fail_stop(reason, self.flushed if self.sync_policy else None)
                     self._fail(OnceqError(ErrorCode.STORAGE_ERROR, f"{reason}: not "
                                           "acknowledged; writes refused until a restart"))
                     raise

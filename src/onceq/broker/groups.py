@@ -11,8 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-CLUSTERING = "CLUSTERING"
-BROADCASTING = "BROADCASTING"
+from ..protocol.requests import BROADCASTING, CLUSTERING  # noqa: F401 (the names members use)
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ again), ``base`` and ``n`` (offsets of the messages stored now; ``n`` may be 0).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgpack
 
@@ -18,8 +18,10 @@ from ..log.record import PART_FIXED, PART_FIXED_SIZE
 from ..log.sequence import SEQ_PROPERTY, SEQUENCED, SequenceError, check_writer_id, marker
 from ..protocol.codes import SYSTEM_PREFIX
 from ..protocol.errors import ErrorCode, OnceqError
+from ..protocol.replies import SequencedReply
 
 if TYPE_CHECKING:
+    from ..protocol.requests import SendSequenced
     from ..storage.sequences import SequenceStore
     from ..storage.store import MessageStore
 
@@ -65,20 +67,15 @@ def check_marker(parts: list[memoryview], writer: str, epoch: int, last: int) ->
             f"the last message of the batch must carry the property {SEQ_PROPERTY}={want!r}"))
 
 
-def send_sequenced(store: MessageStore, sequences: SequenceStore, h: dict[str, Any],
-                   parts: list[memoryview], *, topic: str, queue: int
-                   ) -> tuple[dict[str, Any], int | None]:
+def send_sequenced(store: MessageStore, sequences: SequenceStore, req: SendSequenced,
+                   parts: list[memoryview], *, topic: str) -> tuple[SequencedReply, int | None]:
     """Store the batch's messages not stored yet; return the answer and the log position
     it is durable at (None: once everything written so far is)."""
     try:
-        writer = check_writer_id(h.get("writer"))
+        writer = check_writer_id(req.writer)
     except SequenceError as exc:
         raise OnceqError(ErrorCode.INVALID_SEQUENCE, str(exc)) from None
-    epoch, seq = h.get("epoch"), h.get("seq")
-    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2 ** 62
-               for v in (epoch, seq)):
-        raise OnceqError(ErrorCode.INVALID_SEQUENCE, "epoch and seq must be integers >= 0")
-    assert isinstance(epoch, int) and isinstance(seq, int)
+    epoch, seq, queue = req.epoch, req.seq, req.queue  # checked (``protocol/requests.py``)
     if topic.startswith(SYSTEM_PREFIX):
         raise OnceqError(ErrorCode.INVALID_ARGUMENT, f"topic {topic!r} is internal to the "
                          "broker: sequenced sends go to user topics")
@@ -94,12 +91,10 @@ def send_sequenced(store: MessageStore, sequences: SequenceStore, h: dict[str, A
     except SequenceError as exc:
         code = ErrorCode.OUT_OF_ORDER_SEQUENCE if exc.gap else ErrorCode.INVALID_SEQUENCE
         raise OnceqError(code, str(exc)) from None
-    header: dict[str, Any] = {"queue": queue, "dup": dup, "base": -1, "n": 0}
     if dup == len(parts):  # answered once the first copies are durable
-        return header, None
+        return SequencedReply(queue, dup), None
     # no dedup window: the sequence is the stronger check (and the last part, which
     # carries it, must be stored)
     res = store.put(topic, queue, parts[dup:], dedup=False)
     table.record(key, epoch, last, int(store.clock() * 1000), res.end_position - 1)
-    header["base"], header["n"] = res.offsets[0], len(res.offsets)
-    return header, res.end_position
+    return SequencedReply(queue, dup, res.offsets[0], len(res.offsets)), res.end_position

@@ -12,8 +12,11 @@
 * **Idle timeout**: a connection that sends nothing for ``idle_timeout_s`` is closed, unless
   it waits for a held long-poll pull or its answers are being read (resumed writing).
 * **Input budget**: the partial frames of all connections together are bounded by
-  ``max_input``; a connection whose read passes it is not read until the total is below
-  again (``unblock``, on every sweep and whenever a connection ends).
+  ``max_input``, shared fairly: while the total is above it, a connection that holds more
+  than its fair share (``max_input`` over the connections with a partial frame) is not read
+  until the total is below again (``unblock``, on every sweep and whenever a connection
+  ends); one within its share goes on, so slow senders that filled the budget do not stall
+  a producer's large message. Above twice the budget every connection that reads waits.
 * A connection the broker closed whose client does not read the last answers is aborted
   after ``CLOSE_GRACE_S``.
 
@@ -86,6 +89,7 @@ class ConnectionGuard:
         # are not read until the total is below again (checked on every sweep)
         self.max_input = max_input
         self.input_buffered = 0
+        self.partial = 0  # connections with a partial frame
         self.blocked: set[Connection] = set()
         # output queued for clients that do not read (write-paused): above max_output in
         # all, the client with the most is dropped first, until the total is below again
@@ -144,6 +148,16 @@ class ConnectionGuard:
         return False
 
     # ------------------------------------------------------------------ input budget
+    def input_changed(self, before: int, after: int) -> bool:
+        """A connection's partial frame went from ``before`` to ``after`` bytes: whether it
+        must stop reading (it holds more than its fair share of a full budget)."""
+        self.input_buffered += after - before
+        self.partial += (after > 0) - (before > 0)
+        total, budget = self.input_buffered, self.max_input
+        if after <= before or total <= budget:
+            return False
+        return total > 2 * budget or after > budget // max(self.partial, 1)
+
     def unblock(self) -> None:
         """Read the blocked connections again once partial frames fit the budget."""
         if self.blocked and self.input_buffered <= self.max_input:

@@ -12,7 +12,7 @@ from typing import Any
 class HeldPull:
     conn: Any
     corr_id: int
-    request: dict[str, Any]
+    job: Any  # the pull's state (``pull.PullJob``): its ``client`` gives a queue up
     timer: asyncio.TimerHandle | None = None
 
 
@@ -98,7 +98,7 @@ class PullHold:
         pulls = self.held.get(key)
         if not pulls:
             return []
-        dropped = [h for h in pulls if h.request.get("client") == client]
+        dropped = [h for h in pulls if h.job.client == client]
         for h in dropped:
             self._gone(h)
             del pulls[h]

@@ -140,7 +140,8 @@ class BrokerMetrics:
                            (RequestCode.SEND_BATCH, self.send_latency),
                            (RequestCode.SEND_SEQUENCED, self.send_latency),
                            (RequestCode.PULL, self.pull_latency)):
-            handlers[code] = _timed(handlers[code], hist)
+            cls, handler = handlers[code]
+            handlers[code] = (cls, _timed(handler, hist))
 
     # ---------------------------------------------------------------- collector
     def collect(self) -> Iterator[Metric]:
@@ -192,7 +193,7 @@ class BrokerMetrics:
                               "state).")
         g.add_metric([], self.disk_bytes)
         yield g
-        state = b.store.write_state()
+        state = b.store.gate.write_state()
         g = GaugeMetricFamily("onceq_disk_used_ratio",
                               "Used share of the data directory's file system.")
         g.add_metric([], state["disk_used"])
@@ -213,7 +214,7 @@ class BrokerMetrics:
         total = GaugeMetricFamily("onceq_group_lag", "Messages behind per group and topic.",
                                   labels=["group", "topic"])
         store = b.store
-        for group, topics in sorted(store.offsets.items()):
+        for group, topics in sorted(store.offsets.groups.items()):
             for topic, queues in sorted(topics.items()):
                 if topic not in store.topics:
                     continue

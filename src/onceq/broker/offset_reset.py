@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..protocol.codes import PushCode
 from ..protocol.errors import ErrorCode, OnceqError
+from ..protocol.replies import OffsetsReset, ResetReply
 
 if TYPE_CHECKING:
     from ..storage.store import MessageStore
@@ -193,7 +193,7 @@ def parse_targets(raw: object, queues: int) -> dict[int, int]:
 def reset_offsets(store: MessageStore, groups: GroupRegistry, owners: OwnershipService,
                   wake: Callable[[str, int], None], *, group: str, topic: str,
                   targets: dict[int, int], force: bool, restored: list[str]
-                  ) -> tuple[dict[str, Any], int]:
+                  ) -> tuple[ResetReply, int]:
     """Apply a reset; returns the answer and the log position it is durable at.
     ``wake(topic, queue)`` answers the pulls held on a reset queue (``LOCKED``);
     ``restored`` are the members known from locks restored at start, not back yet."""
@@ -211,9 +211,9 @@ def reset_offsets(store: MessageStore, groups: GroupRegistry, owners: OwnershipS
     if members:  # forced: the members must not overwrite it, and must read from it
         keys = {(topic, q) for q, _old, _new in rows}
         gen = owners.reset(group, members, keys)
-        notice = {"group": group, "gen": gen, "queues": sorted([t, q] for t, q in keys)}
+        notice = OffsetsReset(group, gen, sorted([t, q] for t, q in keys))
         for m in groups.members(group):
-            m.conn.push(PushCode.OFFSETS_RESET, notice)
+            m.conn.push(notice)
         for q, _old, _new in rows:
             wake(topic, q)  # held pulls of its members: LOCKED
     end = 0
@@ -221,5 +221,4 @@ def reset_offsets(store: MessageStore, groups: GroupRegistry, owners: OwnershipS
         end = max(end, store.commit_offset(group, topic, q, new))
         log.info("offsets of group %s on %s queue %d reset from %d to %d%s", group, topic, q,
                  old, new, " (forced)" if members else "")
-    return {"group": group, "topic": topic, "queues": rows, "members": members,
-            "gen": gen}, end
+    return ResetReply(group, topic, rows, members, gen), end

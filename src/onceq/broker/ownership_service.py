@@ -22,39 +22,26 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..protocol.errors import ErrorCode, OnceqError
+from ..protocol.replies import Locked, Unlocked
 from ..storage.files import OS_FILES, FileOps
 from ..storage.metadata import write_atomic
 from ..storage.store import check_name
 from .access_lock import decode_lock_rows
-from .fields import is_int64
 from .groups import CLUSTERING, GroupRegistry
 from .ownership import CommitDecision, PullDecision, QueueOwnership
 from .queue_lock_table import decode_lock_file
 
 if TYPE_CHECKING:
+    from ..protocol.requests import LockQueues, UnlockQueues
     from ..storage.store import MessageStore
     from .config import BrokerConfig
-    from .connection import Connection
     from .durable import DurableReplies
-    from .fields import Response
+    from .fields import Call
 
 log = logging.getLogger("onceq.broker")
 
 FILE = "ownership.json"
 LEGACY_FILES = ("access_locks.json", "queue_locks.json", "reset_fences.json")
-MAX_QUEUES = 4096  # queues in one lock or unlock request
-
-
-def _queues(h: dict[str, Any], with_offset: bool) -> list[tuple[str, int, int]]:
-    raw = h.get("queues")
-    n = 3 if with_offset else 2
-    what = "[topic, queue, offset]" if with_offset else "[topic, queue]"
-    if not isinstance(raw, list) or len(raw) > MAX_QUEUES or not all(
-            isinstance(x, list) and len(x) == n and isinstance(x[0], str)
-            and all(is_int64(v) for v in x[1:]) for x in raw):
-        raise OnceqError(ErrorCode.INVALID_ARGUMENT,
-                         f"queues must be a list of at most {MAX_QUEUES} {what}")
-    return [(x[0], x[1], x[2] if with_offset else -1) for x in raw]
 
 
 class OwnershipService:
@@ -142,7 +129,7 @@ class OwnershipService:
         if d is None or d.write is None:
             return 0
         if later:
-            self.store.commit_offset_later(group, topic, queue, d.write)
+            self.store.offsets.commit_later(group, topic, queue, d.write)
             return 0
         return self.store.commit_offset(group, topic, queue, d.write)
 
@@ -220,47 +207,40 @@ class OwnershipService:
         return self.core.restored_members(group, self.clock())
 
     # ---------------------------------------------------------------- orderly locks
-    def _member(self, h: dict[str, Any]) -> tuple[str, str]:
-        group = check_name("group", h.get("group"))
-        client = h.get("client")
-        if not isinstance(client, str):
-            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "field 'client' must be a string")
+    def _member(self, req: LockQueues) -> tuple[str, str]:
+        group, client = check_name("group", req.group), req.client
         if self.groups.member(group, client) is None:
             raise OnceqError(ErrorCode.NOT_MEMBER, f"client {client!r} is not a member of "
                              f"group {group!r}: send a heartbeat before locking queues")
         return group, client
 
-    def h_lock(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes) -> Response:
+    def h_lock(self, call: Call, req: LockQueues) -> Locked:
         """Lock (or renew) queues; answer those the client holds now. Queues of unknown
         topics are not granted (a deleted topic must not fail the renewal of the rest)."""
-        group, client = self._member(h)
-        wanted = [(t, q) for t, q, _ in _queues(h, False) if self._exists(t, q)]
+        group, client = self._member(req)
+        wanted = [(r.topic, r.queue) for r in req.queues if self._exists(r.topic, r.queue)]
         held = self.core.lock(group, client, wanted, self.clock())
         self.changed()
-        return 0, {"locked": [[t, q] for t, q in sorted(held)]}, b""
+        return Locked([[t, q] for t, q in sorted(held)])
 
-    def h_unlock(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes) -> Response:
-        """Commit each queue's offset (>= 0) under the commit rule, then release its lock:
-        holder only."""
-        group = check_name("group", h.get("group"))
-        client = h.get("client")
-        if not isinstance(client, str):
-            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "field 'client' must be a string")
-        items = _queues(h, True)
-        self.seen(group, client, h.get("reset_gen"))
-        offsets = {(t, q): off for t, q, off in items}
+    def h_unlock(self, call: Call, req: UnlockQueues) -> Unlocked | None:
+        """Commit each queue's offset (when given) under the commit rule, then release its
+        lock: holder only."""
+        group, client = check_name("group", req.group), req.client
+        self.seen(group, client, req.reset_gen)
+        offsets = {(r.topic, r.queue): r.offset for r in req.queues}
         end = 0
 
         def commit(queue: tuple[str, int]) -> None:  # the holder's, before the unlock
             nonlocal end
             off = offsets[queue]
-            if off >= 0 and queue[0] in self.store.topics:
+            if off is not None and queue[0] in self.store.topics:
                 end = max(end, self.commit(group, client, *queue, off)[1])
 
         released = self.core.unlock(group, client, list(offsets), self.clock(), commit)
         self.changed()
-        return self.durable.reply(conn, corr,
-                                  {"unlocked": [[t, q] for t, q in sorted(released)]}, end=end)
+        return self.durable.reply(call, Unlocked([[t, q] for t, q in sorted(released)]),
+                                  end=end)
 
     # ---------------------------------------------------------------- views
     def status(self, group: str) -> list[dict]:

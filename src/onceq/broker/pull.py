@@ -11,25 +11,46 @@ messages, the same next offset; the client retries.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..log.record import tag_hash
 from ..protocol.codes import PullStatus
 from ..protocol.errors import ErrorCode, OnceqError
+from ..protocol.replies import OffsetReply, PullReply, QueueOffsets
 from ..storage.store import check_name
-from .fields import Response, int_field, str_field, user_topic
+from .fields import Call, user_topic
 from .longpoll import HeldPull, PullHold
 from .ownership import Refusal
+from .store_errors import StorageError, wire_error
 
 if TYPE_CHECKING:
+    from ..protocol.requests import GetOffset, Pull, QueryOffsets, SearchOffset
     from ..storage.store import MessageStore
     from .config import BrokerConfig
-    from .connection import Connection
     from .metrics import BrokerMetrics
     from .ownership_service import OwnershipService
     from .trace import DeliveryTrace
 
 log = logging.getLogger("onceq.broker")
+
+
+@dataclass(slots=True, eq=False)
+class PullJob:
+    """A pull being answered (now, or when held, when it wakes): the request's bounds
+    clamped to the broker's, and what the ownership core decided."""
+
+    topic: str
+    queue: int
+    offset: int
+    max_msgs: int
+    max_bytes: int
+    suspend_ms: int
+    tag_hashes: frozenset[int] | None
+    group: str | None = None  # set when the pull runs under the group's access lock
+    client: str | None = None
+    trace: tuple[str, str, bool] | None = None  # (group, client, lock acquired): traced
+    behind: int | None = None  # the group's committed offset, above the pull's commit
 
 
 class PullService:
@@ -58,146 +79,117 @@ class PullService:
     def give_up(self, *, client: str, topic: str, queue: int) -> None:
         """``client`` gave the queue up: answer its held pulls of it ``LOCKED`` now."""
         for held in self.holds.drop_client((topic, queue), client):
-            held.conn.respond(held.corr_id, 0,
-                              self._locked(topic, queue, offset=held.request["offset"]))
+            held.conn.answer(held.corr_id, self._locked(topic, queue, offset=held.job.offset))
 
-    def _locked(self, topic: str, queue: int, *, offset: int) -> dict[str, Any]:
+    def _locked(self, topic: str, queue: int, *, offset: int) -> PullReply:
         """A refused pull: "queue is locked by another client", same next offset."""
         lo, hi = self.store.min_max(topic, queue)
-        return {"st": int(PullStatus.LOCKED), "next": offset, "min": lo, "max": hi, "n": 0}
+        return PullReply(PullStatus.LOCKED, offset, lo, hi)
 
     # ---------------------------------------------------------------- pulls
-    def _pull_request(self, h: dict[str, Any]) -> dict[str, Any]:
+    def _job(self, req: Pull) -> PullJob:
         cfg = self.config
-        req = {
-            "topic": user_topic(str_field(h, "topic")),
-            "queue": int_field(h, "queue"),
-            "offset": int_field(h, "offset"),
-            "max": min(max(int_field(h, "max", 32), 1), cfg.max_pull_msgs),
-            "max_bytes": min(max(int_field(h, "max_bytes", cfg.max_pull_bytes), 1),
-                             cfg.max_pull_bytes),
-            "suspend_ms": max(int_field(h, "suspend_ms", 0), 0),
-            "group": None,
-            "client": None,
-        }
-        tags = h.get("tags")
-        if tags is not None:
-            if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-                raise OnceqError(ErrorCode.INVALID_ARGUMENT, "tags must be a list of strings")
-            req["tag_hashes"] = frozenset(tag_hash(t) for t in tags)
-        else:
-            req["tag_hashes"] = None
-        return req
+        max_bytes = cfg.max_pull_bytes if req.max_bytes is None else req.max_bytes
+        tags = req.tags
+        return PullJob(user_topic(req.topic), req.queue, req.offset,
+                       min(max(req.max_msgs, 1), cfg.max_pull_msgs),
+                       min(max(max_bytes, 1), cfg.max_pull_bytes), max(req.suspend_ms, 0),
+                       None if tags is None else frozenset(tag_hash(t) for t in tags))
 
-    def h_pull(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes) -> Response:
-        req = self._pull_request(h)
-        topic, queue = req["topic"], req["queue"]
+    def h_pull(self, call: Call, req: Pull) -> PullReply | None:
+        job = self._job(req)
+        topic, queue = job.topic, job.queue
         self.store.get_topic(topic)
-        group = h.get("group")
-        if group is not None:
-            group = check_name("group", group)
-        commit = int_field(h, "commit") if "commit" in h else -1
-        client = h.get("client")
-        if not isinstance(client, str):
-            client = None
-        behind = None
+        group = None if req.group is None else check_name("group", req.group)
+        commit, client = req.commit, req.client
         if group is not None:
             owners = self.owners
-            owners.seen(group, client, h.get("reset_gen"))
+            owners.seen(group, client, req.reset_gen)
             traced = group in self.trace.groups  # delivery trace (trace.py)
-            d = owners.pull(group, client, topic, queue, req["offset"])
+            d = owners.pull(group, client, topic, queue, job.offset)
             if d.refused is not None:  # fenced, or another client holds the queue: its
-                return 0, self._locked(topic, queue, offset=req["offset"]), b""  # commit too
+                return self._locked(topic, queue, offset=job.offset)  # commit too
             if d.corrected:  # taken over and moved forward to the group's offset: the
-                commit = -1  # client's commit is its stale start, not progress
+                commit = None  # client's commit is its stale start, not progress
             if d.lock is not None:  # under the access lock
-                req["offset"] = d.offset
-                req["group"], req["client"] = group, client
+                job.offset = d.offset
+                job.group, job.client = group, client
             if traced:
                 acquired = d.lock is not None and d.lock.previous_holder != client
-                req["trace"] = (group, client or "", acquired)
-            if commit >= 0:
+                job.trace = (group, client or "", acquired)
+            if commit is not None and commit >= 0:
                 # journaled with the next batch, not waited for: a consumer sends its
                 # finished offsets again after a reconnect (and with its next pull)
                 locked = d.lock is not None  # the pull just ran checks 1-3 under the lock
                 v, _ = owners.commit(group, client, topic, queue, commit, later=True,
                                      checked=locked, locked=locked)
-                if v.refused is Refusal.BEHIND:
-                    behind = v.stored
-        res = self._do_pull(req)
-        if behind is not None:  # its process queue is stale: the group consumed further
-            if res is None:
-                res = self._do_pull(req, final=True)
-            res[1]["behind"] = behind
-        if res is None:
-            seconds = min(req["suspend_ms"] / 1000, self.config.long_poll_max_s)
-            if req["client"] is not None:  # a suspended holder is alive: keep its lock
+                if v.refused is Refusal.BEHIND:  # its process queue is stale: the group
+                    job.behind = v.stored  # consumed further; answered at once
+        reply = self._do_pull(job, final=job.behind is not None)
+        if reply is None:
+            seconds = min(job.suspend_ms / 1000, self.config.long_poll_max_s)
+            if job.client is not None:  # a suspended holder is alive: keep its lock
                 self.owners.touch(group, client, topic, queue)
-            self.holds.hold((topic, queue), HeldPull(conn, corr, req), seconds)
-            return None
-        return res
+            self.holds.hold((topic, queue), HeldPull(call.conn, call.corr, job), seconds)
+        return reply
 
-    def _do_pull(self, req: dict[str, Any], final: bool = False) -> Response:
+    def _do_pull(self, job: PullJob, final: bool = False) -> PullReply | None:
         """Run a pull; None means 'nothing yet, hold it' (only when it may be held)."""
-        r = self.store.get(req["topic"], req["queue"], req["offset"], req["max"],
-                           req["max_bytes"], req["tag_hashes"])
-        if r.status == PullStatus.NO_NEW_MESSAGE and req["suspend_ms"] > 0 and not final:
-            if r.next_offset != req["offset"]:
-                req["offset"] = r.next_offset  # filtered entries skipped: wait from there
+        r = self.store.get(job.topic, job.queue, job.offset, job.max_msgs, job.max_bytes,
+                           job.tag_hashes)
+        if r.status == PullStatus.NO_NEW_MESSAGE and job.suspend_ms > 0 and not final:
+            if r.next_offset != job.offset:
+                job.offset = r.next_offset  # filtered entries skipped: wait from there
             return None
         if r.status == PullStatus.FOUND:
-            if req["client"] is not None:
-                self.owners.delivered(req["group"], req["topic"], req["queue"],
-                                      r.next_offset)
-            if "trace" in req:
-                self.trace.delivered(*req["trace"], req["topic"], req["queue"], r.payload)
+            if job.client is not None:
+                self.owners.delivered(job.group, job.topic, job.queue, r.next_offset)
+            if job.trace is not None:
+                self.trace.delivered(*job.trace, job.topic, job.queue, r.payload)
             if self.metrics is not None:
-                self.metrics.on_pull(req["topic"], r.count, len(r.payload))
-        hdr = {"st": int(r.status), "next": r.next_offset, "min": r.min_offset,
-               "max": r.max_offset, "n": r.count}
+                self.metrics.on_pull(job.topic, r.count, len(r.payload))
+        damaged = None
         if r.status == PullStatus.DAMAGED:  # offsets [damaged[0], damaged[1]) are lost
-            hdr["damaged"] = [req["offset"], r.next_offset]
-        return 0, hdr, r.payload
+            damaged = [job.offset, r.next_offset]
+        return PullReply(PullStatus(r.status), r.next_offset, r.min_offset, r.max_offset,
+                         r.count, job.behind, damaged, r.payload)
 
     def _retry_pull(self, held: HeldPull, final: bool) -> bool:
+        job: PullJob = held.job
         try:
-            req = held.request
-            if req["topic"] not in self.store.topics:
+            if job.topic not in self.store.topics:
                 raise OnceqError(ErrorCode.TOPIC_NOT_EXIST, "topic was deleted")
-            if req["client"] is not None and self.owners.holder(
-                    req["group"], req["topic"], req["queue"]) != req["client"]:
-                held.conn.respond(held.corr_id, 0,
-                                  self._locked(req["topic"], req["queue"], offset=req["offset"]))
+            if job.client is not None and self.owners.holder(
+                    job.group, job.topic, job.queue) != job.client:
+                held.conn.answer(held.corr_id,
+                                 self._locked(job.topic, job.queue, offset=job.offset))
                 return True
-            res = self._do_pull(req, final)
+            reply = self._do_pull(job, final)
         except OnceqError as exc:
             held.conn.respond(held.corr_id, int(exc.code), {"message": exc.message})
+            return True
+        except StorageError as exc:
+            err = wire_error(exc)
+            held.conn.respond(held.corr_id, int(err.code), {"message": err.message})
             return True
         except Exception as exc:  # answer it: the puller must not wait for its timeout
             log.exception("held pull failed")
             held.conn.respond(held.corr_id, int(ErrorCode.SYSTEM_ERROR),
                               {"message": f"internal: {exc}"})
             return True
-        if res is None:
+        if reply is None:
             return False
-        held.conn.respond(held.corr_id, *res)
+        held.conn.answer(held.corr_id, reply)
         return True
 
     # ---------------------------------------------------------------- offset queries
-    def h_query_offsets(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                        ) -> Response:
-        lo, hi = self.store.min_max(str_field(h, "topic"), int_field(h, "queue"))
-        return 0, {"min": lo, "max": hi}, b""
+    def h_query_offsets(self, call: Call, req: QueryOffsets) -> QueueOffsets:
+        return QueueOffsets(*self.store.min_max(req.topic, req.queue))
 
-    def h_search_offset(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                        ) -> Response:
-        off = self.store.search_offset(str_field(h, "topic"), int_field(h, "queue"),
-                                       int_field(h, "ts"))
-        return 0, {"offset": off}, b""
+    def h_search_offset(self, call: Call, req: SearchOffset) -> OffsetReply:
+        return OffsetReply(self.store.reader.search_offset(req.topic, req.queue, req.ts))
 
-    def h_get_offset(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                     ) -> Response:
+    def h_get_offset(self, call: Call, req: GetOffset) -> OffsetReply:
         """The group's ack offset on a queue."""
-        group = check_name("group", str_field(h, "group"))
-        off = self.store.get_offset(group, str_field(h, "topic"), int_field(h, "queue"))
-        return 0, {"offset": off}, b""
+        group = check_name("group", req.group)
+        return OffsetReply(self.store.get_offset(group, req.topic, req.queue))

@@ -63,8 +63,10 @@ from ..protocol.codes import (
     retry_topic,
 )
 from ..protocol.errors import ErrorCode, OnceqError
+from ..protocol.replies import SendBackReply
 from ..storage.put import PutResult
 from ..storage.store import MessageStore, check_name
+from .store_errors import StorageError
 
 log = logging.getLogger("onceq.broker")
 
@@ -114,7 +116,7 @@ def scheduled_delivery(m: MessageExt, delay_ms: int) -> tuple[int, str]:
         raise BadScheduled(f"target {str(target)[:140]!r} is not a group retry topic")
     try:
         check_name("group", target[len(RETRY_PREFIX):])
-    except OnceqError:
+    except StorageError:
         raise BadScheduled(f"target {target[:140]!r} is not a group retry topic") from None
     if _decimal(props, PROP_REAL_QUEUE) != 0:
         raise BadScheduled(f"target queue {props[PROP_REAL_QUEUE]!r} of {target} is not 0")
@@ -151,7 +153,7 @@ class RetryService:
 
     # ---------------------------------------------------------------- send back
     def send_back(self, group: str, topic: str, queue: int, offset: int, delay_level: int,
-                  max_reconsume: int, reason: str = "") -> dict:
+                  max_reconsume: int, reason: str = "") -> SendBackReply:
         """Store the retry (or dead letter) of the message at (topic, queue, offset).
 
         A dead letter carries why it is one in its ``DLQ_REASON`` property: ``reason`` (the
@@ -182,7 +184,7 @@ class RetryService:
             self._put(dlq, 0, m, props, recons)
             log.info("message %s of group %s moved to %s after %d retries", m.unique_key,
                      group, dlq, recons - 1)
-            return {"dlq": True, "reconsume": recons}
+            return SendBackReply(dlq=True, reconsume=recons)
         self.ensure_group_topics(group)
         self.ensure_topics()
         level = retry_level(m.reconsume_times, delay_level, len(self.levels))
@@ -192,7 +194,7 @@ class RetryService:
         props[PROP_DELIVER_AT] = str(due)
         self._put(SCHEDULE_TOPIC, level - 1, m, props, recons)
         self._wake.set()
-        return {"dlq": False, "reconsume": recons, "level": level}
+        return SendBackReply(dlq=False, reconsume=recons, level=level)
 
     def resend_dead_letter(self, group: str, offset: int) -> PutResult:
         """Store the dead letter at ``offset`` of ``%DLQ%<group>`` in the group's retry
@@ -325,7 +327,7 @@ class RetryService:
             return float("inf")
         try:
             self._put(target, 0, m, props, m.reconsume_times)
-        except OnceqError as exc:
+        except (OnceqError, StorageError) as exc:
             if not exc.retriable:
                 self._skip(level, m.queue_offset, m.unique_key, exc)
                 return float("inf")

@@ -9,29 +9,23 @@ Sends name user topics only: system topics (``%...``) are written by the broker 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..protocol.codes import dlq_topic
 from ..protocol.errors import ErrorCode, OnceqError
+from ..protocol.replies import SendBackReply, SendReply, SequencedReply
 from ..storage.store import check_name
-from .fields import (
-    Response,
-    client_written_topic,
-    int_field,
-    is_system_topic,
-    split_parts,
-    str_field,
-    user_topic,
-)
+from .fields import client_written_topic, is_system_topic, split_parts, user_topic
 from .idempotent import refuse_sequenced, send_sequenced
 
 if TYPE_CHECKING:
+    from ..protocol.requests import Send, SendBack, SendSequenced
     from ..storage.put import PutResult
     from ..storage.sequences import SequenceStore
     from ..storage.store import MessageStore
     from .config import BrokerConfig
-    from .connection import Connection
     from .durable import DurableReplies
+    from .fields import Call
     from .metrics import BrokerMetrics
     from .retry import RetryService
 
@@ -62,75 +56,61 @@ class SendService:
             check_name("topic", topic)
             self.store.create_topic(topic, self.config.default_queues)
 
-    def h_send(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes) -> Response:
-        topic = client_written_topic(str_field(h, "topic"))
-        qid = int_field(h, "queue")
+    def h_send(self, call: Call, req: Send) -> SendReply | None:
+        topic = client_written_topic(req.topic)
+        qid = req.queue
         self.topic_for_write(topic)
-        parts = split_parts(p)
+        parts = split_parts(req.payload)
         refuse_sequenced(parts)
         res = self.store.put(topic, qid, parts)
         if len(res.duplicates) < len(parts):
             self.on_put(topic, qid)
         if self.metrics is not None:
-            self.metrics.on_send(topic, len(parts), len(p), len(res.duplicates))
-        return self.durable.reply(conn, corr, send_answer(qid, res), end=res.end_position)
+            self.metrics.on_send(topic, len(parts), len(req.payload), len(res.duplicates))
+        return self.durable.reply(call, send_reply(qid, res), end=res.end_position)
 
-    def h_send_sequenced(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                         ) -> Response:
+    def h_send_sequenced(self, call: Call, req: SendSequenced) -> SequencedReply | None:
         """An idempotent writer's numbered batch (``idempotent.py``)."""
-        topic = client_written_topic(str_field(h, "topic"))
-        qid = int_field(h, "queue")
+        topic = client_written_topic(req.topic)
         self.topic_for_write(topic)
-        parts = split_parts(p)
-        header, end = send_sequenced(self.store, self.sequences, h, parts, topic=topic,
-                                     queue=qid)
-        if header["n"]:
-            self.on_put(topic, qid)
+        parts = split_parts(req.payload)
+        reply, end = send_sequenced(self.store, self.sequences, req, parts, topic=topic)
+        if reply.n:
+            self.on_put(topic, req.queue)
         if self.metrics is not None:
-            self.metrics.on_send(topic, len(parts), len(p), header["dup"])
-        return self.durable.reply(conn, corr, header, end=end)
+            self.metrics.on_send(topic, len(parts), len(req.payload), reply.dup)
+        return self.durable.reply(call, reply, end=end)
 
-    def h_send_back(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                    ) -> Response:
+    def h_send_back(self, call: Call, req: SendBack) -> SendBackReply | None:
         """A message the consumer failed: to the group's retry topic, or its DLQ.
 
-        With ``resend: true`` (``onceq dlq resend``), the message at ``offset`` of the
-        group's dead-letter topic (``topic`` must name it, ``queue`` 0) goes back to the
-        group's retry topic at once; answered like a ``SEND`` to that topic."""
+        With ``resend`` (``onceq dlq resend``), the message at ``offset`` of the group's
+        dead-letter topic (``topic`` must name it, ``queue`` 0) goes back to the group's
+        retry topic at once; the answer says where its copy is."""
         assert self.retry is not None
-        group = check_name("group", str_field(h, "group"))
-        resend = h.get("resend", False)
-        if not isinstance(resend, bool):
-            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "field 'resend' must be a boolean")
-        if resend:
-            return self._resend(conn, corr, group, h)
-        max_reconsume = int_field(h, "max_reconsume", 16)
-        if not 0 <= max_reconsume <= 10_000:
+        group = check_name("group", req.group)
+        if req.resend:
+            return self._resend(call, group, req)
+        if not 0 <= req.max_reconsume <= 10_000:
             raise OnceqError(ErrorCode.INVALID_ARGUMENT, "max_reconsume must be 0..10000")
-        reason = h.get("dlq_reason", "")
-        if not isinstance(reason, str):
-            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "field 'dlq_reason' must be a string")
-        res = self.retry.send_back(group, user_topic(str_field(h, "topic")),
-                                   int_field(h, "queue"), int_field(h, "offset"),
-                                   int_field(h, "delay_level", 0), max_reconsume, reason)
-        return self.durable.reply(conn, corr, res)
+        reply = self.retry.send_back(group, user_topic(req.topic), req.queue, req.offset,
+                                     req.delay_level, req.max_reconsume, req.dlq_reason)
+        return self.durable.reply(call, reply)
 
-    def _resend(self, conn: Connection, corr: int, group: str, h: dict[str, Any]
-                ) -> Response:
+    def _resend(self, call: Call, group: str, req: SendBack) -> SendBackReply | None:
         assert self.retry is not None
         dlq = dlq_topic(group)
-        if str_field(h, "topic") != dlq or int_field(h, "queue") != 0:
+        if req.topic != dlq or req.queue != 0:
             raise OnceqError(ErrorCode.INVALID_ARGUMENT,
                              f"a resend names the group's dead-letter queue {dlq}[0]")
-        res = self.retry.resend_dead_letter(group, int_field(h, "offset"))
-        return self.durable.reply(conn, corr, send_answer(0, res), end=res.end_position)
+        res = self.retry.resend_dead_letter(group, req.offset)
+        duplicate = bool(res.duplicates)
+        queue = res.duplicate_queues[0] if duplicate else 0
+        reply = SendBackReply(queue=queue, offset=res.offsets[0], duplicate=duplicate)
+        return self.durable.reply(call, reply, end=res.end_position)
 
 
-def send_answer(queue: int, res: PutResult) -> dict[str, Any]:
-    """The answer to a send: the first offset and the count, or, when the dedup window
-    recognised some messages, every message's offset with the duplicates' indexes and
-    queues."""
-    if res.duplicates:
-        return {"queue": queue, "offsets": res.offsets, "dups": res.duplicates,
-                "dupq": res.duplicate_queues}
-    return {"queue": queue, "base": res.offsets[0], "n": len(res.offsets)}
+def send_reply(queue: int, res: PutResult) -> SendReply:
+    """Where a send's messages are: every message's offset, with the indexes and queues of
+    those the dedup window recognised (stored before, at their first copy's place)."""
+    return SendReply(queue, res.offsets, res.duplicates, res.duplicate_queues)

@@ -162,11 +162,24 @@ _META: dict[str, tuple[str, float | None, float | None]] = {
     "metrics_port": ("Port of the Prometheus endpoint /metrics (-1: off, 0: any free "
                      "port; at most 65535).", -1, 65535),
     "metrics_host": ("Address the Prometheus endpoint listens on.", None, None),
+    # security
+    "acl": ("Users authenticate (SCRAM-SHA-256 or a client certificate) and every request "
+            "is checked against the ACL grants (docs/security.md).", None, None),
+    "insecure": ("Allow listening on an address beyond loopback with acl off (anyone who "
+                 "reaches the port can do anything).", None, None),
+    "tls_cert": ("Server certificate (PEM) of the client port: TLS on when set.", None, None),
+    "tls_key": ("Private key (PEM) of tls_cert.", None, None),
+    "tls_client_ca": ("CA certificate (PEM) of client certificates: a client certificate's "
+                      "subject CN is its user.", None, None),
+    "tls_client_auth": ("Client certificates: 'none', 'optional' or 'required'.", None, None),
+    "audit_log": ("File of the audit log, JSON lines (empty: audit.log in data_dir when acl "
+                  "is on).", None, None),
     # log
     "log_level": ("Log level: DEBUG, INFO, WARNING or ERROR.", None, None),
     "log_format": ("Log format: 'text' or 'json' (one JSON object per line).", None, None),
 }
-_CHOICES = {"flush": ("async", "sync"), "log_level": LOG_LEVELS, "log_format": LOG_FORMATS}
+_CHOICES = {"flush": ("async", "sync"), "log_level": LOG_LEVELS, "log_format": LOG_FORMATS,
+            "tls_client_auth": ("none", "optional", "required")}
 _LOG_DEFAULTS = {"log_level": "INFO", "log_format": "text"}
 _SKIP = {"store", "extra"}  # not settings: the nested store config, programmatic extras
 
@@ -416,6 +429,10 @@ def preflight(cfg: BrokerConfig, soft_limit: int | None = None) -> None:
     naming the key."""
     check_data_dir(cfg.store.data_dir)
     check_host("host", cfg.host)
+    try:
+        cfg.check_exposure()
+    except ValueError as exc:
+        raise ConfigError(f"host: {exc}") from None
     if cfg.metrics_port >= 0:
         check_host("metrics_host", cfg.metrics_host)
     check_fds(cfg, soft_limit)

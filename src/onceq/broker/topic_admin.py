@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..log.offset_record import OFFSETS_TOPIC
-from ..protocol.codes import RequestCode
 from ..protocol.errors import ErrorCode, OnceqError
-from .fields import Handler, Response, client_written_topic, int_field, str_field
+from ..protocol.replies import Empty, TopicInfo, TopicList, TopicStatusReply
+from ..protocol.requests import CreateTopic, DeleteTopic, GetTopic, ListTopics, TopicStatus
+from .fields import Call, Handler, client_written_topic
 
 if TYPE_CHECKING:
+    from ..protocol.schema import Message
     from ..storage.store import MessageStore
-    from .connection import Connection
 
 log = logging.getLogger("onceq.broker")
 
@@ -34,57 +35,46 @@ class TopicAdmin:
         self.topic_for_write = topic_for_write
         self.forget_topic = forget_topic
 
-    def handlers(self) -> dict[int, Handler]:
-        return {RequestCode.CREATE_TOPIC: self.h_create_topic,
-                RequestCode.DELETE_TOPIC: self.h_delete_topic,
-                RequestCode.LIST_TOPICS: self.h_list_topics,
-                RequestCode.GET_TOPIC: self.h_get_topic,
-                RequestCode.TOPIC_STATUS: self.h_topic_status}
+    def handlers(self) -> dict[type[Message], Handler]:
+        return {CreateTopic: self.h_create_topic, DeleteTopic: self.h_delete_topic,
+                ListTopics: self.h_list_topics, GetTopic: self.h_get_topic,
+                TopicStatus: self.h_topic_status}
 
-    def h_create_topic(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                       ) -> Response:
-        name = client_written_topic(str_field(h, "topic"))
-        queues = int_field(h, "queues", self.default_queues)
-        if h.get("exclusive") and name in self.store.topics:
+    def h_create_topic(self, call: Call, req: CreateTopic) -> TopicInfo:
+        name = client_written_topic(req.topic)
+        queues = self.default_queues if req.queues is None else req.queues
+        if req.exclusive and name in self.store.topics:
             raise OnceqError(ErrorCode.TOPIC_EXISTS, f"topic {name!r} already exists")
         t = self.store.create_topic(name, queues)
         log.info("topic %s created/updated with %d queues", name, t.queues)
-        return 0, {"topic": t.name, "queues": t.queues}, b""
+        return TopicInfo(t.name, t.queues)
 
-    def h_delete_topic(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                       ) -> Response:
-        name = client_written_topic(str_field(h, "topic"))
+    def h_delete_topic(self, call: Call, req: DeleteTopic) -> Empty:
+        name = client_written_topic(req.topic)
         self.store.delete_topic(name)
         self.forget_topic(name)
         log.info("topic %s deleted", name)
-        return 0, None, b""
+        return Empty()
 
-    def h_list_topics(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                      ) -> Response:
-        topics = [{"topic": t.name, "queues": t.queues} for t in
-                  sorted(self.store.topics.values(), key=lambda t: t.name)
-                  if t.name != OFFSETS_TOPIC]
-        return 0, {"topics": topics}, b""
+    def h_list_topics(self, call: Call, req: ListTopics) -> TopicList:
+        return TopicList([{"topic": t.name, "queues": t.queues} for t in
+                          sorted(self.store.topics.values(), key=lambda t: t.name)
+                          if t.name != OFFSETS_TOPIC])
 
-    def h_get_topic(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                    ) -> Response:
-        name = str_field(h, "topic")
-        self.topic_for_write(name)
-        t = self.store.get_topic(name)
-        return 0, {"topic": t.name, "queues": t.queues}, b""
+    def h_get_topic(self, call: Call, req: GetTopic) -> TopicInfo:
+        self.topic_for_write(req.topic)
+        t = self.store.get_topic(req.topic)
+        return TopicInfo(t.name, t.queues)
 
-    def h_topic_status(self, conn: Connection, corr: int, h: dict[str, Any], p: bytes
-                       ) -> Response:
+    def h_topic_status(self, call: Call, req: TopicStatus) -> TopicStatusReply:
         """Per queue: min and max offsets, store times of the first and last message."""
         store = self.store
-        topic = h.get("topic")
-        if not isinstance(topic, str):
-            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "field 'topic' must be a string")
+        topic = req.topic
         t = store.get_topic(topic)
         queues = []
         for q in range(t.queues):
             lo, hi = store.min_max(topic, q)
-            first, last = store.store_times(topic, q)
+            first, last = store.reader.store_times(topic, q)
             queues.append({"queue": q, "min": lo, "max": hi, "first_store_ms": first,
                            "last_store_ms": last})
-        return 0, {"topic": topic, "queues": queues}, b""
+        return TopicStatusReply(topic, queues)

@@ -43,6 +43,7 @@ from ..log.record import PART_FIXED_SIZE, REC_HEAD_AND_PART, REC_HEADER_SIZE, en
 from ..protocol.codes import PROP_TRACE_SOURCE, TRACE_SOURCE_BROKER, TRACE_TOPIC
 from ..protocol.errors import OnceqError
 from ..storage.store import MessageStore
+from .store_errors import StorageError
 
 log = logging.getLogger("onceq.broker")
 
@@ -159,7 +160,7 @@ class DeliveryTrace:
                 self.store.create_topic(TRACE_TOPIC, TRACE_QUEUES)
             queue %= self.store.get_topic(TRACE_TOPIC).queues
             self.store.put(TRACE_TOPIC, queue, buf, dedup=False)
-        except (OnceqError, OSError) as exc:
+        except (OnceqError, StorageError, OSError) as exc:
             self.dropped += len(buf)
             self.store.errors.error("trace", "delivery trace: %d record(s) dropped: %s",
                                     len(buf), exc)
