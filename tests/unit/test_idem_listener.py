@@ -270,14 +270,22 @@ async def test_running_handler_extends_its_lease_so_nobody_takes_it_over():
 
 
 async def test_without_extension_a_slow_handler_is_taken_over_and_learns_it_was_fenced():
-    store = MemoryStore()
-    slow = Recorder(sleep=0.5)
+    clock = FakeClock()
+    store = MemoryStore(clock)
+    started, may_end = asyncio.Event(), asyncio.Event()
+
+    async def slow(msgs, c):
+        started.set()
+        await may_end.wait()
+
     wrapped = idempotent(slow, store=store, lease_s=0.2, extend_leases=False)
     task = asyncio.create_task(call(wrapped, [msg(1)]))
-    await asyncio.sleep(0.3)
+    await asyncio.wait_for(started.wait(), 5)
+    clock.advance(0.3)  # the handler is still running: its lease (0.2 s) ran out
     [r] = await store.claim_many([Claim("g", "orders", "UNIQ0001", "second",
                                         payload_hash(b"order 1"), lease_s=5)])
     assert r.outcome is Outcome.TAKEN_OVER
+    may_end.set()
     await task
     assert wrapped.stats["fenced"] == 1
     rec = await store.get("g", "orders", "UNIQ0001")

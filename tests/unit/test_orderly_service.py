@@ -8,17 +8,24 @@ from onceq.client.allocation import MessageQueue
 from onceq.client.consume import ConsumeStatus, is_orderly, orderly
 from onceq.client.consume_orderly import OrderlyConsumeService, suspend_seconds
 from onceq.client.process_queue import ProcessQueue
-from onceq.client.push import PushConsumer
+from onceq.client.push import PushConsumer, wire_service
+from onceq.client.runner import ListenerRunner
 from onceq.log.record import MessageExt
 from tests.clock import FakeClock
 
 MQ = MessageQueue("T", 0)
 
 
+def _service(c: PushConsumer) -> OrderlyConsumeService:
+    s = wire_service(c, ListenerRunner(c.listener, c.config.consume_timeout_s))
+    assert isinstance(s, OrderlyConsumeService)
+    return s
+
+
 def test_a_queue_stops_when_its_lock_is_older_than_the_max_age():
     clock = FakeClock()
     c = PushConsumer("127.0.0.1:1", "g", lambda m, c: None, clock=clock, orderly=True)
-    s = OrderlyConsumeService(c)
+    s = _service(c)
     assert not s.locked(MQ)  # never locked
     s._locked_at[MQ] = clock()
     clock.advance(30.0)
@@ -32,7 +39,7 @@ def test_a_queue_stops_when_its_lock_is_older_than_the_max_age():
 def test_broadcasting_takes_no_lock():
     c = PushConsumer("127.0.0.1:1", "g", lambda m, c: None, model="BROADCASTING",
                      orderly=True)
-    assert OrderlyConsumeService(c).locked(MQ)
+    assert _service(c).locked(MQ)
 
 
 def test_suspend_time_is_bounded():
@@ -77,7 +84,7 @@ def _locked_queue(listener, **options) -> tuple[PushConsumer, OrderlyConsumeServ
     """An orderly consumer (never started) whose service holds MQ's lock, and a process
     queue of MQ it owns (call inside a running loop)."""
     c = PushConsumer("127.0.0.1:1", "g", listener, orderly=True, **options)
-    s = OrderlyConsumeService(c)
+    s = _service(c)
     s._locked_at[MQ] = c.clock()
     return c, s, _take(c)
 
@@ -96,7 +103,7 @@ def test_a_message_arriving_as_the_run_ends_starts_a_new_run_at_once():
 
     async def main():
         c = PushConsumer("127.0.0.1:1", "g", listener, orderly=True)
-        s = OrderlyConsumeService(c)
+        s = _service(c)
 
         def arrive():
             pq.add([_msg(1)])
@@ -134,7 +141,7 @@ def test_after_an_offset_reset_the_new_run_waits_for_the_old_ones_listener_call(
         for _ in range(5):
             await asyncio.sleep(0)
         assert events == [("start", 1)]
-        c.owned.revoke(old)  # the reset (PushConsumer._on_reset, then _retake)
+        c.owned.drop(old)  # the reset (Coordinator._on_reset, then _retake)
         c.owned.forget(old)
         s.forget(old)
         new = _take(c)
@@ -158,14 +165,11 @@ def test_messages_the_listener_dead_letters_go_to_the_dlq_and_the_queue_moves_on
     """The idempotency layer answers SUCCESS with ``ack_index`` before a message it cannot
     take (no key, another payload) and delay level -1: that message goes to the DLQ with
     its reason, instead of being retried in place for ever."""
-    import onceq.client.consume_orderly as mod
-
     sent: list[tuple[int, int, str | None]] = []
 
-    async def fake_send_back(c, pq, m, delay_level, dlq_reason=None):
+    async def fake_send_back(pq, m, delay_level, dlq_reason=None):
         sent.append((m.queue_offset, delay_level, dlq_reason))
 
-    monkeypatch.setattr(mod, "send_back", fake_send_back)
     calls: list[list[int]] = []
 
     async def listener(msgs, ctx):
@@ -177,6 +181,7 @@ def test_messages_the_listener_dead_letters_go_to_the_dlq_and_the_queue_moves_on
 
     async def main():
         c, s, pq = _locked_queue(listener)
+        monkeypatch.setattr(s, "send_back", fake_send_back)
         batch = [_msg(i) for i in range(3)]
         pq.add(batch)
         s.dispatch(pq, batch)
@@ -199,7 +204,7 @@ def test_a_lost_connection_stops_consumption_until_the_locks_are_renewed():
 
     async def main():
         c = PushConsumer("127.0.0.1:1", "g", lambda m, ctx: None, orderly=True)
-        s = OrderlyConsumeService(c)
+        s = _service(c)
 
         async def renew(conn=None):
             s._locked_at[MQ] = c.clock()  # granted again
@@ -229,7 +234,7 @@ def test_a_plain_listener_over_the_consume_timeout_is_waited_for_before_the_retr
     for the call to end before it tries the batch again (never two calls at once)."""
     import threading
 
-    from onceq.client.consume import ListenerThreads
+    from onceq.client.runner import ListenerThreads
 
     running = 0
     most = 0
@@ -252,8 +257,8 @@ def test_a_plain_listener_over_the_consume_timeout_is_waited_for_before_the_retr
 
     async def main():
         loop = asyncio.get_running_loop()
-        c, s, pq = _locked_queue(listener, consume_timeout_s=0.05, suspend_s=0.01)
-        c._threads = ListenerThreads(4, loop)
+        _c, s, pq = _locked_queue(listener, consume_timeout_s=0.05, suspend_s=0.01)
+        s.runner.threads = ListenerThreads(4, loop)
         pq.add([_msg(0)])
         s.dispatch(pq, [_msg(0)])
         for _ in range(250):  # the first call starts on a thread
@@ -267,7 +272,7 @@ def test_a_plain_listener_over_the_consume_timeout_is_waited_for_before_the_retr
             if len(pq) == 0:
                 break
             await asyncio.sleep(0.02)
-        c._threads.shutdown()
+        s.runner.shutdown()
         return pq
 
     pq = asyncio.run(main())

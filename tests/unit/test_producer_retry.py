@@ -25,12 +25,12 @@ class ScriptedConnection:
 
     async def request(self, code, header=None, payload=b"", timeout=None):
         if code == RequestCode.GET_TOPIC:
-            return {"queues": 4}, b""
+            return {"topic": header["topic"], "queues": 4}, b""
         self.sends.append((time.monotonic(), header["queue"], payload))
         outcome = self.outcomes.pop(0)
         if isinstance(outcome, Exception):
             raise outcome
-        return {"queue": header["queue"], "base": 7}, b""
+        return {"queue": header["queue"], "base": 7, "n": 1}, b""
 
     def close(self) -> None:
         self.closed = True

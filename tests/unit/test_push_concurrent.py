@@ -9,10 +9,11 @@ import threading
 import pytest
 
 from onceq.client.allocation import MessageQueue
-from onceq.client.consume import ConsumeContext, ConsumeStatus, ListenerThreads
+from onceq.client.consume import ConsumeContext, ConsumeStatus
 from onceq.client.consume_concurrent import ConcurrentConsumeService
 from onceq.client.process_queue import ProcessQueue
 from onceq.client.push import PushConsumer
+from onceq.client.runner import ListenerRunner, ListenerThreads
 from onceq.log.record import MessageExt
 
 MQ = MessageQueue("T", 0)
@@ -52,7 +53,8 @@ class Gate:
 def _service(listener, **settings) -> tuple[PushConsumer, ConcurrentConsumeService,
                                              ProcessQueue]:
     c = PushConsumer("127.0.0.1:1", "g", listener, **settings)
-    s = ConcurrentConsumeService(c)
+    s = ConcurrentConsumeService(c.coordinator, c.config, c.owned, c.offsets,
+                                 ListenerRunner(listener, c.config.consume_timeout_s))
     pq = ProcessQueue(MQ, 0, c.clock())
     c.owned.take(pq)
     s.start()
@@ -203,7 +205,7 @@ async def test_plain_listener_runs_on_threads_within_the_concurrency_bound():
             running[0] -= 1
 
     c, s, pq = _service(listener, concurrency=4)
-    c._threads = ListenerThreads(4, asyncio.get_running_loop())
+    s.runner.threads = ListenerThreads(4, asyncio.get_running_loop())
     _feed(s, pq, 40)
     while len(calls) < 4:
         await asyncio.sleep(0.005)
@@ -214,7 +216,7 @@ async def test_plain_listener_runs_on_threads_within_the_concurrency_bound():
         await asyncio.sleep(0.005)
     assert running[1] == 4 and sorted(calls) == list(range(40))
     assert c.stats["consumed"] == 40 and pq.commit_offset == 40
-    c._threads.shutdown()
+    s.runner.shutdown()
     await s.stop()
 
 

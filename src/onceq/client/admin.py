@@ -11,14 +11,58 @@ from ..protocol.codes import (
     PROP_ORIGIN_TOPIC,
     RETRY_PREFIX,
     PullStatus,
-    RequestCode,
     dlq_topic,
     retry_topic,
 )
 from ..protocol.errors import ErrorCode, OnceqError
+from ..protocol.replies import (
+    AccessLocks,
+    GroupList,
+    GroupMembers,
+    OffsetReply,
+    Pong,
+    PullReply,
+    QueueOffsets,
+    ResetReply,
+    SendBackReply,
+    TopicInfo,
+    TopicList,
+    TopicStatusReply,
+    TraceReply,
+)
+from ..protocol.requests import (
+    AclGrant,
+    AclList,
+    AclRevoke,
+    BrokerStatus,
+    CreateTopic,
+    DeleteTopic,
+    GetOffset,
+    GetTopic,
+    GroupTrace,
+    ListGroupMembers,
+    ListGroups,
+    ListTopics,
+    Ping,
+    Pull,
+    QueryAccessLocks,
+    QueryMessage,
+    QueryOffsets,
+    ResetOffsets,
+    SearchOffset,
+    SendBack,
+    TopicStatus,
+    UserCreate,
+    UserDelete,
+    UserList,
+    UserUpdate,
+)
+from ..protocol.schema import Message
+from ..protocol.scram import make_credentials
 from .allocation import MessageQueue, allocate_average
 from .base import BrokerClient
 from .connection import ConnectionLost
+from .security import ClientSecurity
 
 
 @dataclass(slots=True)
@@ -86,39 +130,37 @@ class ResendResult:
 class Admin(BrokerClient):
     """Administration of topics and consumer groups."""
 
-    def __init__(self, address: str = "127.0.0.1:9876") -> None:
-        super().__init__(address)
-
-    async def _req(self, code: int, header: dict[str, Any] | None = None) -> dict[str, Any]:
-        return (await self._request(code, header))[0]
+    def __init__(self, address: str = "127.0.0.1:9876", *,
+                 security: ClientSecurity | None = None) -> None:
+        super().__init__(address, security=security)
 
     async def create_topic(self, topic: str, queues: int = 8, *, exclusive: bool = False
                            ) -> dict[str, Any]:
         """Create a topic, or grow its queue count (``exclusive``: fail if it exists)."""
-        return await self._req(RequestCode.CREATE_TOPIC,
-                               {"topic": topic, "queues": queues, "exclusive": exclusive})
+        return _fields(await self._call(CreateTopic(topic, queues, exclusive)))
 
     async def delete_topic(self, topic: str) -> None:
-        await self._req(RequestCode.DELETE_TOPIC, {"topic": topic})
+        await self._call(DeleteTopic(topic))
 
     async def list_topics(self) -> list[dict[str, Any]]:
-        return (await self._req(RequestCode.LIST_TOPICS))["topics"]
+        reply: TopicList = await self._call(ListTopics())
+        return reply.topics
 
     async def queue_count(self, topic: str) -> int:
-        return int((await self._req(RequestCode.GET_TOPIC, {"topic": topic}))["queues"])
+        reply: TopicInfo = await self._call(GetTopic(topic))
+        return reply.queues
 
     async def queue_offsets(self, topic: str, queue: int) -> tuple[int, int]:
-        h = await self._req(RequestCode.QUERY_OFFSETS, {"topic": topic, "queue": queue})
-        return int(h["min"]), int(h["max"])
+        reply: QueueOffsets = await self._call(QueryOffsets(topic, queue))
+        return reply.min, reply.max
 
     async def topic_offsets(self, topic: str) -> list[tuple[int, int]]:
         n = await self.queue_count(topic)
         return [await self.queue_offsets(topic, q) for q in range(n)]
 
     async def group_offset(self, group: str, topic: str, queue: int) -> int:
-        h = await self._req(RequestCode.GET_OFFSET,
-                            {"group": group, "topic": topic, "queue": queue})
-        return int(h["offset"])
+        reply: OffsetReply = await self._call(GetOffset(group, topic, queue))
+        return reply.offset
 
     async def reset_offsets(self, group: str, topic: str, *, to_offset: int | None = None,
                             to_time_ms: int | None = None, queue: int | None = None,
@@ -137,21 +179,23 @@ class Admin(BrokerClient):
             if to_offset is not None:
                 targets.append([q, to_offset])
             else:
-                h = await self._req(RequestCode.SEARCH_OFFSET,
-                                    {"topic": topic, "queue": q, "ts": to_time_ms})
-                targets.append([q, int(h["offset"])])
-        h = await self._req(RequestCode.RESET_OFFSETS, {"group": group, "topic": topic,
-                                                        "offsets": targets, "force": force})
-        return [OffsetReset(int(q), int(old), int(new)) for q, old, new in h["queues"]]
+                assert to_time_ms is not None
+                found: OffsetReply = await self._call(SearchOffset(topic, q, to_time_ms))
+                targets.append([q, found.offset])
+        reply: ResetReply = await self._call(ResetOffsets(group, topic, targets, force))
+        return [OffsetReset(int(q), int(old), int(new)) for q, old, new in reply.queues]
 
     async def list_groups(self) -> list[str]:
-        return (await self._req(RequestCode.LIST_GROUPS))["groups"]
+        reply: GroupList = await self._call(ListGroups())
+        return reply.groups
 
     async def group_members(self, group: str) -> list[dict[str, Any]]:
-        return (await self._req(RequestCode.LIST_GROUP_MEMBERS, {"group": group}))["members"]
+        reply: GroupMembers = await self._call(ListGroupMembers(group))
+        return reply.members
 
     async def ping(self) -> int:
-        return int((await self._req(RequestCode.PING))["time"])
+        reply: Pong = await self._call(Ping())
+        return reply.time
 
     # ---------------------------------------------------------------- group status
     async def group_topics(self, group: str) -> list[str]:
@@ -186,9 +230,9 @@ class Admin(BrokerClient):
         ids = [m.client_id for m in members]
         broadcast = bool(members) and all(m.model == "BROADCASTING" for m in members)
         status = GroupStatus(group, members)
-        answer = await self._req(RequestCode.QUERY_ACCESS_LOCKS, {"group": group})
-        locks = {(r["topic"], r["queue"]): r for r in answer["queues"]}
-        orderly = {(r["topic"], r["queue"]): r for r in answer.get("orderly", ())}
+        held: AccessLocks = await self._call(QueryAccessLocks(group))
+        locks = {(r["topic"], r["queue"]): r for r in held.queues}
+        orderly = {(r["topic"], r["queue"]): r for r in held.orderly}
         for topic in topics:
             try:
                 n = await self.queue_count(topic)
@@ -217,19 +261,21 @@ class Admin(BrokerClient):
     async def access_locks(self, group: str) -> list[dict[str, Any]]:
         """The broker's transition-state access locks of ``group``: per locked queue the
         holder, deliver and ack offsets, and whether a handover is pending."""
-        return (await self._req(RequestCode.QUERY_ACCESS_LOCKS, {"group": group}))["queues"]
+        reply: AccessLocks = await self._call(QueryAccessLocks(group))
+        return reply.queues
 
     async def queue_locks(self, group: str) -> list[dict[str, Any]]:
         """The broker's orderly queue locks of ``group``: per locked queue the holder,
         ``age_s`` (since granted) and ``renewed_s`` (since the last renewal)."""
-        answer = await self._req(RequestCode.QUERY_ACCESS_LOCKS, {"group": group})
-        return answer.get("orderly", [])
+        reply: AccessLocks = await self._call(QueryAccessLocks(group))
+        return reply.orderly
 
     # ---------------------------------------------------------------- inspection
     async def topic_status(self, topic: str) -> list[dict[str, Any]]:
         """Per queue of ``topic``: ``queue``, ``min``, ``max``, ``first_store_ms`` and
         ``last_store_ms`` (None for an empty queue)."""
-        return (await self._req(RequestCode.TOPIC_STATUS, {"topic": topic}))["queues"]
+        reply: TopicStatusReply = await self._call(TopicStatus(topic))
+        return reply.queues
 
     async def query_message(self, topic: str, key: str, *, by: str = "unique",
                             begin_ms: int | None = None, end_ms: int | None = None,
@@ -239,18 +285,51 @@ class Admin(BrokerClient):
         business keys (``by="keys"``) is ``key``: a bounded scan on the broker (see
         ``broker/admin_ops.py`` for its range and cost). Answers ``messages`` (queue, offset,
         store time, ...), ``scanned`` and ``truncated``; MESSAGE_NOT_FOUND when none."""
-        h: dict[str, Any] = {"topic": topic, "key": key, "by": by, "begin_ms": begin_ms,
-                             "end_ms": end_ms, "max_scan": max_scan,
-                             "max_results": max_results}
-        return await self._req(RequestCode.QUERY_MESSAGE,
-                               {k: v for k, v in h.items() if v is not None})
+        return _fields(await self._call(QueryMessage(topic, key, by, begin_ms, end_ms,
+                                                     max_scan, max_results)))
 
     async def group_trace(self, group: str, enabled: bool | None = None) -> bool:
         """Turn ``group``'s delivery trace on or off (None: leave it); whether it is on."""
-        h: dict[str, Any] = {"group": group}
-        if enabled is not None:
-            h["enabled"] = enabled
-        return bool((await self._req(RequestCode.GROUP_TRACE, h))["enabled"])
+        reply: TraceReply = await self._call(GroupTrace(group, enabled))
+        return bool(reply.enabled)
+
+    # ---------------------------------------------------------------- users and grants
+    async def create_user(self, name: str, password: str, *, super: bool = False
+                          ) -> dict[str, Any]:
+        """A new user of the broker. The password is turned into SCRAM credentials here:
+        it never reaches the broker. Answers the user's public view (no secret)."""
+        creds = make_credentials(password).to_dict()
+        return (await self._call(UserCreate(name, creds, super))).user
+
+    async def update_user(self, name: str, *, password: str | None = None,
+                          super: bool | None = None) -> dict[str, Any]:
+        """A new password and/or super flag; connections open as the user stay open."""
+        creds = None if password is None else make_credentials(password).to_dict()
+        return (await self._call(UserUpdate(name, creds, super))).user
+
+    async def delete_user(self, name: str) -> None:
+        """Remove a user and its grants; its connections lose access at once."""
+        await self._call(UserDelete(name))
+
+    async def list_users(self) -> list[dict[str, Any]]:
+        return (await self._call(UserList())).users
+
+    async def grant(self, user: str, kind: str, pattern: str, actions: Iterable[str], *,
+                    decision: str = "Allow", sources: Iterable[str] = ()) -> bool:
+        """Allow (or, ``decision="Deny"``, deny) ``actions`` on the resources of ``kind``
+        (Topic, Group, Cluster) named ``pattern`` (a name, ``prefix*`` or ``*``) to
+        ``user``, from ``sources`` (networks). Whether the grant is new."""
+        req = AclGrant(user, kind, pattern, list(actions), decision, list(sources))
+        return (await self._call(req)).changed
+
+    async def revoke(self, user: str, kind: str, pattern: str, actions: Iterable[str], *,
+                     decision: str = "Allow", sources: Iterable[str] = ()) -> bool:
+        """Remove a grant given with the same arguments; whether there was one."""
+        req = AclRevoke(user, kind, pattern, list(actions), decision, list(sources))
+        return (await self._call(req)).changed
+
+    async def list_grants(self, user: str | None = None) -> list[dict[str, Any]]:
+        return (await self._call(AclList(user))).grants
 
     # ---------------------------------------------------------------- dead letters
     async def broker_status(self) -> dict[str, Any]:
@@ -259,7 +338,7 @@ class Admin(BrokerClient):
         ``dedup`` (``window_s``, ``effective_window_s``: shorter while the key cap forgets
         keys younger than the window, ``keys``, ``max_keys``) and ``delay_levels`` (the
         retry delays in seconds, level 1 first)."""
-        return await self._req(RequestCode.BROKER_STATUS)
+        return _fields(await self._call(BrokerStatus()))
 
     async def dead_letter_offsets(self, group: str) -> tuple[int, int] | None:
         """(min, max) offsets of the group's dead-letter queue; None when it has none
@@ -290,11 +369,10 @@ class Admin(BrokerClient):
         return out[:max_msgs]
 
     async def _pull(self, topic: str, offset: int, n: int) -> list[MessageExt]:
-        hdr, payload = await self._request(RequestCode.PULL, {
-            "topic": topic, "queue": 0, "offset": offset, "max": n})
-        if hdr["st"] != PullStatus.FOUND or not payload:
+        reply: PullReply = await self._call(Pull(topic, 0, offset, n))
+        if reply.status != PullStatus.FOUND or not reply.payload:
             return []
-        return list(decode_records(payload))
+        return list(decode_records(reply.payload))
 
     async def resend_dead_letters(self, group: str, offsets: Iterable[int] | None = None
                                   ) -> list[ResendResult]:
@@ -332,20 +410,20 @@ class Admin(BrokerClient):
             return res
         res.topic = retry_topic(group)
         try:  # the broker copies the dead letter (clients cannot send to system topics)
-            hdr, _ = await self._request(RequestCode.CONSUMER_SEND_BACK, {
-                "group": group, "topic": dlq_topic(group), "queue": 0,
-                "offset": m.queue_offset, "resend": True})
+            reply: SendBackReply = await self._call(SendBack(
+                group, dlq_topic(group), 0, m.queue_offset, resend=True))
         except ConnectionLost:
             raise
         except OnceqError as exc:
             res.error = f"{exc.code.name}: {exc.message}"
             return res
-        res.queue_id = int(hdr["queue"])
-        if "base" in hdr:
-            res.offset = int(hdr["base"])
-        else:
-            res.offset = int(hdr["offsets"][0])
-            if 0 in hdr.get("dups", ()):
-                res.duplicate = True
-                res.queue_id = int(dict(zip(hdr["dups"], hdr["dupq"], strict=True))[0])
+        if reply.queue is None or reply.offset is None:
+            res.error = "the broker did not say where the message went"
+            return res
+        res.queue_id, res.offset, res.duplicate = reply.queue, reply.offset, reply.duplicate
         return res
+
+
+def _fields(reply: Message) -> dict[str, Any]:
+    """A reply's fields as a map (what the admin calls that answer a map return)."""
+    return {s.name: getattr(reply, s.name) for s in reply.SPECS}

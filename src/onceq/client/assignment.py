@@ -1,10 +1,13 @@
-"""The queues a push consumer owns now.
+"""The queues a push consumer owns now, and their generations.
 
-One object, owned by the consumer: the rebalance changes it (take, revoke), the pull loops
-and consume services read it. Work started for a process queue (a pull, a listener call, a
-commit) asks :meth:`Assignment.active` before it acts on the result: the queue may have
-been revoked, reset, lost or taken again meanwhile (a new process queue then stands for
-it), and then the result belongs to nobody.
+One object, owned by the consumer: the coordinator changes it (take, revoke, drop), the
+fetcher and the consume services read it. Every take of a queue starts a new
+**generation** (a number that only grows, stamped on the queue's process queue). Work
+started for a process queue (a pull, a listener call, a commit) remembers the generation
+it started under and asks :meth:`Assignment.current` before it applies its result: when
+the queue was dropped (lost, reset) or released and taken again meanwhile, the result
+belongs to nobody and is thrown away. A revoked queue stays current while it drains: the
+work it finishes then is committed.
 """
 
 from __future__ import annotations
@@ -16,17 +19,27 @@ from .process_queue import ProcessQueue
 
 
 class Assignment:
-    __slots__ = ("_pqs",)
+    __slots__ = ("_pqs", "generation")
 
     def __init__(self) -> None:
         self._pqs: dict[MessageQueue, ProcessQueue] = {}
+        self.generation = 0  # of the last take
 
     def take(self, pq: ProcessQueue) -> None:
+        """``pq`` is now its queue's process queue, under a new generation."""
+        self.generation += 1
+        pq.generation = self.generation
         self._pqs[pq.mq] = pq
 
     def revoke(self, pq: ProcessQueue) -> None:
-        """Stop work on ``pq`` now (it stays listed until :meth:`forget`, while it drains)."""
+        """Stop new work on ``pq`` now (it stays current until :meth:`forget`, while it
+        drains)."""
         pq.dropped = True
+
+    def drop(self, pq: ProcessQueue) -> None:
+        """The group moved on without ``pq`` (lost, or its offsets reset): no new work,
+        and no result of work under its generation applies any more."""
+        pq.stale = pq.dropped = pq.released = True
 
     def forget(self, pq: ProcessQueue) -> None:
         """``pq`` was released: it is no longer owned."""
@@ -35,8 +48,15 @@ class Assignment:
             del self._pqs[pq.mq]
 
     def active(self, pq: ProcessQueue) -> bool:
-        """Whether ``pq`` is still the owned, undropped process queue of its queue."""
-        return not pq.dropped and self._pqs.get(pq.mq) is pq
+        """Whether new work may start on ``pq``: its queue's owned, undropped process
+        queue."""
+        return not pq.dropped and self.current(pq.mq, pq.generation)
+
+    def current(self, mq: MessageQueue, generation: int) -> bool:
+        """Whether work started on ``mq`` under ``generation`` may apply its result: the
+        queue has not been dropped, released or taken again since."""
+        pq = self._pqs.get(mq)
+        return pq is not None and pq.generation == generation and not pq.released
 
     def get(self, mq: MessageQueue) -> ProcessQueue | None:
         return self._pqs.get(mq)

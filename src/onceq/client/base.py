@@ -3,19 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any, Self
 
-from .connection import BrokerConnection, ConnectionLost
+from ..protocol.schema import Message
+from .connection import BrokerConnection, ConnectionLost, call
+from .security import ClientSecurity
 
 # opens a connection to ``address`` that hands server pushes to the callback
 Connect = Callable[[str, Callable[[int, dict[str, Any]], None]], Awaitable[BrokerConnection]]
 
 
 class BrokerClient:
-    def __init__(self, address: str, connect: Connect | None = None) -> None:
+    def __init__(self, address: str, connect: Connect | None = None,
+                 security: ClientSecurity | None = None) -> None:
+        """``security``: the user and TLS (``client/security.py``; None: from the
+        environment, ``ONCEQ_USER``...)."""
         self.address = address
-        self._connect = connect or BrokerConnection.open  # an in-memory one in tests
+        self.security = ClientSecurity.from_env() if security is None else security
+        # an in-memory connection in tests
+        self._connect = connect or functools.partial(BrokerConnection.open,
+                                                     security=self.security)
         self._conn: BrokerConnection | None = None
         self._connect_lock: asyncio.Lock | None = None
         self._no_reconnect = False  # set by clients that must not reopen after closing
@@ -47,6 +56,10 @@ class BrokerClient:
                        ) -> tuple[dict[str, Any], bytes]:
         conn = await self._connection()
         return await conn.request(code, header, payload, timeout)
+
+    async def _call(self, request: Message, timeout: float | None = 10.0) -> Any:
+        """A typed request on this client's connection; its typed reply."""
+        return await call(await self._connection(), request, timeout)
 
     async def start(self) -> Self:
         """Connect now (otherwise the first request connects)."""

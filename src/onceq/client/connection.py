@@ -6,7 +6,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from ..protocol.errors import ErrorCode, OnceqError, ProtocolError
 from ..protocol.frame import (
@@ -18,6 +18,11 @@ from ..protocol.frame import (
     encode_frame,
     max_frame_for_body,
 )
+from ..protocol.replies import REPLY_OF
+from ..protocol.requests import Authenticate
+from ..protocol.schema import Message
+from ..protocol.scram import ScramClient, ScramError
+from .security import ClientSecurity
 
 log = logging.getLogger("onceq.client")
 
@@ -55,23 +60,49 @@ class BrokerConnection(asyncio.Protocol):
         self._out: list[bytes] = []
         self._on_push = on_push
         self.closed = False
+        self.user: str | None = None  # authenticated as (``authenticate``)
         self.error: OnceqError | None = None  # why the connection failed
         self.lost = asyncio.get_event_loop().create_future()
 
     @classmethod
     async def open(
         cls, address: str, on_push: Callable[[int, dict[str, Any]], None] | None = None,
-        timeout: float = 3.0,
+        timeout: float = 3.0, security: ClientSecurity | None = None,
     ) -> BrokerConnection:
+        """Connect (with TLS when ``security`` says so) and, with a user, authenticate
+        (SCRAM-SHA-256) before the connection is handed out. ``security`` None: from the
+        environment (``client/security.py``)."""
+        sec = ClientSecurity.from_env() if security is None else security
         host, port = parse_address(address)
         loop = asyncio.get_running_loop()
+        ctx = sec.ssl_context()
         try:
             _, proto = await asyncio.wait_for(
-                loop.create_connection(lambda: cls(on_push), host, port), timeout
+                loop.create_connection(lambda: cls(on_push), host, port, ssl=ctx,
+                                       server_hostname=host if ctx else None), timeout
             )
-        except (OSError, TimeoutError) as exc:
+        except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
             raise ConnectionLost(f"cannot connect to broker at {address}: {exc}") from None
+        if sec.user is not None:
+            try:
+                await proto.authenticate(sec.user, sec.password or "")
+            except BaseException:
+                proto.close()
+                raise
         return proto
+
+    async def authenticate(self, user: str, password: str) -> None:
+        """Prove to the broker that this is ``user``, and that the broker knows the user's
+        credentials (the server's signature is verified): ``AUTH_FAILED`` otherwise."""
+        scram = ScramClient(user, password)
+        try:
+            first = await call(self, Authenticate(scram.first()))
+            final = await call(self, Authenticate(scram.final(first.message)))
+            scram.verify(final.message)
+        except ScramError as exc:
+            raise OnceqError(ErrorCode.AUTH_FAILED, f"the broker's answer does not prove "
+                             f"it knows the user: {exc}") from None
+        self.user = user
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
@@ -166,6 +197,46 @@ class BrokerConnection(asyncio.Protocol):
                 for corr in [c for c, f in self._pending.items() if f is fut]:
                     del self._pending[corr]
 
+    async def call(self, request: Message, timeout: float | None = 10.0) -> Any:
+        """Send a typed request; return its typed reply (``protocol/replies.py``,
+        ``REPLY_OF``), or raise its error."""
+        return await call(self, request, timeout)
+
+    def submit(self, request: Message) -> asyncio.Future[Any]:
+        """Send a typed request now; a future of its typed reply (for pipelining: several
+        requests in flight on one connection). Cancelling the future forgets the request."""
+        raw = self.send_request(request.CODE, request.encode(),
+                                getattr(request, "payload", b""))
+        reply_type = REPLY_OF[request.CODE]
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+        def settle(done: asyncio.Future[tuple[dict[str, Any], bytes]]) -> None:
+            if fut.done():
+                return
+            if done.cancelled():
+                fut.cancel()
+            elif (exc := done.exception()) is not None:
+                fut.set_exception(exc)
+            else:
+                try:
+                    fut.set_result(reply_type.decode(*done.result()))
+                except OnceqError as err:  # a reply that does not decode
+                    fut.set_exception(err)
+
+        def forget(f: asyncio.Future[Any]) -> None:
+            if f.cancelled() and not raw.done():
+                raw.cancel()
+                for corr in [c for c, p in self._pending.items() if p is raw]:
+                    del self._pending[corr]
+
+        raw.add_done_callback(settle)
+        fut.add_done_callback(forget)
+        return fut
+
+    def call_oneway(self, request: Message) -> None:
+        """Send a typed request and ignore its reply (fire-and-forget)."""
+        self.write_oneway(request.CODE, request.encode(), getattr(request, "payload", b""))
+
     @property
     def pending(self) -> int:
         """Requests waiting for their reply."""
@@ -180,6 +251,21 @@ class BrokerConnection(asyncio.Protocol):
     def close(self) -> None:
         self._flush()  # requests written this loop pass (a fire-and-forget send) still go
         self._fail(ConnectionLost("connection closed by client"))
+
+
+class Requests(Protocol):
+    """What a typed call needs of a connection (``BrokerConnection``, or a test's fake)."""
+
+    async def request(self, code: int, header: dict[str, Any] | None = None,
+                      payload: bytes = b"", timeout: float | None = 10.0
+                      ) -> tuple[dict[str, Any], bytes]: ...
+
+
+async def call(conn: Requests, request: Message, timeout: float | None = 10.0) -> Any:
+    """Send the typed ``request`` on ``conn``; its typed reply, or raise its error."""
+    header, payload = await conn.request(request.CODE, request.encode(),
+                                         getattr(request, "payload", b""), timeout)
+    return REPLY_OF[request.CODE].decode(header, payload)
 
 
 def _swallow(fut: asyncio.Future[Any]) -> None:

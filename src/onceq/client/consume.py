@@ -1,36 +1,25 @@
-"""What a listener is given and returns, and the consume-service interface.
+"""What a listener is given and what it returns: the consumer's public listener types.
 
-A push consumer hands the messages it pulls to one consume service (RocketMQ's
-``ConsumeMessageConcurrentlyService`` / ``ConsumeMessageOrderlyService`` split):
-:class:`~onceq.client.consume_concurrent.ConcurrentConsumeService` runs listener calls in
-parallel and sends failures to the retry topic; :class:`~onceq.client.consume_orderly.
-OrderlyConsumeService` runs one batch of a queue at a time, in offset order, under a broker
-queue lock. The service is chosen by the listener kind (:func:`orderly`) or the
-``orderly`` setting.
+A listener gets a batch of messages and a :class:`ConsumeContext`, and answers with a
+:class:`ConsumeResult` (the acknowledged prefix of the batch; the rest retried, or
+dead-lettered with a reason). The older style, a :class:`ConsumeStatus` (or None) with the
+details set on the context (``ack_index``, ``delay_level``, ``suspend_ms``,
+``dlq_reasons``), works as before: :meth:`ConsumeResult.of` turns it into the result
+value, in this one place. Listener middleware (the idempotency layer) needs only these.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import inspect
-import logging
-import queue
-import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from ..log.record import MessageExt
 from .allocation import MessageQueue
-from .connection import BrokerConnection
-from .process_queue import ProcessQueue
 
-if TYPE_CHECKING:
-    from .push import PushConsumer
-
-log = logging.getLogger("onceq.consumer")
+__all__ = ["ConsumeContext", "ConsumeResult", "ConsumeStatus", "Listener", "Rest",
+           "is_orderly", "orderly"]
 
 
 class ConsumeStatus(StrEnum):
@@ -66,11 +55,84 @@ class ConsumeContext:
         """How many of a batch of ``size`` messages a SUCCESS acknowledges: those up to
         ``ack_index``, clamped to the batch (a negative index acknowledges none, never
         slices from the end)."""
-        return min(max(self.ack_index, -1), size - 1) + 1
+        return _clamp(self.ack_index + 1, size)
+
+
+def _clamp(acked: int, size: int) -> int:
+    """An acknowledged prefix's length, within the batch: never negative (a negative index
+    must not slice from the end) and never past its end."""
+    return min(max(acked, 0), size)
+
+
+class Rest(StrEnum):
+    """What happens to the messages of a batch after its acknowledged prefix."""
+
+    RETRY = "RETRY"  # concurrent: through the retry topic; orderly: again, in place
+    DEAD_LETTER = "DEAD_LETTER"  # to the group's dead-letter queue (retrying cannot help)
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumeResult:
+    """A listener's answer on one batch: its first ``acked`` messages are done; the rest
+    are retried (``delay_level``: 0 lets the broker choose; ``suspend_ms``: the pause of
+    an orderly queue, 0 for the ``suspend_s`` setting) or dead-lettered, each with its
+    reason in ``reasons`` (batch index -> text) when it has one."""
+
+    acked: int
+    rest: Rest = Rest.RETRY
+    delay_level: int = 0
+    suspend_ms: int = 0
+    reasons: Mapping[int, str] = field(default_factory=dict)
+
+    @classmethod
+    def success(cls, acked: int | None = None) -> ConsumeResult:
+        """All done (or the first ``acked``; the rest retried)."""
+        return cls(2 ** 62 if acked is None else acked)
+
+    @classmethod
+    def retry(cls, acked: int = 0, *, delay_level: int = 0, suspend_ms: int = 0
+              ) -> ConsumeResult:
+        return cls(acked, Rest.RETRY, delay_level, suspend_ms)
+
+    @classmethod
+    def dead_letter(cls, acked: int = 0, reasons: Mapping[int, str] | None = None
+                    ) -> ConsumeResult:
+        return cls(acked, Rest.DEAD_LETTER, reasons=dict(reasons or {}))
+
+    @classmethod
+    def of(cls, returned: Any, ctx: ConsumeContext, size: int) -> ConsumeResult:
+        """The result a listener's return value stands for, on a batch of ``size``: a
+        ``ConsumeResult`` itself, or (the context style) a ``ConsumeStatus`` or None read
+        with what the listener set on ``ctx``. Raises ValueError for anything else."""
+        if isinstance(returned, ConsumeResult):
+            acked = _clamp(returned.acked, size)
+            return returned if acked == returned.acked else \
+                cls(acked, returned.rest, returned.delay_level, returned.suspend_ms,
+                    returned.reasons)
+        status = ConsumeStatus.SUCCESS if returned is None else ConsumeStatus(returned)
+        acked = ctx.acked(size) if status is ConsumeStatus.SUCCESS else 0
+        rest = (Rest.DEAD_LETTER if ctx.delay_level < 0 and status is not ConsumeStatus.SUSPEND
+                else Rest.RETRY)
+        return cls(acked, rest, max(ctx.delay_level, 0), ctx.suspend_ms,
+                   dict(ctx.dlq_reasons))
+
+    def reply(self, ctx: ConsumeContext) -> ConsumeStatus:
+        """This result in the context style, for a caller that reads the context: sets
+        ``ctx`` and returns the status (the inverse of :meth:`of`)."""
+        ctx.ack_index = self.acked - 1
+        if self.rest is Rest.DEAD_LETTER:
+            ctx.delay_level = -1
+        elif self.delay_level:
+            ctx.delay_level = self.delay_level
+        if self.suspend_ms:
+            ctx.suspend_ms = self.suspend_ms
+        ctx.dlq_reasons.update(self.reasons)
+        return ConsumeStatus.SUCCESS
 
 
 Listener = Callable[[list[MessageExt], ConsumeContext],
-                    Awaitable[ConsumeStatus | None] | ConsumeStatus | None]
+                    Awaitable[ConsumeResult | ConsumeStatus | None] | ConsumeResult
+                    | ConsumeStatus | None]
 L = TypeVar("L")
 
 
@@ -87,155 +149,3 @@ def orderly(listener: L) -> L:
 
 def is_orderly(listener: Any) -> bool:
     return getattr(listener, "onceq_orderly", False) is True
-
-
-class ListenerThreads:
-    """``n`` threads running the calls of a plain (not async) listener.
-
-    Finished calls come back to the event loop in bulk: the first result of a burst
-    schedules one wake-up of the loop, which settles every call finished by then (an
-    executor wakes the loop once per call, the main cost at listener batch 1). Daemon
-    threads: a consumer never shut down does not keep the process alive.
-    """
-
-    def __init__(self, n: int, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._jobs: queue.SimpleQueue[tuple[asyncio.Future[Any], Callable[..., Any],
-                                            tuple[Any, ...]] | None] = queue.SimpleQueue()
-        self._done: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
-        self._lock = threading.Lock()
-        self._closed = False
-        self._threads = [threading.Thread(target=self._run, name=f"onceq-consume-{i}",
-                                          daemon=True) for i in range(n)]
-        for t in self._threads:
-            t.start()
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
-        """Run ``fn(*args)`` on a thread; its result or exception, on the loop."""
-        fut = self._loop.create_future()
-        self._jobs.put((fut, fn, args))
-        return fut
-
-    def shutdown(self) -> None:
-        """Calls not started fail; running ones finish (their results are dropped)."""
-        self._closed = True
-        for _ in self._threads:
-            self._jobs.put(None)
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fut, fn, args = job
-            result = exc = None
-            if self._closed:
-                exc = RuntimeError("the consumer was shut down")
-            else:
-                try:
-                    result = fn(*args)
-                except BaseException as e:  # handed to the caller, like an executor
-                    exc = e
-            with self._lock:
-                self._done.append((fut, result, exc))
-                first = len(self._done) == 1
-            if first:
-                # a closed loop: nobody waits any more
-                with contextlib.suppress(RuntimeError):
-                    self._loop.call_soon_threadsafe(self._settle)
-
-    def _settle(self) -> None:
-        with self._lock:
-            done, self._done = self._done, []
-        for fut, result, exc in done:
-            if fut.done():  # given up (the consume timeout)
-                continue
-            if exc is None:
-                fut.set_result(result)
-            else:
-                fut.set_exception(exc)
-
-
-class ConsumeService:
-    """Runs the listener on what the pull loops fetched. One instance per consumer."""
-
-    failure = ConsumeStatus.RECONSUME_LATER  # what an exception or a timeout counts as
-
-    def __init__(self, consumer: PushConsumer) -> None:
-        self.consumer = consumer
-
-    def start(self) -> None:
-        """Start background work (the consumer is running)."""
-
-    async def stop(self) -> None:
-        """Stop background work (after every queue was released)."""
-
-    async def acquire(self, mqs: list[MessageQueue]) -> set[MessageQueue]:
-        """Before newly assigned queues are taken: those that may be taken now (the others
-        are left for a later rebalance)."""
-        return set(mqs)
-
-    def may_pull(self, pq: ProcessQueue) -> bool:
-        """Whether the pull loop of ``pq`` may pull now (else it waits a moment)."""
-        return True
-
-    def dispatch(self, pq: ProcessQueue, msgs: list[MessageExt]) -> None:
-        """Messages just added to ``pq``: have them consumed."""
-        raise NotImplementedError
-
-    async def drain(self, pq: ProcessQueue) -> None:
-        """``pq`` is revoked: wait (bounded by the drain timeout) for its listener calls."""
-        raise NotImplementedError
-
-    def forget(self, pq: ProcessQueue) -> None:
-        """``pq`` was dropped without a drain (an offset reset): results are thrown away."""
-
-    async def reconnected(self, conn: BrokerConnection) -> None:
-        """A new broker connection, before other requests use it."""
-
-    async def release(self, pq: ProcessQueue) -> None:
-        """Last step of a revoke: commit the offset of ``pq``, then give the queue up."""
-        await self.consumer.offsets.release(pq)
-
-    # ---------------------------------------------------------------- shared
-    async def call_listener(self, batch: list[MessageExt], ctx: ConsumeContext
-                            ) -> ConsumeStatus:
-        """Run the listener under the consume timeout; an exception, a timeout or a bad
-        result is a failure."""
-        try:
-            async with asyncio.timeout(self.consumer.config.consume_timeout_s):
-                return await self.run_listener(batch, ctx)
-        except TimeoutError:
-            return self.timed_out(ctx)
-
-    async def run_listener(self, batch: list[MessageExt], ctx: ConsumeContext
-                           ) -> ConsumeStatus:
-        """Run the listener without a timeout; an exception or a bad result is a failure."""
-        c = self.consumer
-        try:
-            listener = c.listener
-            if c._threads is None:
-                result = await listener(batch, ctx)  # type: ignore[misc]
-            else:
-                result = await c._threads.submit(listener, batch, ctx)
-            return await self.status_of(result)
-        except Exception:
-            return self.listener_failed(ctx)
-
-    @staticmethod
-    async def status_of(result: Any) -> ConsumeStatus:
-        """The status a listener's result stands for (raises for a result that is none)."""
-        if result is None:
-            return ConsumeStatus.SUCCESS
-        if inspect.isawaitable(result):  # e.g. an object with an async __call__
-            result = await result
-        return ConsumeStatus.SUCCESS if result is None else ConsumeStatus(result)
-
-    def listener_failed(self, ctx: ConsumeContext) -> ConsumeStatus:
-        """In an ``except`` block: the listener raised. Includes a result that is no
-        ConsumeStatus: it must not leave the batch in flight forever, holding the queue's
-        commit offset back."""
-        log.exception("listener failed on %s; retrying the batch", ctx.queue)
-        return self.failure
-
-    def timed_out(self, ctx: ConsumeContext) -> ConsumeStatus:
-        log.warning("listener exceeded the consume timeout of %.0fs on %s; retrying",
-                    self.consumer.config.consume_timeout_s, ctx.queue)
-        return self.failure

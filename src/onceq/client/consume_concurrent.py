@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ..log.record import MessageExt
-from ..protocol.codes import MAX_DLQ_REASON, PROP_ORIGIN_TOPIC, RETRY_PREFIX, RequestCode
+from ..protocol.codes import PROP_ORIGIN_TOPIC, RETRY_PREFIX
 from ..protocol.errors import OnceqError
-from .consume import ConsumeContext, ConsumeService, ConsumeStatus
+from .consume import ConsumeContext, Rest
+from .consume_service import DEAD_LETTER_LEVEL, ConsumeService
 from .process_queue import ProcessQueue
-
-if TYPE_CHECKING:
-    from .push import PushConsumer
 
 log = logging.getLogger("onceq.consumer")
 
@@ -42,15 +40,15 @@ class ConcurrentConsumeService(ConsumeService):
     batch, or a timer per call, would cost more than the rest of the consumer.
     """
 
-    def __init__(self, consumer: PushConsumer) -> None:
-        super().__init__(consumer)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._todo: asyncio.Queue[tuple[ProcessQueue, list[MessageExt]] | None] = \
             asyncio.Queue()
         self._workers: list[asyncio.Task[None]] = []
         self._busy: dict[ProcessQueue, int] = {}  # batches started and not settled, by queue
         self._idle: dict[ProcessQueue, asyncio.Future[None]] = {}  # drains waiting on _busy
         self._tasks: set[asyncio.Task[None]] = set()  # send-backs (a reference each)
-        n = consumer.config.concurrency
+        n = self.config.concurrency
         self._since: list[float | None] = [None] * n  # when each worker's call started
         self._expired = [False] * n  # the timer cancelled the worker's call
         self._timer: asyncio.TimerHandle | None = None
@@ -58,7 +56,7 @@ class ConcurrentConsumeService(ConsumeService):
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._workers = [loop.create_task(self._work(i), name=f"onceq-consume-{i}")
-                         for i in range(self.consumer.config.concurrency)]
+                         for i in range(self.config.concurrency)]
 
     async def stop(self) -> None:
         # no cancel: a call still running past the drain timeout ends on its own
@@ -67,7 +65,7 @@ class ConcurrentConsumeService(ConsumeService):
 
     def _time(self) -> None:
         """Cancel the calls over the consume timeout; set the timer for the next one."""
-        timeout = self.consumer.config.consume_timeout_s
+        timeout = self.config.consume_timeout_s
         loop = asyncio.get_running_loop()
         now = loop.time()
         oldest = None
@@ -82,9 +80,9 @@ class ConcurrentConsumeService(ConsumeService):
         self._timer = None if oldest is None else loop.call_at(oldest + timeout, self._time)
 
     def dispatch(self, pq: ProcessQueue, msgs: list[MessageExt]) -> None:
-        if not self.consumer.owned.active(pq):
+        if not self.assignment.active(pq):
             return
-        size = self.consumer.config.batch_size
+        size = self.config.batch_size
         put = self._todo.put_nowait
         for i in range(0, len(msgs), size):
             put((pq, msgs[i:i + size]))
@@ -98,11 +96,11 @@ class ConcurrentConsumeService(ConsumeService):
         idle = self._idle.get(pq)
         if idle is None:
             idle = self._idle[pq] = asyncio.get_running_loop().create_future()
-        done, _ = await asyncio.wait([idle], timeout=self.consumer.config.drain_timeout_s)
+        done, _ = await asyncio.wait([idle], timeout=self.config.drain_timeout_s)
         if not done:
             log.warning("%s: %d listener call(s) on %s still running after the drain "
                         "timeout; their messages will be redelivered",
-                        self.consumer.client_id, self._busy.get(pq, 0), pq.mq)
+                        self.requester.client_id, self._busy.get(pq, 0), pq.mq)
 
     def _started(self, pq: ProcessQueue) -> None:
         self._busy[pq] = self._busy.get(pq, 0) + 1
@@ -125,8 +123,8 @@ class ConcurrentConsumeService(ConsumeService):
             pq, batch = item
             if pq.dropped:
                 continue  # not started before the revoke: the next owner gets it
-            if self.consumer.lease_lapsed(pq):  # away longer than the broker keeps a lock:
-                await self.consumer.confirm_lease(pq)  # is the queue still ours?
+            if self.requester.lease_lapsed(pq):  # away longer than the broker keeps a lock:
+                await self.requester.confirm_lease(pq)  # is the queue still ours?
                 if pq.dropped:
                     continue
             self._started(pq)
@@ -134,8 +132,8 @@ class ConcurrentConsumeService(ConsumeService):
             try:
                 self._since[i] = loop.time()
                 if self._timer is None:
-                    self._timer = loop.call_at(self._since[i] + self.consumer.config.
-                                               consume_timeout_s, self._time)
+                    self._timer = loop.call_at(self._since[i] + self.config.consume_timeout_s,
+                                               self._time)
                 handed_on = await self._consume(pq, batch, i)
             except Exception:  # a worker must survive whatever one batch does
                 log.exception("consuming a batch of %s failed", pq.mq)
@@ -150,43 +148,41 @@ class ConcurrentConsumeService(ConsumeService):
     async def _consume(self, pq: ProcessQueue, batch: list[MessageExt], w: int) -> bool:
         """Worker ``w``'s listener call and its result; True when a send-back task goes on
         with it (and settles the batch)."""
-        c = self.consumer
+        r = self.requester
+        generation = pq.generation
         restore_origin_topic(batch)
-        ctx = ConsumeContext(pq.mq, len(batch) - 1, group=c.group)
+        ctx = ConsumeContext(pq.mq, len(batch) - 1, group=r.group)
         try:
-            status = await self.run_listener(batch, ctx)
+            result = await self.runner.run(batch, ctx)
         except asyncio.CancelledError:
             if not self._expired[w]:
                 raise
-            status = self.timed_out(ctx)
+            result = self.runner.timed_out(ctx)
         finally:
             self._since[w] = None  # the call is over: the timer leaves the worker alone
             if self._expired[w]:  # the timer's cancel, taken (a timeout) or swallowed
                 self._expired[w] = False
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
-        if status == ConsumeStatus.SUCCESS:
-            acked = ctx.acked(len(batch))
-            done = batch[:acked]
-            failed = batch[acked:]
-        else:
-            done, failed = [], batch
-        if pq.released:
-            # finished after the drain timeout: the queue's next owner re-reads these
-            # messages from the committed offset; a send-back now would add a second copy
+        done, failed = batch[:result.acked], batch[result.acked:]
+        if not self.assignment.current(pq.mq, generation):
+            # finished after the queue was released (the drain timeout passed) or dropped:
+            # its next owner re-reads these messages from the committed offset; a send-back
+            # now would add a second copy
             if not pq.stale:  # or the group moved on without it: expected, not a warning
                 log.warning("listener finished on %s after its queue was released; result "
                             "dropped", pq.mq)
             return False
-        c.stats["consumed"] += len(done)
+        r.stats["consumed"] += len(done)
         if not failed:
             pq.remove(done)
             return False
-        c.stats["failed"] += len(failed)
-        reasons = {m.queue_offset: ctx.dlq_reasons[i] for i, m in enumerate(batch)
-                   if i in ctx.dlq_reasons} if ctx.dlq_reasons else {}
+        r.stats["failed"] += len(failed)
+        level = DEAD_LETTER_LEVEL if result.rest is Rest.DEAD_LETTER else result.delay_level
+        reasons = {m.queue_offset: result.reasons[i] for i, m in enumerate(batch)
+                   if i in result.reasons} if result.reasons else {}
         # the send-back goes on beside the workers: a slow broker must not hold a worker
         t = asyncio.get_running_loop().create_task(
-            self._finish(pq, done, failed, ctx.delay_level, reasons))
+            self._finish(pq, done, failed, level, reasons))
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
         return True
@@ -206,8 +202,7 @@ class ConcurrentConsumeService(ConsumeService):
         Broadcasting has no retry topic: failed messages are logged and skipped, like
         RocketMQ. Messages the broker could not take are retried locally later.
         """
-        c = self.consumer
-        if not c.clustering:
+        if not self.clustering:
             log.warning("broadcasting: %d failed message(s) on %s are not retried",
                         len(failed), pq.mq)
             return failed
@@ -215,7 +210,7 @@ class ConcurrentConsumeService(ConsumeService):
         later = []
         for m in failed:
             try:
-                await send_back(c, pq, m, delay_level, (reasons or {}).get(m.queue_offset))
+                await self.send_back(pq, m, delay_level, (reasons or {}).get(m.queue_offset))
                 taken.append(m)
             except OnceqError as exc:
                 log.warning("send back of %s@%d failed (%s); retrying locally", pq.mq,
@@ -223,18 +218,5 @@ class ConcurrentConsumeService(ConsumeService):
                 later.append(m)
         if later and not pq.dropped:
             loop = asyncio.get_running_loop()
-            loop.call_later(c.config.send_back_retry_s, self.dispatch, pq, later)
+            loop.call_later(self.config.send_back_retry_s, self.dispatch, pq, later)
         return taken
-
-
-async def send_back(c: PushConsumer, pq: ProcessQueue, m: MessageExt, delay_level: int,
-                    dlq_reason: str | None = None) -> None:
-    """Hand one message to the broker's retry path (delay level -1: straight to the DLQ);
-    ``dlq_reason`` goes into its ``DLQ_REASON`` property if it ends in the DLQ."""
-    header = {"group": c.group, "topic": pq.mq.topic, "queue": pq.mq.queue_id,
-              "offset": m.queue_offset, "delay_level": delay_level,
-              "max_reconsume": c.config.max_reconsume}
-    if dlq_reason:
-        header["dlq_reason"] = dlq_reason[:MAX_DLQ_REASON]
-    await c._req(RequestCode.CONSUMER_SEND_BACK, header)
-    c.stats["sent_back"] += 1

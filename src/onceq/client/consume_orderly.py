@@ -26,19 +26,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..log.record import MessageExt
-from ..protocol.codes import RequestCode
 from ..protocol.errors import OnceqError
+from ..protocol.replies import Locked
+from ..protocol.requests import LockQueues, QueueRef, UnlockQueues
 from .allocation import MessageQueue
-from .connection import BrokerConnection
-from .consume import ConsumeContext, ConsumeService, ConsumeStatus
-from .consume_concurrent import restore_origin_topic, send_back
+from .connection import BrokerConnection, call
+from .consume import ConsumeContext, Rest
+from .consume_concurrent import restore_origin_topic
+from .consume_service import DEAD_LETTER_LEVEL, ConsumeService
 from .process_queue import ProcessQueue
-
-if TYPE_CHECKING:
-    from .push import PushConsumer
 
 log = logging.getLogger("onceq.consumer")
 
@@ -53,11 +52,10 @@ def suspend_seconds(ctx_ms: int, default_s: float) -> float:
 
 
 class OrderlyConsumeService(ConsumeService):
-    failure = ConsumeStatus.SUSPEND
-    def __init__(self, consumer: PushConsumer) -> None:
-        super().__init__(consumer)
-        self.locking = consumer.clustering  # broadcasting: no broker lock
-        self._sem = asyncio.Semaphore(consumer.config.concurrency)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.locking = self.clustering  # broadcasting: no broker lock
+        self._sem = asyncio.Semaphore(self.config.concurrency)
         self._runs: dict[ProcessQueue, asyncio.Task[None]] = {}  # one per queue at a time
         # runs of process queues dropped by an offset reset, maybe still in a listener call:
         # the next run of the same queue starts after them
@@ -65,45 +63,33 @@ class OrderlyConsumeService(ConsumeService):
         self._locked_at: dict[MessageQueue, float] = {}  # last grant or renewal
         self._late: dict[MessageQueue, asyncio.Task[None]] = {}  # runs past the drain
         self._later: set[asyncio.Task[None]] = set()  # their unlocks (a reference each)
-        self._renewer: asyncio.Task[None] | None = None
 
     # ---------------------------------------------------------------- locks
-    def start(self) -> None:
-        if self.locking:
-            self._renewer = asyncio.get_running_loop().create_task(
-                self._renew_loop(), name="onceq-lock-renew")
-
-    async def stop(self) -> None:
-        if self._renewer is not None:
-            self._renewer.cancel()
-            await asyncio.gather(self._renewer, return_exceptions=True)
-
     async def _lock(self, mqs: list[MessageQueue], conn: BrokerConnection | None = None
                     ) -> set[MessageQueue]:
-        c = self.consumer
-        request = c._req if conn is None else conn.request
-        hdr, _ = await request(RequestCode.LOCK_QUEUES, {
-            "group": c.group, "client": c.client_id,
-            "queues": [[mq.topic, mq.queue_id] for mq in mqs]})
-        held = {MessageQueue(t, q) for t, q in hdr["locked"]}
-        now = c.clock()
+        r = self.requester
+        request = LockQueues(r.group, r.client_id, [QueueRef(mq.topic, mq.queue_id)
+                                                    for mq in mqs])
+        reply: Locked = await (r.call(request) if conn is None else call(conn, request))
+        held = {MessageQueue(t, q) for t, q in reply.locked}
+        now = r.clock()
         for mq in held:
             self._locked_at[mq] = now
         return held
 
     async def acquire(self, mqs: list[MessageQueue]) -> set[MessageQueue]:
-        c = self.consumer
+        r = self.requester
         free = [mq for mq in mqs if mq not in self._late]  # an old run still going
         held = set(free)
         if self.locking and free:
             try:
                 held = await self._lock(free)
             except OnceqError as exc:
-                log.warning("%s: lock of %d queue(s) failed: %s", c.client_id, len(free), exc)
+                log.warning("%s: lock of %d queue(s) failed: %s", r.client_id, len(free), exc)
                 held = set()
         if len(held) < len(mqs):
-            c.stats["lock_refused"] += len(mqs) - len(held)
-            asyncio.get_running_loop().call_later(c.config.lock_retry_s, c.rebalance_soon)
+            r.stats["lock_refused"] += len(mqs) - len(held)
+            asyncio.get_running_loop().call_later(self.config.lock_retry_s, r.rebalance_soon)
         return held
 
     def locked(self, mq: MessageQueue) -> bool:
@@ -111,19 +97,10 @@ class OrderlyConsumeService(ConsumeService):
         if not self.locking:
             return True
         at = self._locked_at.get(mq)
-        return at is not None and self.consumer.clock() - at <= self.consumer.config.lock_max_age_s
+        return at is not None and self.requester.clock() - at <= self.config.lock_max_age_s
 
     def may_pull(self, pq: ProcessQueue) -> bool:
         return self.locked(pq.mq)
-
-    async def _renew_loop(self) -> None:
-        c = self.consumer
-        while True:
-            await asyncio.sleep(c.config.lock_renew_s)
-            try:
-                await self.renew()
-            except OnceqError as exc:  # the locks age; consumption stops at the max age
-                log.warning("%s: lock renewal failed: %s", c.client_id, exc)
 
     async def reconnected(self, conn: BrokerConnection) -> None:
         """Lock the owned queues again at once (a restarted broker has no locks), rather
@@ -139,13 +116,15 @@ class OrderlyConsumeService(ConsumeService):
         """The broker frees a disconnected member's locks at once, so another member may
         take its queues now: stop consuming them after the calls running (not when the
         locks reach their maximum age); they are locked again after the reconnect."""
-        if self.consumer._conn in (conn, None):  # not an old connection closed late
+        if self.requester.is_current(conn):  # not an old connection closed late
             self._locked_at.clear()
 
     async def renew(self, conn: BrokerConnection | None = None) -> None:
         """Renew the locks of every owned queue; drop the queues whose lock was refused."""
-        c = self.consumer
-        owned = [(mq, pq) for mq, pq in c.owned.items() if c.owned.active(pq)]
+        if not self.locking:
+            return
+        r = self.requester
+        owned = [(mq, pq) for mq, pq in self.assignment.items() if self.assignment.active(pq)]
         if not owned:
             return
         held = await self._lock([mq for mq, _ in owned], conn)
@@ -157,10 +136,9 @@ class OrderlyConsumeService(ConsumeService):
             # another member holds it now (ours expired): what we cached is stale. Drop the
             # queue; the rebalance takes it afresh (lock, then the group's offset)
             self._locked_at.pop(mq, None)
-            c.stats["lock_lost"] += 1
-            log.warning("%s: lock of %s lost; dropping the queue", c.client_id, mq)
-            c._to_drop.add(mq)
-            c.rebalance_soon()
+            r.stats["lock_lost"] += 1
+            log.warning("%s: lock of %s lost; dropping the queue", r.client_id, mq)
+            r.drop_soon(mq)
 
     # ---------------------------------------------------------------- consuming
     def dispatch(self, pq: ProcessQueue, msgs: list[MessageExt]) -> None:
@@ -168,7 +146,7 @@ class OrderlyConsumeService(ConsumeService):
             self._kick(pq)
 
     def _kick(self, pq: ProcessQueue) -> None:
-        if not self.consumer.owned.active(pq) or pq in self._runs:
+        if not self.assignment.active(pq) or pq in self._runs:
             return
         self._runs[pq] = asyncio.get_running_loop().create_task(self._run(pq))
 
@@ -187,12 +165,12 @@ class OrderlyConsumeService(ConsumeService):
 
     async def _run_batches(self, pq: ProcessQueue) -> None:
         """Consume ``pq`` batch after batch, in order, until it is empty or must stop."""
-        c = self.consumer
-        cfg = c.config
-        started = c.clock()
-        while c.owned.active(pq) and self.locked(pq.mq):
-            if c.clock() - started > cfg.orderly_yield_s:
-                c.stats["yielded"] += 1  # let the other queues' runs have the loop
+        r = self.requester
+        cfg = self.config
+        started = r.clock()
+        while self.assignment.active(pq) and self.locked(pq.mq):
+            if r.clock() - started > cfg.orderly_yield_s:
+                r.stats["yielded"] += 1  # let the other queues' runs have the loop
                 asyncio.get_running_loop().call_soon(self._kick, pq)
                 return
             batch = pq.head(cfg.batch_size)
@@ -208,74 +186,55 @@ class OrderlyConsumeService(ConsumeService):
         SUCCESS with an ``ack_index`` before the batch's end (partial success, as the
         idempotency layer answers) consumes the messages up to it; the rest are suspended
         and retried in place, in order."""
-        c = self.consumer
-        cfg = c.config
+        r = self.requester
+        cfg = self.config
         restore_origin_topic(batch)
         attempt = 1
         while True:
-            ctx = ConsumeContext(pq.mq, len(batch) - 1, group=c.group, attempt=attempt)
+            ctx = ConsumeContext(pq.mq, len(batch) - 1, group=r.group, attempt=attempt)
             async with self._sem:
-                status = await self.call_listener(batch, ctx)
-            if status == ConsumeStatus.SUCCESS:
-                acked = ctx.acked(len(batch))
-                if acked:
-                    pq.remove(batch[:acked])
-                    c.stats["consumed"] += acked
-                    batch = batch[acked:]
-                    attempt = 0  # the first message not done is tried again afresh
-                if not batch:
+                result = await self.runner.run_bounded(batch, ctx)
+            acked = result.acked
+            if acked:
+                pq.remove(batch[:acked])
+                r.stats["consumed"] += acked
+                batch = batch[acked:]
+                attempt = 0  # the first message not done is tried again afresh
+            if not batch:
+                return True
+            if result.rest is Rest.DEAD_LETTER:  # the rest is for the DLQ (e.g. the
+                # idempotency layer's verdict: no key, or another payload): retrying
+                # cannot help
+                reasons = [result.reasons.get(acked + i) for i in range(len(batch))]
+                if await self._to_dlq(pq, batch, reasons):
+                    pq.remove(batch)
                     return True
-                if ctx.delay_level < 0:  # the rest is for the DLQ (e.g. the idempotency
-                    # layer's verdict: no key, or another payload): retrying cannot help
-                    reasons = [ctx.dlq_reasons.get(acked + i) for i in range(len(batch))]
-                    if await self._to_dlq(pq, batch, reasons):
-                        pq.remove(batch)
-                        return True
-            c.stats["suspended"] += 1
+            r.stats["suspended"] += 1
             limit = cfg.orderly_max_retries
             if limit is not None and attempt > limit and await self._to_dlq(pq, batch):
                 pq.remove(batch)
                 return True
             attempt += 1
-            await asyncio.sleep(suspend_seconds(ctx.suspend_ms, cfg.suspend_s))
-            if not (c.owned.active(pq) and self.locked(pq.mq)):
+            await asyncio.sleep(suspend_seconds(result.suspend_ms, cfg.suspend_s))
+            if not (self.assignment.active(pq) and self.locked(pq.mq)):
                 return False
-
-    async def call_listener(self, batch: list[MessageExt], ctx: ConsumeContext
-                            ) -> ConsumeStatus:
-        """As for any service, but a plain listener's call over the consume timeout is
-        waited for before the batch is tried again: a thread cannot be stopped, and one
-        queue never has two calls at once."""
-        c = self.consumer
-        if c._threads is None:
-            return await super().call_listener(batch, ctx)
-        fut = c._threads.submit(c.listener, batch, ctx)
-        done, _ = await asyncio.wait([fut], timeout=c.config.consume_timeout_s)
-        if not done:
-            status = self.timed_out(ctx)
-            await asyncio.wait([fut])  # its result is dropped
-            return status
-        try:
-            return await self.status_of(fut.result())
-        except Exception:
-            return self.listener_failed(ctx)
 
     async def _to_dlq(self, pq: ProcessQueue, batch: list[MessageExt],
                       reasons: list[str | None] | None = None) -> bool:
         """Out of retries, or dead-lettered by the listener: the messages go to the group's
         DLQ, each with its reason when it has one (broadcasting: skipped)."""
-        c = self.consumer
-        if not c.clustering:
+        r = self.requester
+        if not self.clustering:
             log.warning("broadcasting: %d message(s) on %s failed %d times; skipped",
-                        len(batch), pq.mq, c.config.orderly_max_retries)
+                        len(batch), pq.mq, self.config.orderly_max_retries)
             return True
         try:
             for i, m in enumerate(batch):
-                await send_back(c, pq, m, -1, reasons[i] if reasons else None)
+                await self.send_back(pq, m, DEAD_LETTER_LEVEL, reasons[i] if reasons else None)
         except OnceqError as exc:  # suspend again and retry the whole batch later
-            log.warning("%s: dead-lettering on %s failed: %s", c.client_id, pq.mq, exc)
+            log.warning("%s: dead-lettering on %s failed: %s", r.client_id, pq.mq, exc)
             return False
-        c.stats["dlq"] += len(batch)
+        r.stats["dlq"] += len(batch)
         return True
 
     # ---------------------------------------------------------------- revoke
@@ -283,10 +242,10 @@ class OrderlyConsumeService(ConsumeService):
         task = self._runs.get(pq)
         if task is None:
             return
-        done, _ = await asyncio.wait([task], timeout=self.consumer.config.drain_timeout_s)
+        done, _ = await asyncio.wait([task], timeout=self.config.drain_timeout_s)
         if not done:
             log.warning("%s: a listener call on %s still runs after the drain timeout; "
-                        "the queue stays locked until it ends", self.consumer.client_id,
+                        "the queue stays locked until it ends", self.requester.client_id,
                         pq.mq)
             self._late[pq.mq] = task
 
@@ -308,7 +267,7 @@ class OrderlyConsumeService(ConsumeService):
         try:
             await self._unlock(pq)
         except OnceqError as exc:  # the lock expires on the broker after 60 s
-            log.warning("%s: late unlock of %s failed: %s", self.consumer.client_id, pq.mq,
+            log.warning("%s: late unlock of %s failed: %s", self.requester.client_id, pq.mq,
                         exc)
         finally:
             self._late.pop(pq.mq, None)
@@ -316,11 +275,10 @@ class OrderlyConsumeService(ConsumeService):
 
     async def _unlock(self, pq: ProcessQueue) -> None:
         """Commit the offset of ``pq``, then release its lock: one call, in that order."""
-        c = self.consumer
+        r = self.requester
         self._locked_at.pop(pq.mq, None)
         if not self.locking:
-            await c.offsets.release(pq)
+            await self.offsets.release(pq)
             return
-        item: list[Any] = [pq.mq.topic, pq.mq.queue_id, -1 if pq.stale else pq.commit_offset]
-        await c._req(RequestCode.UNLOCK_QUEUES, {"group": c.group, "client": c.client_id,
-                                                 "queues": [item], **c._gen()})
+        ref = QueueRef(pq.mq.topic, pq.mq.queue_id, None if pq.stale else pq.commit_offset)
+        await r.call(UnlockQueues(r.group, r.client_id, [ref], r.reset_gen))

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..protocol.codes import RequestCode
 from ..protocol.errors import ErrorCode, OnceqError
+from ..protocol.replies import OffsetReply
+from ..protocol.requests import CommitOffset, GetOffset, ReleaseQueue
 from .allocation import MessageQueue
-from .connection import BrokerConnection
+from .assignment import Assignment
+from .connection import BrokerConnection, call
 from .local_offsets import LocalOffsetStore
 from .process_queue import ProcessQueue
-
-if TYPE_CHECKING:
-    from .push import PushConsumer
+from .requester import Requester
 
 log = logging.getLogger("onceq.consumer")
 
@@ -27,8 +27,8 @@ class OffsetStore:
     """Offsets of the owned queues. ``started`` is called when a queue is taken, ``forget``
     when it is released; ``commit`` only moves an offset forward."""
 
-    async def read(self, mq: MessageQueue) -> int:
-        """The stored offset of ``mq`` (-1: none)."""
+    async def read(self, mq: MessageQueue) -> int | None:
+        """The stored offset of ``mq`` (None: none)."""
         raise NotImplementedError
 
     def started(self, mq: MessageQueue, offset: int, stored: bool) -> None:
@@ -69,8 +69,9 @@ class LocalOffsets(OffsetStore):
     def __init__(self, file: LocalOffsetStore) -> None:
         self.file = file
 
-    async def read(self, mq: MessageQueue) -> int:
-        return self.file.get(mq)
+    async def read(self, mq: MessageQueue) -> int | None:
+        offset = self.file.get(mq)
+        return offset if offset >= 0 else None
 
     async def commit(self, mq: MessageQueue, offset: int) -> None:
         self.file.set(mq, offset)
@@ -83,17 +84,22 @@ class BrokerOffsets(OffsetStore):
     """CLUSTERING: the group's offsets live on the broker. Commits ride on pulls, run every
     ``commit_interval_s`` and at revoke (with the release of the access lock)."""
 
-    def __init__(self, consumer: PushConsumer) -> None:
-        self.c = consumer
+    def __init__(self, requester: Requester, assignment: Assignment) -> None:
+        self.r = requester
+        self.assignment = assignment
         self._stored: dict[MessageQueue, int] = {}  # what the broker is known to have
         self._refused: dict[MessageQueue, int] = {}  # a commit refused with NOT_HOLDER
 
-    def _query(self, mq: MessageQueue) -> dict[str, Any]:
-        return {"group": self.c.group, "topic": mq.topic, "queue": mq.queue_id}
+    def _get(self, mq: MessageQueue) -> GetOffset:
+        return GetOffset(self.r.group, mq.topic, mq.queue_id)
 
-    async def read(self, mq: MessageQueue) -> int:
-        hdr, _ = await self.c._req(RequestCode.GET_OFFSET, self._query(mq))
-        return int(hdr["offset"])
+    def _commit(self, mq: MessageQueue, offset: int) -> CommitOffset:
+        r = self.r
+        return CommitOffset(r.group, mq.topic, mq.queue_id, offset, r.client_id, r.reset_gen)
+
+    async def read(self, mq: MessageQueue) -> int | None:
+        reply: OffsetReply = await self.r.call(self._get(mq))
+        return reply.offset if reply.offset >= 0 else None
 
     def started(self, mq: MessageQueue, offset: int, stored: bool) -> None:
         self._refused.pop(mq, None)
@@ -111,13 +117,19 @@ class BrokerOffsets(OffsetStore):
         self._stored.pop(mq, None)
 
     def _due(self, mq: MessageQueue, offset: int) -> bool:
-        return offset > self._stored.get(mq, -1)
+        stored = self._stored.get(mq)
+        return stored is None or offset > stored
 
     def piggyback(self, mq: MessageQueue, offset: int) -> int | None:
         return offset if self._due(mq, offset) else None
 
     def carried(self, mq: MessageQueue, offset: int) -> None:
-        self._stored[mq] = max(self._stored.get(mq, -1), offset)
+        self._know(mq, offset)
+
+    def _know(self, mq: MessageQueue, offset: int) -> None:
+        """The broker has ``offset`` (or more) for ``mq``."""
+        stored = self._stored.get(mq)
+        self._stored[mq] = offset if stored is None else max(stored, offset)
 
     moved_back = unknown
 
@@ -125,14 +137,12 @@ class BrokerOffsets(OffsetStore):
         if not self._due(mq, offset) or self._refused.get(mq) == offset:
             return
         try:
-            await self.c._req(RequestCode.COMMIT_OFFSET, {
-                **self._query(mq), "offset": offset, "client": self.c.client_id,
-                **self.c._gen()})
+            await self.r.call(self._commit(mq, offset))
         except OnceqError as exc:
             if exc.code == ErrorCode.OFFSET_BEHIND:  # the group moved on without this
-                pq = self.c.owned.get(mq)  # member (it was away): its process queue is stale
-                if pq is not None:
-                    self.c._lose([pq], exc.message)
+                pq = self.assignment.get(mq)  # member (it was away): its process queue is
+                if pq is not None:  # stale
+                    self.r.lose([pq], exc.message)
                 return
             if exc.code != ErrorCode.NOT_HOLDER:
                 raise
@@ -141,16 +151,15 @@ class BrokerOffsets(OffsetStore):
             # carries the commit; otherwise the rebalance drops the queue
             log.debug("commit of %s refused: %s", mq, exc.message)
             self._refused[mq] = offset
-            self.c.stats["commits_refused"] += 1
+            self.r.stats["commits_refused"] += 1
             return
         self._stored[mq] = offset
 
     async def release(self, pq: ProcessQueue) -> None:
         """Commit, then give the access lock up in one call: no wait for the next owner."""
-        mq = pq.mq
-        await self.c._req(RequestCode.RELEASE_QUEUE, {
-            **self._query(mq), "client": self.c.client_id,
-            "offset": -1 if pq.stale else pq.commit_offset, **self.c._gen()})
+        r = self.r
+        await r.call(ReleaseQueue(r.group, r.client_id, pq.mq.topic, pq.mq.queue_id,
+                                  None if pq.stale else pq.commit_offset, r.reset_gen))
 
     async def reconnected(self, conn: BrokerConnection, holds: list[list[Any]],
                           owned: list[tuple[MessageQueue, ProcessQueue]]) -> None:
@@ -161,24 +170,21 @@ class BrokerOffsets(OffsetStore):
         holds (the heartbeat answer says so when the access lock applies), and never moving
         an offset backwards (the stored one is read first).
         """
-        group = self.c.group
+        group = self.r.group
         refused = {(t, q) for g, t, q, h in holds if g == group and not h}
         todo = [(mq, pq.commit_offset) for mq, pq in owned
                 if not pq.released and pq.commit_offset >= 0
                 and (mq.topic, mq.queue_id) not in refused]
 
         async def one(mq: MessageQueue, ack: int) -> None:
-            hdr, _ = await conn.request(RequestCode.GET_OFFSET, self._query(mq))
-            stored = int(hdr["offset"])
-            if ack <= stored:
-                self._stored[mq] = max(self._stored.get(mq, -1), stored)
+            reply: OffsetReply = await call(conn, self._get(mq))
+            if ack <= reply.offset:
+                self._know(mq, reply.offset)
                 return
             # NOT_HOLDER (another member holds it now) lands below: the next pull commits
-            await conn.request(RequestCode.COMMIT_OFFSET, {
-                **self._query(mq), "offset": ack, "client": self.c.client_id,
-                **self.c._gen()})
+            await call(conn, self._commit(mq, ack))
             self._stored[mq] = ack
-            self.c.stats["offsets_resent"] += 1
+            self.r.stats["offsets_resent"] += 1
 
         results = await asyncio.gather(*(one(mq, ack) for mq, ack in todo),
                                        return_exceptions=True)

@@ -16,8 +16,8 @@ class ProcessQueue:
     commit back; it only moves forward. Callers set ``next_offset`` after ``add``.
     """
 
-    __slots__ = ("_ack", "_bytes", "_msgs", "confirmed_at", "dropped", "last_pull",
-                 "max_offset", "mq", "next_offset", "released", "stale")
+    __slots__ = ("_ack", "_bytes", "_msgs", "confirmed_at", "dropped", "generation",
+                 "last_pull", "max_offset", "mq", "next_offset", "released", "stale")
 
     def __init__(self, mq: MessageQueue, next_offset: int, now: float) -> None:
         self.mq = mq
@@ -31,6 +31,7 @@ class ProcessQueue:
         self.released = False  # revoke finished: the next owner has these messages now
         self.stale = False  # the group moved on without it (an offset reset, or the queue
         # was lost while this member was away): nothing of it is committed
+        self.generation = 0  # set by the assignment when it takes the queue
         self.confirmed_at: float | None = None
         """When the broker last confirmed this member holds the queue's access lock (the
         send time of a granted pull or of a heartbeat listing it); None: never held, or the

@@ -11,11 +11,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..log.record import encode_part
-from ..protocol.codes import RequestCode
 from ..protocol.errors import ErrorCode, OnceqError
+from ..protocol.replies import SendReply, TopicInfo
+from ..protocol.requests import GetTopic, Send, SendBatch
 from .base import BrokerClient, Connect
-from .connection import ConnectionLost
+from .connection import ConnectionLost, call
 from .message import Message, SendResult, UniqueKeyGenerator, encode_message
+from .security import ClientSecurity
 
 log = logging.getLogger("onceq.client")
 _U32 = struct.Struct("<I")
@@ -58,8 +60,9 @@ class Producer(BrokerClient):
     """
 
     def __init__(self, address: str = "127.0.0.1:9876", *, retries: int = 2,
-                 send_timeout: float = 3.0, connect: Connect | None = None) -> None:
-        super().__init__(address, connect)
+                 send_timeout: float = 3.0, connect: Connect | None = None,
+                 security: ClientSecurity | None = None) -> None:
+        super().__init__(address, connect, security)
         self.retries = retries
         self.send_timeout = send_timeout
         self._queues: dict[str, int] = {}
@@ -69,8 +72,8 @@ class Producer(BrokerClient):
     async def queue_count(self, topic: str, refresh: bool = False) -> int:
         n = self._queues.get(topic)
         if n is None or refresh:
-            hdr, _ = await self._request(RequestCode.GET_TOPIC, {"topic": topic})
-            n = self._queues[topic] = int(hdr["queues"])
+            info: TopicInfo = await self._call(GetTopic(topic))
+            n = self._queues[topic] = info.queues
         return n
 
     def _pick_queue(self, topic: str, n: int, sharding_key: str | None, queue: int | None,
@@ -106,7 +109,7 @@ class Producer(BrokerClient):
         if not messages:
             return []
         payload, keys = self._encode(messages)
-        code = RequestCode.SEND if len(messages) == 1 else RequestCode.SEND_BATCH
+        kind = Send if len(messages) == 1 else SendBatch
         pinned = sharding_key is not None or queue is not None or selector is not None
         deadline = time.monotonic() + self.send_timeout
         attempt = 0
@@ -119,8 +122,8 @@ class Producer(BrokerClient):
                                        messages[0]) if qid is None or not pinned else qid
                 conn = await self._connection()
                 left = max(deadline - time.monotonic(), 0.05)
-                hdr, _ = await conn.request(code, {"topic": topic, "queue": qid}, payload, left)
-                return _results(topic, hdr, keys)
+                reply = await call(conn, kind(topic, qid, payload), left)
+                return _results(topic, reply, keys)
             except OnceqError as exc:
                 retriable = exc.retriable or (exc.code in _REFRESH_ON and not pinned)
                 if not retriable or attempt > self.retries or time.monotonic() >= deadline:
@@ -159,14 +162,10 @@ class Producer(BrokerClient):
         n = await self.queue_count(topic)
         qid = self._pick_queue(topic, n, sharding_key, queue, selector, message)
         conn = await self._connection()
-        conn.write_oneway(RequestCode.SEND, {"topic": topic, "queue": qid}, payload)
+        conn.call_oneway(Send(topic, qid, payload))
 
 
-def _results(topic: str, hdr: dict[str, Any], keys: list[str]) -> list[SendResult]:
-    qid = hdr["queue"]
-    if "base" in hdr:
-        base = hdr["base"]
-        return [SendResult(topic, qid, base + i, k) for i, k in enumerate(keys)]
-    dup_queue = dict(zip(hdr.get("dups", ()), hdr.get("dupq", ()), strict=True))
-    return [SendResult(topic, dup_queue.get(i, qid), off, k, i in dup_queue)
-            for i, (off, k) in enumerate(zip(hdr["offsets"], keys, strict=True))]
+def _results(topic: str, reply: SendReply, keys: list[str]) -> list[SendResult]:
+    dups = set(reply.dups)
+    return [SendResult(topic, reply.queue_of(i), off, k, i in dups)
+            for i, (off, k) in enumerate(zip(reply.offsets, keys, strict=True))]

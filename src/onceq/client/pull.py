@@ -7,11 +7,20 @@ import os
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 from ..log.record import MessageExt, decode_records
-from ..protocol.codes import PullStatus, RequestCode
+from ..protocol.codes import PullStatus
+from ..protocol.replies import OffsetReply, PullReply, QueueOffsets, TopicInfo
+from ..protocol.requests import (
+    CommitOffset,
+    GetOffset,
+    GetTopic,
+    Pull,
+    QueryOffsets,
+    SearchOffset,
+)
 from .base import BrokerClient
+from .security import ClientSecurity
 
 
 @dataclass(slots=True)
@@ -41,36 +50,31 @@ class PullConsumer(BrokerClient):
     ``commit_offset``/``fetch_offset`` (the group's committed offsets)."""
 
     def __init__(self, address: str = "127.0.0.1:9876", group: str = "DEFAULT_GROUP", *,
-                 client_id: str | None = None, verify_checksums: bool = True) -> None:
-        super().__init__(address)
+                 client_id: str | None = None, verify_checksums: bool = True,
+                 security: ClientSecurity | None = None) -> None:
+        super().__init__(address, security=security)
         self.group = group
         self.client_id = client_id or default_client_id()
         self.verify = verify_checksums
 
-    def _pull_header(self, topic: str, queue: int, offset: int, max_msgs: int,
-                     tag_list: list[str] | None, suspend: float, commit_offset: int | None
-                     ) -> dict[str, Any]:
-        header: dict[str, Any] = {"topic": topic, "queue": queue, "offset": offset,
-                                  "max": max_msgs, "group": self.group,
-                                  "client": self.client_id}
-        if suspend > 0:
-            header["suspend_ms"] = int(suspend * 1000)
-        if tag_list is not None:
-            header["tags"] = tag_list
-        if commit_offset is not None:
-            header["commit"] = commit_offset
-        return header
+    def _pull_request(self, topic: str, queue: int, offset: int, max_msgs: int,
+                      tag_list: list[str] | None, suspend: float, commit_offset: int | None
+                      ) -> Pull:
+        return Pull(topic, queue, offset, max_msgs, group=self.group, client=self.client_id,
+                    suspend_ms=int(suspend * 1000) if suspend > 0 else 0, tags=tag_list,
+                    commit=commit_offset)
 
-    def _result(self, hdr: dict[str, Any], payload: bytes, tag_list: list[str] | None,
-                decode: bool = True) -> PullResult:
+    def _result(self, reply: PullReply, tag_list: list[str] | None, decode: bool = True
+                ) -> PullResult:
         if not decode:
-            return PullResult(PullStatus(hdr["st"]), [], hdr["next"], hdr["min"], hdr["max"],
-                              payload)
+            return PullResult(reply.status, [], reply.next, reply.min, reply.max,
+                              reply.payload)
+        payload = reply.payload
         msgs = list(decode_records(payload, self.verify)) if payload else []
         if tag_list is not None:
             wanted = set(tag_list)
             msgs = [m for m in msgs if m.tags in wanted]
-        return PullResult(PullStatus(hdr["st"]), msgs, hdr["next"], hdr["min"], hdr["max"])
+        return PullResult(reply.status, msgs, reply.next, reply.min, reply.max)
 
     async def pull(self, topic: str, queue: int, offset: int, max_msgs: int = 32, *,
                    tags: str | None = None, suspend: float = 0.0,
@@ -79,10 +83,9 @@ class PullConsumer(BrokerClient):
         empty pull up to that many seconds (long polling) and answers when a message comes.
         ``commit_offset`` piggy-backs an offset commit for the group on the pull."""
         tag_list = parse_tags(tags)
-        header = self._pull_header(topic, queue, offset, max_msgs, tag_list, suspend,
-                                   commit_offset)
-        hdr, payload = await self._request(RequestCode.PULL, header, timeout=suspend + 10.0)
-        return self._result(hdr, payload, tag_list)
+        request = self._pull_request(topic, queue, offset, max_msgs, tag_list, suspend,
+                                     commit_offset)
+        return self._result(await self._call(request, timeout=suspend + 10.0), tag_list)
 
     async def stream(self, topic: str, queue: int, offset: int, max_msgs: int = 32, *,
                      tags: str | None = None, suspend: float = 15.0, commit: bool = True,
@@ -102,38 +105,35 @@ class PullConsumer(BrokerClient):
         conn = await self._connection()
         timeout = suspend + 10.0
         done = None  # offset up to which the caller has finished
-        fut = conn.send_request(RequestCode.PULL, self._pull_header(
-            topic, queue, offset, max_msgs, tag_list, suspend, None))
+        fut = conn.submit(self._pull_request(topic, queue, offset, max_msgs, tag_list,
+                                             suspend, None))
         try:
             while True:
-                hdr, payload = await asyncio.wait_for(fut, timeout)
-                fut = conn.send_request(RequestCode.PULL, self._pull_header(
-                    topic, queue, hdr["next"], max_msgs, tag_list, suspend,
-                    done if commit else None))
-                yield self._result(hdr, payload, tag_list, decode)
-                done = hdr["next"]
+                reply: PullReply = await asyncio.wait_for(fut, timeout)
+                fut = conn.submit(self._pull_request(topic, queue, reply.next, max_msgs,
+                                                     tag_list, suspend,
+                                                     done if commit else None))
+                yield self._result(reply, tag_list, decode)
+                done = reply.next
         finally:
             fut.cancel()
 
     async def commit_offset(self, topic: str, queue: int, offset: int) -> None:
-        await self._request(RequestCode.COMMIT_OFFSET, {"group": self.group, "topic": topic,
-                                                         "queue": queue, "offset": offset})
+        await self._call(CommitOffset(self.group, topic, queue, offset))
 
     async def fetch_offset(self, topic: str, queue: int) -> int:
         """The group's committed offset for the queue, or -1 when there is none."""
-        hdr, _ = await self._request(RequestCode.GET_OFFSET, {"group": self.group,
-                                                              "topic": topic, "queue": queue})
-        return int(hdr["offset"])
+        reply: OffsetReply = await self._call(GetOffset(self.group, topic, queue))
+        return reply.offset
 
     async def queue_offsets(self, topic: str, queue: int) -> tuple[int, int]:
-        hdr, _ = await self._request(RequestCode.QUERY_OFFSETS, {"topic": topic, "queue": queue})
-        return int(hdr["min"]), int(hdr["max"])
+        reply: QueueOffsets = await self._call(QueryOffsets(topic, queue))
+        return reply.min, reply.max
 
     async def search_offset(self, topic: str, queue: int, timestamp_ms: int) -> int:
-        hdr, _ = await self._request(RequestCode.SEARCH_OFFSET,
-                                     {"topic": topic, "queue": queue, "ts": timestamp_ms})
-        return int(hdr["offset"])
+        reply: OffsetReply = await self._call(SearchOffset(topic, queue, timestamp_ms))
+        return reply.offset
 
     async def queue_count(self, topic: str) -> int:
-        hdr, _ = await self._request(RequestCode.GET_TOPIC, {"topic": topic})
-        return int(hdr["queues"])
+        reply: TopicInfo = await self._call(GetTopic(topic))
+        return reply.queues

@@ -18,14 +18,15 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..log.record import encode_part
 from ..log.sequence import SEQ_PROPERTY, SEQUENCED, check_writer_id, marker
-from ..protocol.codes import RequestCode
 from ..protocol.errors import ErrorCode, OnceqError
+from ..protocol.replies import SequencedReply, TopicInfo
+from ..protocol.requests import GetTopic, SendSequenced
 from .base import BrokerClient
 from .connection import ConnectionLost, retriable
+from .security import ClientSecurity
 
 log = logging.getLogger("onceq.client")
 _U32 = struct.Struct("<I")
@@ -53,18 +54,17 @@ def encode_sequenced(writer: str, epoch: int, seq: int, messages: Sequence[Field
 
 @dataclass(slots=True)
 class _Batch:
-    header: dict[str, Any]
-    payload: bytes
+    request: SendSequenced
     count: int
-    fut: asyncio.Future[tuple[dict[str, Any], bytes]] | None = field(default=None)
+    fut: asyncio.Future[SequencedReply] | None = field(default=None)
 
 
 class SequencedWriter(BrokerClient):
     """Sends numbered batches of one writer id and epoch; counts what was stored."""
 
     def __init__(self, address: str, writer: str, epoch: int, *, window: int = 4,
-                 timeout: float = 60.0) -> None:
-        super().__init__(address)
+                 timeout: float = 60.0, security: ClientSecurity | None = None) -> None:
+        super().__init__(address, security=security)
         self.writer = check_writer_id(writer)
         self.epoch = epoch
         self.window = max(1, window)
@@ -79,8 +79,8 @@ class SequencedWriter(BrokerClient):
         delay = 0.05
         while True:
             try:
-                hdr, _ = await self._request(RequestCode.GET_TOPIC, {"topic": topic})
-                return int(hdr["queues"])
+                info: TopicInfo = await self._call(GetTopic(topic))
+                return info.queues
             except OnceqError as exc:
                 if not retriable(exc) or time.monotonic() + delay >= deadline:
                     raise
@@ -100,8 +100,8 @@ class SequencedWriter(BrokerClient):
         """``submit`` of a payload encoded already (``encode_sequenced`` or the like)."""
         if count < 1:
             raise ValueError("a sequenced batch must not be empty")
-        batch = _Batch({"topic": topic, "queue": queue, "writer": self.writer,
-                        "epoch": self.epoch, "seq": seq}, payload, count)
+        batch = _Batch(SendSequenced(topic, queue, self.writer, self.epoch, seq, payload),
+                       count)
         while len(self._queued) >= self.window:
             await self._settle_oldest()
         await self._send_or_fail(batch)
@@ -115,7 +115,7 @@ class SequencedWriter(BrokerClient):
 
     async def _send(self, batch: _Batch) -> None:
         conn = await self._connection()
-        batch.fut = conn.send_request(RequestCode.SEND_SEQUENCED, batch.header, batch.payload)
+        batch.fut = conn.submit(batch.request)
 
     async def _send_or_fail(self, batch: _Batch) -> None:
         """Send; a broker out of reach fails the batch's answer instead, which is then
@@ -135,7 +135,7 @@ class SequencedWriter(BrokerClient):
             batch = self._queued[0]
             assert batch.fut is not None
             try:
-                hdr, _ = await asyncio.wait_for(asyncio.shield(batch.fut),
+                reply = await asyncio.wait_for(asyncio.shield(batch.fut),
                                                 max(deadline - time.monotonic(), 0.01))
             except TimeoutError:
                 raise OnceqError(ErrorCode.SERVICE_UNAVAILABLE, (
@@ -149,8 +149,8 @@ class SequencedWriter(BrokerClient):
                 delay = min(delay * 2, 1.0)
                 continue
             self._queued.popleft()
-            self.stored += int(hdr.get("n", 0))
-            self.duplicates += int(hdr.get("dup", 0))
+            self.stored += reply.n
+            self.duplicates += reply.dup
             return
 
     async def _resend_all(self, exc: OnceqError, delay: float) -> None:

@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..client.consume import ConsumeContext, ConsumeStatus, Listener
+from ..client.consume import ConsumeContext, ConsumeResult, ConsumeStatus, Listener, Rest
 from ..log.record import MessageExt
 from .policy import Action, Ambiguous, Verdict, batch_reply, decide_action
 from .record import Claim, ClaimResult, FencingToken, Outcome, Record, Ticket, payload_hash
@@ -270,16 +270,17 @@ class IdempotentListener(RetentionChecked):
         tickets = [c.ticket for _, c, _ in to_run]
         self._hold(tickets)
         try:
-            status = await self._call(batch, sub)
+            result = await self._call(batch, sub)
         finally:
             for t in tickets:
                 self._live.pop(t.owner, None)
-        acked = 0
-        if status == ConsumeStatus.SUCCESS:
-            acked = sub.acked(len(batch))
-        if sub.delay_level and acked < len(batch):
-            ctx.delay_level = sub.delay_level
-        for j, why in sub.dlq_reasons.items():  # the handler's own reasons, if it gives any
+        acked = result.acked
+        if acked < len(batch):
+            if result.rest is Rest.DEAD_LETTER:
+                ctx.delay_level = -1
+            elif result.delay_level:
+                ctx.delay_level = result.delay_level
+        for j, why in result.reasons.items():  # the handler's own reasons, if it gives any
             if 0 <= j < len(to_run):
                 ctx.dlq_reasons[to_run[j][0]] = why
         self.stats["handled"] += acked
@@ -319,7 +320,9 @@ class IdempotentListener(RetentionChecked):
                 await asyncio.sleep(0.05 * 4 ** attempt)
         raise AssertionError("unreachable")
 
-    async def _call(self, batch: list[MessageExt], ctx: ConsumeContext) -> ConsumeStatus:
+    async def _call(self, batch: list[MessageExt], ctx: ConsumeContext) -> ConsumeResult:
+        """The handler's answer on ``batch`` (either style, read by ``ConsumeResult.of``);
+        an exception or a bad answer retries the batch."""
         try:
             if self._sync:
                 loop = asyncio.get_running_loop()
@@ -328,10 +331,10 @@ class IdempotentListener(RetentionChecked):
                 result = self.listener(batch, ctx)
             if inspect.isawaitable(result):
                 result = await result
-            return ConsumeStatus.SUCCESS if result is None else ConsumeStatus(result)
+            return ConsumeResult.of(result, ctx, len(batch))
         except Exception:
             log.exception("listener failed on %s; claims released, batch retried", ctx.queue)
-            return ConsumeStatus.RECONSUME_LATER
+            return ConsumeResult.retry()
 
     def _hold(self, tickets: Sequence[Ticket]) -> None:
         """Keep the leases of ``tickets`` alive while the handler runs: one timer per
@@ -376,10 +379,10 @@ class IdempotentListener(RetentionChecked):
                         m.topic, m.queue_offset, m.unique_key, exc)
         sub = IdempotentContext(ctx.queue, ctx.ack_index, ctx.delay_level, ctx.group,
                                 ctx.suspend_ms, ctx.attempt, ctx.dlq_reasons, unguarded=True)
-        status = await self._call(msgs, sub)
-        ctx.ack_index, ctx.delay_level, ctx.suspend_ms = (sub.ack_index, sub.delay_level,
-                                                          sub.suspend_ms)
-        return status
+        result = await self._call(msgs, sub)
+        if not result.acked and result.rest is Rest.RETRY and not result.delay_level:
+            return ConsumeStatus.RECONSUME_LATER
+        return result.reply(ctx)
 
     async def close(self) -> None:
         """Close the store if it was given as a URL (a store object stays its owner's)."""
