@@ -4,6 +4,8 @@ Every handled message appends ``<unique key> <reconsume times>`` as one line to 
 flushed per message, so a parent that SIGKILLs this process still sees what was handled.
 SIGTERM/SIGINT shut the consumer down gracefully (commit offsets, unregister) and exit 0.
 Prints ``READY <client id>`` once started and ``DONE`` after a graceful shutdown.
+``--flow-span N``: pause pulling a queue while its messages in flight span more than N
+offsets (so at most N + 1 + one pull's messages past its last commit were handled).
 ``--pause-at N``: the listener prints ``IN-HANDLER`` when it is handed its N-th message
 and then takes ``--pause-sleep`` seconds over it, so that the parent can SIGSTOP this
 process inside a listener call.
@@ -34,6 +36,7 @@ async def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit-interval", type=float, default=5.0)
     ap.add_argument("--concurrency", type=int, default=20)
     ap.add_argument("--handler-ms", type=float, default=0.0)
+    ap.add_argument("--flow-span", type=int, default=None)
     ap.add_argument("--pause-at", type=int, default=0)
     ap.add_argument("--pause-sleep", type=float, default=1.0)
     args = ap.parse_args(argv)
@@ -59,6 +62,7 @@ async def main(argv: list[str] | None = None) -> int:
         rebalance_interval_s=args.rebalance_interval,
         heartbeat_interval_s=args.heartbeat_interval,
         commit_interval_s=args.commit_interval, concurrency=args.concurrency,
+        **({} if args.flow_span is None else {"flow_span": args.flow_span}),
     )
     consumer.subscribe(args.topic, "*")
     stop = asyncio.Event()

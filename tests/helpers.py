@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import resource
 import socket
@@ -96,6 +97,23 @@ def module_broker(tmp_path_factory: Any, name: str, *args: str) -> Iterator[str]
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+async def wait_until(pred: Callable[[], Any], timeout: float, what: str,
+                     interval: float = 0.02) -> float:
+    """Poll ``pred`` (a function, or one returning an awaitable) until its result is true;
+    return the seconds it took. Fails after ``timeout`` seconds."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    while True:
+        ok = pred()
+        if inspect.isawaitable(ok):
+            ok = await ok
+        if ok:
+            return time.monotonic() - t0
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(interval)
 
 
 def admin(addr: str, fn: Callable[[Admin], Awaitable[Any]]) -> Any:

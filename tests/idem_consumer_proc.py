@@ -8,7 +8,7 @@ effects and their ``CONSUMED`` records but before the offset commit. With
 ``--hang-after-effect`` the handler never returns after its effect (a crash between the
 effect and ``CONSUMED``). With ``--transactional TABLE`` the effects are rows of TABLE in
 the ``--store`` database, written in the dedup rows' transaction (``--hang-after-effect``
-then hangs before the commit). Prints ``READY <client id>``.
+then hangs before the commit, after printing ``HANGING``). Prints ``READY <client id>``.
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ async def main(argv: list[str] | None = None) -> int:
             conn.cursor().execute(f"INSERT INTO {args.transactional} (k, pid) VALUES "
                                   f"({mark}, {mark})", (m.unique_key, os.getpid()))
             if args.hang_after_effect:  # killed before the commit
+                print("HANGING", flush=True)
                 time.sleep(3600)
 
         listener: Any = transactional(handle_tx, db=args.store, table=args.table)

@@ -164,8 +164,8 @@ class FakeBroker:
                 raise OnceqError(ErrorCode.TOPIC_NOT_EXIST, h["topic"])
             return {"topic": h["topic"], "queues": self.topics[h["topic"]]}, b""
         if code == RequestCode.LIST_GROUP_MEMBERS:
-            return {"members": [{"client": c} for c in sorted(self.members.get(h["group"], {}))]
-                    }, b""
+            return {"group": h["group"], "members": [
+                {"client": c} for c in sorted(self.members.get(h["group"], {}))]}, b""
         if code == RequestCode.GET_OFFSET:
             return {"offset": self.offsets.get((h["group"], h["topic"], h["queue"]), -1)}, b""
         if code == RequestCode.QUERY_OFFSETS:
@@ -254,7 +254,8 @@ class FakeBroker:
         return {"released": released}
 
     def _locked(self, h: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
-        return {"st": int(PullStatus.LOCKED), "next": h["offset"]}, b""
+        return {"st": int(PullStatus.LOCKED), "next": h["offset"], "min": 0,
+                "max": len(self.log[(h["topic"], h["queue"])])}, b""
 
     def _pull(self, h: dict[str, Any]) -> tuple[dict[str, Any], bytes] | asyncio.Future:
         group, client, topic, queue = h["group"], h["client"], h["topic"], h["queue"]
@@ -297,13 +298,15 @@ class FakeBroker:
                 # a holder whose pull is held is alive
                 self.core.touch(h["group"], h["client"], h["topic"], h["queue"], self.clock())
                 return False
-            reply: dict[str, Any] = {"st": int(PullStatus.NO_NEW_MESSAGE), "next": h["offset"]}
+            reply: dict[str, Any] = {"st": int(PullStatus.NO_NEW_MESSAGE), "next": h["offset"],
+                                     "min": 0, "max": len(records)}
             payload = b""
         else:
             batch = records[h["offset"]:h["offset"] + h["max"]]
             nxt = h["offset"] + len(batch)
             self.core.delivered(*key, nxt)
-            reply, payload = {"st": int(PullStatus.FOUND), "next": nxt}, b"".join(batch)
+            reply = {"st": int(PullStatus.FOUND), "next": nxt, "min": 0, "max": len(records)}
+            payload = b"".join(batch)
         if h.get("behind") is not None:
             reply["behind"] = h["behind"]
         self._answer(held, (reply, payload))

@@ -7,8 +7,9 @@ from .client.consume import orderly
 from .client.message import Message, MessageExt, SendResult
 from .client.producer import Producer
 from .client.pull import PullConsumer, PullResult
-from .client.push import ConsumeContext, ConsumeStatus, PushConsumer
+from .client.push import ConsumeContext, ConsumeResult, ConsumeStatus, PushConsumer
 from .client.push_config import ConsumeFrom, MessageModel, PushConsumerConfig
+from .client.security import ClientSecurity
 from .client.sync import SyncProducer, SyncPullConsumer, SyncPushConsumer
 from .idempotency import option as _idempotency  # noqa: F401  (provides idempotency=)
 from .protocol.codes import PullStatus
@@ -19,8 +20,10 @@ __all__ = [
     "Admin",
     "Broker",
     "BrokerConfig",
+    "ClientSecurity",
     "ConsumeContext",
     "ConsumeFrom",
+    "ConsumeResult",
     "ConsumeStatus",
     "ErrorCode",
     "Message",

@@ -17,10 +17,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from onceq.broker.store_errors import error_code
 from onceq.log.record import decode_records, encode_part
 from onceq.protocol.codes import PullStatus
 from onceq.protocol.errors import ErrorCode, OnceqError
 from onceq.storage.config import StoreConfig
+from onceq.storage.errors import StorageError
 from onceq.storage.store import MessageStore
 from tests.clock import FakeClock
 from tests.faultfiles import FaultFiles
@@ -70,9 +72,9 @@ class Ledger:
         parts = [encode_part(f"{uk}".encode().ljust(BODY, b"."), uk, 1) for uk in uks]
         try:
             r = store.put(topic, queue, parts)
-        except OnceqError as exc:
+        except StorageError as exc:
             self.failed.update(uks)
-            self.codes.append(exc.code)
+            self.codes.append(error_code(exc))
             self.failed_queues.add((topic, queue))
             return False
         assert not r.duplicates
@@ -174,9 +176,9 @@ def test_failed_send_does_not_enter_the_dedup_window(tmp_path):
     store.create_topic("t", 1)
     part = encode_part(b"x", "RETRY-ME", 1)
     files.arm("pwrite", 1, errno.ENOSPC, "commitlog")
-    with pytest.raises(OnceqError) as ei:
+    with pytest.raises(StorageError) as ei:
         store.put("t", 0, [part])
-    assert ei.value.code == ErrorCode.DISK_FULL and "rolled back" in ei.value.message
+    assert error_code(ei.value) == ErrorCode.DISK_FULL and "rolled back" in ei.value.message
     r = store.put("t", 0, [part])  # the producer's retry is stored, not a "duplicate"
     assert not r.duplicates and r.offsets == [0]
 
@@ -207,13 +209,13 @@ def test_rollback_that_fails_stops_writes(tmp_path, where):
     assert not ledger.send(store, "t", 0, 1)
     assert store.write_failure is not None
     files.disarm()
-    with pytest.raises(OnceqError) as ei:
+    with pytest.raises(StorageError) as ei:
         store.put("t", 0, [encode_part(b"y", "AFTER", 1)])
-    assert ei.value.code == ErrorCode.STORAGE_ERROR and "restart" in ei.value.message
-    with pytest.raises(OnceqError):
+    assert error_code(ei.value) == ErrorCode.STORAGE_ERROR and "restart" in ei.value.message
+    with pytest.raises(StorageError):
         store.create_topic("u", 1)
     assert read_all(store) == ledger.acked  # reads go on, through no failed entry
-    assert store.damaged() == {"log": [], "queues": {}}
+    assert store.repair.damaged() == {"log": [], "queues": {}}
     kill(store)
     again = open_store(str(tmp_path), FaultFiles())
     got = read_all(again)
@@ -250,17 +252,17 @@ def test_failed_topic_create_changes_nothing(tmp_path, step, err):
     ledger = Ledger()
     assert ledger.send(store, "t", 0, 3)
     _topic_fault(files, root, step, err)
-    with pytest.raises(OnceqError) as ei:
+    with pytest.raises(StorageError) as ei:
         store.create_topic("u", 4)
-    assert ei.value.code == expected_code(err)
+    assert error_code(ei.value) == expected_code(err)
     assert files.raised == 1
     assert "u" not in store.topics and not any(k[0] == "u" for k in store.queues)
-    with pytest.raises(OnceqError) as ei:
+    with pytest.raises(StorageError) as ei:
         store.put("u", 0, [encode_part(b"x", "X", 1)])
-    assert ei.value.code == ErrorCode.TOPIC_NOT_EXIST
+    assert error_code(ei.value) == ErrorCode.TOPIC_NOT_EXIST
     # growing a topic that fails keeps its queue count
     _topic_fault(files, root, step, err)
-    with pytest.raises(OnceqError):
+    with pytest.raises(StorageError):
         store.create_topic("t", 3)
     assert store.topics["t"].queues == 2 and ("t", 2) not in store.queues
     files.disarm()
@@ -283,9 +285,9 @@ def test_failed_topic_delete_changes_nothing(tmp_path, step, err):
     ledger = Ledger()
     assert ledger.send(store, "t", 0, 3) and ledger.send(store, "t", 1, 2)
     _topic_fault(files, root, step, err)
-    with pytest.raises(OnceqError) as ei:
+    with pytest.raises(StorageError) as ei:
         store.delete_topic("t")
-    assert ei.value.code == expected_code(err)
+    assert error_code(ei.value) == expected_code(err)
     assert "t" in store.topics
     files.disarm()
     check(store, ledger)  # live: still there with its messages
@@ -325,13 +327,13 @@ def test_table_rename_not_durable_and_not_restorable_stops_writes(tmp_path):
     store.create_topic("t", 1)
     files.arm("fsync_dir", 1, errno.EIO, lambda p: os.path.abspath(p) == os.path.abspath(root),
               times=None)
-    with pytest.raises(OnceqError) as ei:
+    with pytest.raises(StorageError) as ei:
         store.create_topic("u", 1)
-    assert ei.value.code == ErrorCode.STORAGE_ERROR
+    assert error_code(ei.value) == ErrorCode.STORAGE_ERROR
     assert "u" not in store.topics
     assert store.write_failure is not None  # the table on disk is uncertain: stop writing
     files.disarm()
-    with pytest.raises(OnceqError):
+    with pytest.raises(StorageError):
         store.put("t", 0, [encode_part(b"x", "X", 1)])
     assert store.get("t", 0, 0, 1, 1 << 20).status == PullStatus.NO_NEW_MESSAGE
 
@@ -348,19 +350,19 @@ def test_usage_ratio_refuses_writes_and_resumes(tmp_path):
     assert ledger.send(store, "t", 0, 2)
     files.usage = (1000, 50)  # 95% used, above 0.90
     clock.advance(1.1)
-    with pytest.raises(OnceqError) as ei:
+    with pytest.raises(StorageError) as ei:
         store.put("t", 0, [encode_part(b"x", "X", 1)])
-    assert ei.value.code == ErrorCode.DISK_FULL and ei.value.retriable
-    with pytest.raises(OnceqError) as ei:
+    assert error_code(ei.value) == ErrorCode.DISK_FULL and ei.value.retriable
+    with pytest.raises(StorageError) as ei:
         store.create_topic("u", 1)
-    assert ei.value.code == ErrorCode.DISK_FULL
+    assert error_code(ei.value) == ErrorCode.DISK_FULL
     # reads, offset commits and deletes (which free space) go on
     check(store, ledger)
     store.commit_offset("g", "t", 0, 1)
     assert store.get_offset("g", "t", 0) == 1
     store.delete_topic("gone")
     files.usage = (1000, 500)
-    with pytest.raises(OnceqError):  # measured at most once a second
+    with pytest.raises(StorageError):  # measured at most once a second
         store.put("t", 0, [encode_part(b"x", "X", 1)])
     clock.advance(1.1)
     assert ledger.send(store, "t", 0, 1)  # space is back: accepted without a restart
@@ -438,9 +440,9 @@ def test_send_back_refused_and_scheduled_retries_wait_on_a_full_disk(tmp_path):
     retry.send_back("g", "t", 0, 0, 1, 16)  # stored in the schedule topic, due in 1 s
     files.usage = (1000, 10)
     clock.advance(1.5)
-    with pytest.raises(OnceqError) as ei:
+    with pytest.raises(StorageError) as ei:
         retry.send_back("g", "t", 0, 1, 1, 16)
-    assert ei.value.code == ErrorCode.DISK_FULL
+    assert error_code(ei.value) == ErrorCode.DISK_FULL
     assert retry.deliver_due() <= 1.0  # due, not deliverable: tried again within a second
     assert store.min_max(retry_topic("g"), 0) == (0, 0)
     assert store.get_offset(SCHEDULE_GROUP, SCHEDULE_TOPIC, 0) <= 0  # not consumed
@@ -473,4 +475,4 @@ def test_damaged_record_read_on_a_full_disk(tmp_path):
     files.disarm()
     kill(store)
     again = open_store(root, FaultFiles())
-    assert again.damaged()["queues"] == {"t": {"0": [[1, 2]]}}
+    assert again.repair.damaged()["queues"] == {"t": {"0": [[1, 2]]}}

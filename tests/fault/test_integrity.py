@@ -115,7 +115,7 @@ def test_a_flipped_byte_in_an_old_segment_costs_one_message(tmp_path):
                 m = readable[q, off]
                 assert m.unique_key == uk and m.body == body(int(uk[2:]))
         q, off = damaged[0]
-        assert store.damaged()["queues"] == {"T": {str(q): [[off, off + 1]]}}
+        assert store.repair.damaged()["queues"] == {"T": {str(q): [[off, off + 1]]}}
         # reported offline too, and still after a restart
         store.close()
         report = verify_store(root)
@@ -162,7 +162,7 @@ def test_swapped_and_zeroed_index_entries_are_repaired_from_the_log(tmp_path):
         assert m.queue_offset == off and m.unique_key == f"UK{off:06d}"
     got, bad = read_queue(store, "T", 0)
     assert bad == [] and {m.unique_key: (0, o) for o, m in got.items()} == acked
-    assert store.damaged()["queues"] == {}
+    assert store.repair.damaged()["queues"] == {}
     store.close()
     assert not verify_store(root).damaged  # the repaired entries reached the disk
 
@@ -186,15 +186,15 @@ def test_an_unrepairable_entry_is_marked_damaged_not_returned_as_found(tmp_path)
     assert r.status == PullStatus.DAMAGED and r.next_offset == 31 and r.payload == b""
     r = store.get("T", 0, 31, 10, 1 << 20)
     assert r.status == PullStatus.FOUND and r.count == 9
-    assert store.damaged()["queues"] == {"T": {"0": [[30, 31]]}}
+    assert store.repair.damaged()["queues"] == {"T": {"0": [[30, 31]]}}
     store.close()
     store = open_store(root)  # persisted: the index entry is marked
     assert store.get("T", 0, 30, 10, 1 << 20).status == PullStatus.DAMAGED
-    assert store.damaged()["queues"] == {"T": {"0": [[30, 31]]}}
+    assert store.repair.damaged()["queues"] == {"T": {"0": [[30, 31]]}}
     store.delete_topic("T")  # a topic created again under the name starts clean
     store.create_topic("T", 1)
     send(store, "T", 0, 40)
-    assert store.damaged()["queues"] == {}
+    assert store.repair.damaged()["queues"] == {}
     store.close()
     assert verify_store(root).queues == []  # the old record's bytes are still listed
 
@@ -208,7 +208,7 @@ def test_an_unreadable_damage_list_does_not_stop_the_store(tmp_path):
     with open(os.path.join(root, "damaged.json"), "w") as f:
         f.write("{not json")
     store = open_store(root)
-    assert store.damaged() == {"log": [], "queues": {}}
+    assert store.repair.damaged() == {"log": [], "queues": {}}
     assert len(read_queue(store, "T", 0)[0]) == 5
     store.close()
 
@@ -627,8 +627,8 @@ def test_a_lost_segment_file_is_skipped_in_one_pull_and_later_ones_kept(tmp_path
     assert bad == in_lost
     assert {m.unique_key: (0, o) for o, m in got.items()} == {
         uk: v for uk, v in acked.items() if v[1] not in in_lost}
-    assert store.damaged()["queues"] == {"T": {"0": [[first, in_lost[-1] + 1]]}}
-    assert store.damaged()["log"] == [[lost_base, next_base]]
+    assert store.repair.damaged()["queues"] == {"T": {"0": [[first, in_lost[-1] + 1]]}}
+    assert store.repair.damaged()["log"] == [[lost_base, next_base]]
     store.close()
 
 

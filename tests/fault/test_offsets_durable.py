@@ -65,7 +65,7 @@ def test_async_commits_survive_a_killed_process(tmp_path):
     store = open_store(root)
     assert {q: store.get_offset("g", "T", q) for q in range(4)} == expect
     assert store.get_offset("h", "T", 2) == 7
-    assert store.offset_table.replayed == 201
+    assert store.offsets.replayed == 201
     store.close()
 
 
@@ -78,20 +78,20 @@ def test_commits_carried_by_pulls_are_journaled_together(tmp_path):
     store.create_topic("T", 2)
     fill(store, "T", 2, 50)
     store.commit_offset("g", "T", 0, 1)  # journaled at once (an explicit commit)
-    journal = store.offset_table.journal_end()
+    journal = store.offsets.journal_end()
     for off in range(2, 41):
-        store.commit_offset_later("g", "T", 0, off)
-        store.commit_offset_later("g", "T", 1, off)
+        store.offsets.commit_later("g", "T", 0, off)
+        store.offsets.commit_later("g", "T", 1, off)
     assert store.get_offset("g", "T", 0) == 40  # visible at once
-    assert store.offset_table.journal_end() == journal  # nothing written per pull
-    end = store.offset_table.flush_pending()
-    assert store.offset_table.journal_end() == journal + 2
+    assert store.offsets.journal_end() == journal  # nothing written per pull
+    end = store.offsets.flush_pending()
+    assert store.offsets.journal_end() == journal + 2
     assert end == store.log.end
-    store.commit_offset_later("g", "T", 1, 45)  # set, never journaled: lost with the kill
+    store.offsets.commit_later("g", "T", 1, 45)  # set, never journaled: lost with the kill
     crash(store)
     store = open_store(root)
     assert [store.get_offset("g", "T", q) for q in range(2)] == [40, 40]
-    store.commit_offset_later("g", "T", 0, 42)
+    store.offsets.commit_later("g", "T", 0, 42)
     store.commit_offset("g", "T", 1, 43)  # an explicit commit takes the pending ones along
     crash(store)
     store = open_store(root)
@@ -107,9 +107,9 @@ def test_sync_commits_survive_a_power_cut_once_fsynced(tmp_path):
     store.create_topic("T", 2)
     fill(store, "T", 2, 20)
     store.write_checkpoint()
-    store.save_offsets()  # a snapshot covering the first commits
+    store.offsets.save()  # a snapshot covering the first commits
     store.commit_offset("g", "T", 0, 5)
-    store.save_offsets()
+    store.offsets.save()
     end = store.commit_offset("g", "T", 0, 9)
     end = store.commit_offset("g", "T", 1, 12)
     assert end == store.log.end
@@ -158,12 +158,12 @@ def test_snapshot_records_what_it_covers_and_replay_starts_after_it(tmp_path):
     fill(store, "T", 1, 10)
     store.commit_offset("g", "T", 0, 3)
     store.commit_offset("g", "T", 0, 4)
-    store.save_offsets()
+    store.offsets.save()
     assert snapshot_file(root) == {"format": 2, "covered": 2, "groups": {"g": {"T": {"0": 4}}}}
     store.commit_offset("g", "T", 0, 6)
     crash(store)
     store = open_store(root)
-    assert store.get_offset("g", "T", 0) == 6 and store.offset_table.replayed == 1
+    assert store.get_offset("g", "T", 0) == 6 and store.offsets.replayed == 1
     store.close()
 
 
@@ -242,7 +242,7 @@ def test_retention_keeps_segments_with_commits_no_snapshot_covers(tmp_path):
     n = len(store.log.segments)
     assert n > 3
     assert store.run_retention() == 0  # the first commit lies in the first segment
-    store.save_offsets()
+    store.offsets.save()
     assert store.run_retention() == n - 1  # covered by the snapshot now: they may go
     store.commit_offset("g", "T", 0, 1199)
     crash(store)

@@ -43,7 +43,10 @@ class _Conn:
     def respond(self, corr: int, code: int, header: dict, payload: bytes = b"") -> None:
         self.answers[corr] = (code, header)
 
-    def push(self, code: int, header: dict) -> None:
+    def answer(self, corr: int, reply) -> None:
+        self.respond(corr, 0, reply.encode())
+
+    def push(self, message) -> None:
         pass
 
 

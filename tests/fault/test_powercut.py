@@ -115,12 +115,12 @@ class Driver:
         flushed, the dirty index files taken on the loop, then ``checkpoint_at`` off it."""
         store = self.store
         end = self.checkpointed = store.log.end
-        chunk = store.dedup_chunk(end)
+        chunk = store.checkpoints.dedup_chunk(end)
         self.flush()
-        index_files = store.dirty_index_files()
+        index_files = store.checkpoints.dirty_index_files()
         if during is not None:
             self._during(during)
-        store.checkpoint_at(end, index_files, chunk)
+        store.checkpoints.checkpoint_at(end, index_files, chunk)
         if during is not None:
             self._finish()
 
@@ -146,7 +146,7 @@ def check_after_cut(root: str, d: Driver, flush: str) -> MessageStore:
         assert got == [(o, d.written[q][o][0]) for o in range(hi)], q  # a prefix, no gap
         durable = sum(1 for _uk, end in d.written[q] if end <= d.flushed)
         assert hi >= durable, (q, hi, durable)  # nothing durable (sync: acknowledged) lost
-    assert store.damaged() == {"log": [], "queues": {}}
+    assert store.repair.damaged() == {"log": [], "queues": {}}
     report = verify_store(root)
     assert report.log == [] and report.queues == [], (report.log, report.queues)
     for q in range(QUEUES):  # the next send continues the queue
@@ -226,7 +226,7 @@ def test_a_cut_before_the_flush_of_a_roll_leaves_no_gap_in_the_log(tmp_path):
     store = check_after_cut(root, d, "async")
     store.close()
     store = open_store(root, PowerCutFiles())  # the log has no gap at the next start either
-    assert store.damaged() == {"log": [], "queues": {}}
+    assert store.repair.damaged() == {"log": [], "queues": {}}
     assert [s.base for s in store.log.segments[1:]] == [s.end for s in store.log.segments[:-1]]
     store.close()
 

@@ -96,7 +96,7 @@ async def test_orderly_locks_survive_a_broker_kill(tmp_path):
         assert await _lock(c, "c", [2]) == []
         while time.monotonic() - started < 8.5:
             assert await _lock(a, "a", [0, 1]) == [0, 1]  # renewals, as its client does
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # the renewal period; the expiry runs on the broker's clock
         assert await _lock(c, "c", [2, 3]) == [2, 3]
         assert await _members(c) == {"c": False, "a": False}
         await _saved(path, {"a", "c"})

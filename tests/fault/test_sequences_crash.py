@@ -10,7 +10,7 @@ import time
 
 from onceq import Admin
 from onceq.client.sequenced import SequencedWriter
-from tests.helpers import spawn_broker
+from tests.helpers import spawn_broker, wait_until
 from tests.integration.test_sequenced_send import bodies
 
 T = "seqcrash"
@@ -54,7 +54,9 @@ def test_sequences_survive_sigkill(tmp_path):
         async def phase2() -> None:
             again = await send_all(addr, 0, {0: 200, 1: 150})
             assert (again.stored, again.duplicates) == (30, 320)
-            await asyncio.sleep(1.5)  # a snapshot is written (every second when changed)
+            # a snapshot is written (every second when changed; the old one was removed)
+            await wait_until(lambda: os.path.exists(os.path.join(data, "writers.json")), 10,
+                             "the writers snapshot")
             await send_all(addr, 1, {0: 80, 2: 40})  # stored after the snapshot
         asyncio.run(phase2())
         assert os.path.exists(os.path.join(data, "writers.json"))
@@ -68,7 +70,7 @@ def test_sequences_survive_sigkill(tmp_path):
             assert (replay.stored, replay.duplicates) == (30, 120)
             got = await bodies(addr, T, 3)
             assert len(got) == len(set(got)) == 200 + 150 + 100 + 10 + 40
-        time.sleep(0.3)  # beyond the dedup window
+        time.sleep(0.3)  # beyond the dedup window (of the broker process's own clock)
         asyncio.run(phase3())
     finally:
         proc.kill()

@@ -51,7 +51,7 @@ def _commits(root: str) -> dict:
         store.commit_offset("g", "T", q, off)
         expect[("g", q)] = off
         if step == 20:
-            store.save_offsets()  # a snapshot covering the first commits
+            store.offsets.save()  # a snapshot covering the first commits
     store.commit_offset("h", "T", 2, 7)
     expect[("h", 2)] = 7
     kill_store(store)
@@ -87,7 +87,7 @@ def test_a_damaged_offsets_file_is_rebuilt_from_the_journal(tmp_path, caplog, da
     with caplog.at_level(logging.ERROR, logger="onceq"):
         store = open_store(root)
     assert errors_naming(caplog, path), caplog.text
-    got = {(g, int(q)): off for g, ts in store.offsets.items() for q, off in ts["T"].items()}
+    got = {(g, int(q)): off for g, ts in store.offsets.groups.items() for q, off in ts["T"].items()}
     assert got == expect
     # the snapshot is whole again, covering the journal
     with open(path, "rb") as f:
@@ -98,7 +98,7 @@ def test_a_damaged_offsets_file_is_rebuilt_from_the_journal(tmp_path, caplog, da
     with caplog.at_level(logging.ERROR, logger="onceq"):
         store = open_store(root)
     assert not errors_naming(caplog, path)
-    assert {(g, int(q)): off for g, ts in store.offsets.items()
+    assert {(g, int(q)): off for g, ts in store.offsets.groups.items()
             for q, off in ts["T"].items()} == expect
     store.close()
 
@@ -208,6 +208,6 @@ def test_a_malformed_damage_list_does_not_stop_the_store(tmp_path, caplog, conte
     with caplog.at_level(logging.ERROR, logger="onceq"):
         store = open_store(root)
     assert errors_naming(caplog, path)
-    assert store.damaged() == {"log": [], "queues": {}}
+    assert store.repair.damaged() == {"log": [], "queues": {}}
     assert store.min_max("T", 0) == (0, 5)
     store.close()

@@ -577,7 +577,7 @@ async def test_sync_flush_ack_waits_for_the_covering_fsync(tmp_path, monkeypatch
 
     def slow_fsync(files, fds: list) -> None:
         if fds:
-            time.sleep(0.3)
+            time.sleep(0.3)  # a slow disk (the scenario), not a wait
         real(files, fds)
         if fds:
             done.append(time.monotonic())
@@ -603,7 +603,7 @@ async def test_sync_send_in_flight_at_stop_is_answered(tmp_path, monkeypatch):
 
     def slow_fsync(files, fds: list) -> None:
         if fds:
-            time.sleep(0.2)
+            time.sleep(0.2)  # a slow disk (the scenario), not a wait
         real(files, fds)
 
     monkeypatch.setattr(flush_mod, "fsync_all", slow_fsync)

@@ -77,6 +77,21 @@ def wait_members(addr: str, group: str, n: int, timeout: float = 15) -> list[dic
         time.sleep(0.05)
 
 
+def wait_locks(addr: str, group: str, topic: str, want: dict[int, str],
+               timeout: float = 15) -> None:
+    """Wait until the access lock of each queue ``q`` of ``topic`` is held by ``want[q]``
+    (no handover pending)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = admin(addr, lambda a: a.access_locks(group))
+        got = {r["queue"]: r["holder"] for r in rows
+               if r["topic"] == topic and not r["pending_handover"]}
+        if got == want:
+            return
+        assert time.monotonic() < deadline, rows
+        time.sleep(0.05)
+
+
 def test_consume_count_prints_messages(baddr, tmp_path):
     ok(run("topic", "create", "cc", "-q", "2", "-b", baddr))
     sent = send(baddr, "cc", [f"a{i}" for i in range(4)], msg={"tags": "A"})
@@ -140,9 +155,13 @@ def test_consume_until_signal_and_group_status(baddr):
     wait_members(baddr, "gs-g", 1)
     c2 = Consumer("gs", "-g", "gs-g", "-b", baddr)
     members = wait_members(baddr, "gs-g", 2)
-    time.sleep(1.0)  # both members rebalance at once on the broker's notification
     by_pid = {c1.proc.pid: c1, c2.proc.pid: c2}
     ids = sorted(m["client"] for m in members)
+    # both members rebalance at once on the broker's notification: each queue's access
+    # lock passes to its expected owner
+    gs_queues = [MessageQueue("gs", q) for q in range(3)]
+    wait_locks(baddr, "gs-g", "gs", {mq.queue_id: cid for cid in ids
+                                     for mq in allocate_average(cid, gs_queues, ids)})
     assert {int(i.split("@")[1].split("#")[0]) for i in ids} == set(by_pid)
 
     results = run_many([("group", "list", "-b", baddr), ("group", "status", "gs-g", "-b", baddr)])

@@ -39,7 +39,7 @@ async def test_another_connection_cannot_act_in_a_members_name(tmp_path):
                     (RequestCode.COMMIT_OFFSET, {**named, "offset": 0}),
                     (RequestCode.RELEASE_QUEUE, {**named, "offset": 0}),
                     (RequestCode.UNLOCK_QUEUES, {"group": "G", "client": "c1",
-                                                 "queues": [["T", 0]]}),
+                                                 "queues": [["T", 0, -1]]}),
                     (RequestCode.LOCK_QUEUES, {"group": "G", "client": "c1",
                                                "queues": [["T", 0]]})]:
                 with pytest.raises(OnceqError) as exc:

@@ -28,7 +28,7 @@ from onceq.client.message import Message
 from onceq.client.pull import PullConsumer
 from onceq.protocol.codes import PullStatus
 from onceq.protocol.errors import ErrorCode, OnceqError
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_until
 
 TOPIC = "fill"
 BODY = 1000
@@ -220,6 +220,12 @@ async def test_disk_full_sync_broker(tmpfs: Path, tmp_path: Path):
     assert "Traceback" not in log_path.read_text()
 
 
+async def accepted(addr: str, want: bool) -> bool:
+    """True when the broker's status says writes are accepted (``want``) or not."""
+    async with Admin(addr) as admin:
+        return (await admin.broker_status())["writes"]["accepted"] is want
+
+
 async def test_usage_ratio_refuses_and_resumes(tmpfs: Path, tmp_path: Path):
     data = tmpfs / "data"
     log_path = tmp_path / "broker.log"
@@ -231,7 +237,8 @@ async def test_usage_ratio_refuses_and_resumes(tmpfs: Path, tmp_path: Path):
             await p.send(TOPIC, b"before", queue=0)
             filler = tmpfs / "filler"
             filler.write_bytes(b"\0" * (5 * MIB))  # above half of 8 MiB
-            await asyncio.sleep(1.2)  # usage is measured at most once a second
+            # usage is measured at most once a second (the status measures it too)
+            await wait_until(lambda: accepted(b.addr, False), 10, "writes refused", 0.1)
             with pytest.raises(OnceqError) as ei:
                 await p.send(TOPIC, b"refused", queue=0)
             assert ei.value.code == ErrorCode.DISK_FULL
@@ -254,7 +261,7 @@ async def test_usage_ratio_refuses_and_resumes(tmpfs: Path, tmp_path: Path):
                 capture_output=True, text=True, timeout=60)
             assert cli.returncode == 2 and "error: DISK_FULL: " in cli.stderr, cli.stderr
             filler.unlink()
-            await asyncio.sleep(1.2)
+            await wait_until(lambda: accepted(b.addr, True), 10, "writes accepted", 0.1)
             r2 = await p.send(TOPIC, b"after", queue=0)
             assert r2.offset == 1
             async with Admin(b.addr) as admin:

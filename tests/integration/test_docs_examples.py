@@ -146,10 +146,6 @@ def test_block_inventory(record_property):
     fragments = [b for b in ALL_BLOCKS if b.not_run is not None]
     plain = sum(len(p.blocks) for p in PROGRAMS if not p.spark)
     spark = sum(len(p.blocks) for p in PROGRAMS if p.spark)
-    print(f"\n{len(ALL_BLOCKS)} python blocks: {plain + spark} run ({plain} without Spark, "
-          f"{spark} with) as {len(PROGRAMS)} programs, {len(fragments)} not run")
-    for b in fragments:
-        print(f"  not run: {b.where}: {b.not_run}")
     record_property("python_blocks", len(ALL_BLOCKS))
     record_property("blocks_run", plain + spark)
     for b in ALL_BLOCKS:  # a misspelt marker would leave a block running on its own
@@ -164,6 +160,10 @@ def test_block_inventory(record_property):
     assert plain + spark + len(fragments) == len(ALL_BLOCKS)
     assert plain >= MIN_PLAIN_BLOCKS, f"only {plain} python blocks without Spark run"
     assert spark >= MIN_SPARK_BLOCKS, f"only {spark} python blocks with Spark run"
+    print(f"\n{len(ALL_BLOCKS)} python blocks: {plain + spark} run ({plain} without Spark, "
+          f"{spark} with) as {len(PROGRAMS)} programs, {len(fragments)} not run")
+    for b in fragments:
+        print(f"  not run: {b.where}: {b.not_run}")
 
 
 def seed(addr: str) -> None:
@@ -253,11 +253,11 @@ def test_python_blocks(tmp_path, record_property):
                                 enumerate(todo)))
     failures = [(p, why) for p, why in zip(todo, results, strict=True) if why is not None]
     ran = sum(len(p.blocks) for p, why in zip(todo, results, strict=True) if why is None)
-    print(f"{ran} python blocks without Spark ran ({len(todo)} programs, "
-          f"{len(failures)} failed)")
     record_property("blocks_run", ran)
     assert not failures, failure_report(failures)
     assert ran >= MIN_PLAIN_BLOCKS, f"only {ran} python blocks without Spark ran"
+    print(f"{ran} python blocks without Spark ran ({len(todo)} programs, "
+          f"{len(failures)} failed)")
 
 
 # Runs the programs listed in argv[1] one after the other, each with its own namespace and
@@ -316,8 +316,8 @@ def test_spark_blocks(tmp_path, record_property):
     failures = [(p, r["error"]) for p, r in zip(todo, results, strict=True)
                 if r["error"] is not None]
     ran = sum(len(p.blocks) for p, r in zip(todo, results, strict=True) if r["error"] is None)
-    print(f"{ran} python blocks with Spark ran ({len(todo)} programs, "
-          f"{len(failures)} failed)")
     record_property("blocks_run", ran)
     assert not failures, failure_report(failures)
     assert ran >= MIN_SPARK_BLOCKS, f"only {ran} python blocks with Spark ran"
+    print(f"{ran} python blocks with Spark ran ({len(todo)} programs, "
+          f"{len(failures)} failed)")

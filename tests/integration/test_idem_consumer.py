@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -18,9 +19,10 @@ import pytest
 from onceq import Admin, Producer
 from onceq.client.push import PushConsumer
 from onceq.idempotency import idempotent, open_store
+from tests.clock import FakeClock
+from tests.helpers import wait_until
 from tests.idem_consumer_proc import Effects
 from tests.integration.test_idem_stores import require_server
-from tests.integration.test_push_consumer import wait_until
 
 CHILD = Path(__file__).resolve().parent.parent / "idem_consumer_proc.py"
 N = 60
@@ -164,13 +166,15 @@ async def test_consumer_killed_between_effect_and_consumed_policy_decides(tmp_pa
                                   "--hang-after-effect", "--lease", "1.0")
         try:
             await wait_until(lambda: len(effect_counts(effects_db)) >= 3, 30, "effects")
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.3)  # more handlers may reach their effect (not required)
         finally:
             child.kill()
             await child.wait()
         before = effect_counts(effects_db)
         assert before and set(before.values()) == {1}
-        await asyncio.sleep(1.2)  # the killed child's leases expire
+        clock = FakeClock(time.time())
+        clock.advance(1.2)  # the killed child's leases (1.0 s) have run out for the next
+        store = open_store(url, clock=clock)
 
         effects = Effects(str(effects_db))
         ran: list[str] = []
@@ -182,7 +186,7 @@ async def test_consumer_killed_between_effect_and_consumed_policy_decides(tmp_pa
 
         opts = {"reconcile": lambda key, m: effects.done(key)} if policy == "reconcile" \
             else {"ambiguous": policy}
-        wrapped = idempotent(handle, store=url, **opts)
+        wrapped = idempotent(handle, store=store, **opts)
         second = PushConsumer(addr, group, wrapped, consume_from="FIRST",
                               rebalance_interval_s=1.0)
         second.subscribe("T", "*")
@@ -194,6 +198,7 @@ async def test_consumer_killed_between_effect_and_consumed_policy_decides(tmp_pa
         finally:
             await second.shutdown()
             await wrapped.close()
+            await store.close()
         after = effect_counts(effects_db)
         taken = wrapped.stats["taken_over"]
         assert taken >= len(before)  # every message with an effect was an expired claim
@@ -342,7 +347,7 @@ async def test_store_outage_fails_closed_and_consumption_resumes(tmp_path, kind)
                     "T", [f"b{i}".encode() for i in range(20)])]
                 await wait_until(lambda: wrapped.stats["store_errors"] >= 3, 30,
                                  "store errors")
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(0.5)  # nothing may run while the store is away (no event)
                 during = dict(effects)
                 outage.up = True
                 await wait_until(lambda: len(effects) == 40, 60, "consumption to resume")

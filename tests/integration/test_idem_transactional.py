@@ -354,9 +354,9 @@ async def test_sigkill_before_or_after_the_commit_leaves_one_effect_each(db, tmp
     child = await start_child(addr, group, db.url, db.table, tmp_path / "unused.db", *extra)
     try:
         if point == "before_commit":
-            # the child's handlers have written (uncommitted) and hang: wait for the locks
-            # of its open transactions, shown as rows it cannot see committed
-            await asyncio.sleep(1.5)
+            # a handler of the child has written (uncommitted) and hangs in its transaction
+            line = await asyncio.wait_for(child.stdout.readline(), 30)
+            assert line.startswith(b"HANGING"), line
             assert db.counts() == {}  # nothing committed
         else:
             await wait_until(lambda: len(db.counts()) == n, 30, "the child's commits")

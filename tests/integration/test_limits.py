@@ -13,7 +13,8 @@ import pytest
 from onceq import Admin, ErrorCode, OnceqError, Producer, PullConsumer, PullStatus
 from onceq.protocol.codes import PushCode, RequestCode
 from onceq.protocol.frame import PUSH, REQUEST, decode_header, encode_frame
-from tests.helpers import running_broker
+from tests.clock import FakeClock
+from tests.helpers import running_broker, wait_until
 from tests.integration.test_bad_input import Raw, batch, part, raw_frame
 
 FAST = {"read_timeout_s": 0.5, "idle_timeout_s": 1.0}
@@ -86,7 +87,9 @@ async def test_maximal_partial_frame_is_dropped_by_the_read_timeout(tmp_path):
         for r in raws:  # everything but the last byte
             r.writer.write(raw_frame(max_frame) + b"\0" * (max_frame - 12 - 1))
             await r.writer.drain()
-        await asyncio.sleep(0.2)
+        await wait_until(lambda: len(broker.connections) == 5 and max(
+            c.decoder.buffered for c in broker.connections) > max_frame // 2, 5,
+            "the partial frames read")
         buffered = [c.decoder.buffered for c in broker.connections]
         assert len(buffered) == 5 and all(b < 4 + max_frame for b in buffered)
         assert max(buffered) > max_frame // 2
@@ -132,8 +135,15 @@ async def test_timeouts_off(tmp_path):
                               ) as broker:
         raw = await Raw.open(broker.port)
         await raw.write(encode_frame(REQUEST, RequestCode.PING, 1)[:5])
-        await asyncio.sleep(1.2)
+        await wait_until(lambda: [c.decoder.buffered for c in broker.connections] == [5], 5,
+                         "the partial frame read")
+        clock = FakeClock()
+        broker.guard.clock = clock  # an hour passes between two sweeps
+        broker.guard.sweep(broker.connections)
+        clock.advance(3600)
+        broker.guard.sweep(broker.connections)
         assert len(broker.connections) == 1
+        assert not any(c.closed for c in broker.connections)
         await raw.close()
 
 
@@ -199,8 +209,8 @@ async def test_many_held_pulls_answered_at_once_wait_for_a_reading_client(tmp_pa
         await raw.write(b"".join(encode_frame(REQUEST, RequestCode.PULL, i, {
             "topic": "B", "queue": 0, "offset": 0, "max": 1024, "suspend_ms": 10_000})
             for i in range(1, n + 1)))
-        await asyncio.sleep(0.2)
-        assert sum(len(v) for v in broker.holds.held.values()) == n
+        await wait_until(lambda: sum(len(v) for v in broker.holds.held.values()) == n, 5,
+                         "every pull held")
         body = b"b" * 60_000
         parts = [part(body, f"K{i}") for i in range(65)]
         async with Producer(addr) as p:
@@ -243,7 +253,8 @@ async def test_non_reading_client_over_the_output_limit_is_dropped(tmp_path):
         await raw.write(b"".join(encode_frame(REQUEST, RequestCode.PULL, i, {
             "topic": "T", "queue": 0, "offset": 0, "suspend_ms": 1000, "group": "G",
             "client": "sleepy"}) for i in range(1, k + 1)))
-        await asyncio.sleep(0.2)
+        await wait_until(lambda: sum(len(v) for v in broker.holds.held.values()) == k, 5,
+                         "every pull held")
         assert broker.groups.member("G", "sleepy") is not None
         async with Producer(addr) as p:
             await p.send("T", b"m" * (1024 * 1024), queue=0)
@@ -438,7 +449,7 @@ async def test_partial_frames_of_all_connections_share_one_budget(tmp_path):
         stalled = [await Raw.open(broker.port) for _ in range(8)]
         for r in stalled:
             r.writer.write(raw_frame(max_frame) + b"\0" * (max_frame - 12 - 1))
-        await asyncio.sleep(0.3)
+        await wait_until(lambda: guard.blocked, 5, "the input budget to fill")
         assert guard.input_buffered > budget // 2
         # at most one socket read (256 KiB) each past the budget, not one frame each
         assert guard.input_buffered <= budget + 8 * 256 * 1024 < 8 * max_frame

@@ -14,7 +14,7 @@ import pytest
 
 from onceq.broker.metrics import METRICS_LIMITS, BrokerMetrics
 from onceq.broker.metrics_http import HttpLimits, MetricsHttpServer
-from tests.helpers import running_broker
+from tests.helpers import running_broker, wait_until
 
 PARTIAL = b"GET /metrics HTTP/1.1\r\nHost: x\r\n"  # a request head never finished
 
@@ -111,7 +111,8 @@ async def test_scrape_while_1000_slow_connections_are_open(tmp_path):
         watchers = [asyncio.create_task(c.watch()) for c in conns]
         trick = asyncio.create_task(trickler(conns, 0.25))  # a header line every 0.25 s
         try:
-            await asyncio.sleep(0.2)  # all accepted
+            # all accepted: the flood took its slots by closing the oldest slow connections
+            await wait_until(lambda: m.http.evicted >= n - cap, 5, "every connection accepted")
             assert m.http.open_connections <= cap
             status, body, latency = await http(m.port)
             assert status == 200, status
@@ -244,12 +245,12 @@ async def test_answer_not_read_is_aborted():
     try:
         sock.connect(("127.0.0.1", port))
         sock.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")  # and never read the answer
-        await asyncio.sleep(0.2)
-        assert server.open_connections == 1
+        await wait_until(lambda: server.open_connections == 1, 5, "the connection accepted")
         t0 = time.monotonic()
         while server.open_connections and time.monotonic() - t0 < 3:
             await asyncio.sleep(0.05)
         assert server.open_connections == 0 and server.write_timeouts == 1
+        assert time.monotonic() - t0 >= 0.4  # not before its write timeout (0.5 s)
         assert (await http(port))[0] == 200  # not stuck; this one reads its answer
     finally:
         sock.close()

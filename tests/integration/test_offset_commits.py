@@ -16,8 +16,9 @@ from onceq.client.push_config import ConsumeFrom
 from onceq.log.offset_record import OFFSETS_TOPIC
 from onceq.protocol.codes import PullStatus, RequestCode
 from onceq.protocol.errors import ErrorCode, OnceqError
+from onceq.storage.errors import DiskFull
 from onceq.storage.files import FileOps
-from tests.helpers import running_broker
+from tests.helpers import running_broker, wait_until
 
 G, T = "g", "t"
 
@@ -78,7 +79,10 @@ async def test_sync_commit_is_answered_only_after_its_fsync(tmp_path):
             files.open_gate.clear()
             commit = asyncio.create_task(c.commit_offset(T, 0, 5))
             release = asyncio.create_task(_release(member))
-            await asyncio.sleep(0.5)
+            await wait_until(lambda: (b.store.get_offset(G, T, 0), b.store.get_offset(G, T, 1))
+                             == (5, 4), 5, "both applied")
+            # an answer sent before the fsync would come at once: a short wait shows none
+            await asyncio.sleep(0.1)
             assert not commit.done() and not release.done()  # both wait for the fsync
             assert b.store.get_offset(G, T, 0) == 5  # applied, not answered
             assert b.store.get_offset(G, T, 1) == 4
@@ -218,8 +222,8 @@ async def test_push_consumer_takes_a_refused_commit_quietly(broker, caplog):
         c.offsets.unknown(mq)
         caplog.clear()
         with caplog.at_level(logging.DEBUG, logger="onceq"):
-            await c._commit_all()  # refused with NOT_HOLDER: no exception
-            await c._commit_all()  # and not sent again
+            await c.coordinator.commit_all()  # refused with NOT_HOLDER: no exception
+            await c.coordinator.commit_all()  # and not sent again
         assert c.stats["commits_refused"] == 1
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING
                     and r.name.startswith("onceq.consumer")]
@@ -269,14 +273,14 @@ async def test_commits_go_on_when_the_journal_cannot_be_written(broker, monkeypa
     store = broker.store
 
     def disk_full(*args: object, **kw: object) -> object:
-        raise OnceqError(ErrorCode.DISK_FULL)
+        raise DiskFull("no space left on device")
 
-    monkeypatch.setattr(store, "put", disk_full)
+    monkeypatch.setattr(store.appender, "put", disk_full)
     async with PullConsumer(addr, "lonely") as c:
         r = await c.pull(T, 0, 2, 4, commit_offset=2)
         assert r.status == PullStatus.FOUND and len(r.messages) == 4
         assert await c.fetch_offset(T, 0) == 2
         await c.commit_offset(T, 0, 6)
         assert await c.fetch_offset(T, 0) == 6
-    assert store.offsets_snapshot() is not None  # the next snapshot holds it
-    assert store.offset_table.journal_end() == 0  # nothing was journaled
+    assert store.offsets.snapshot() is not None  # the next snapshot holds it
+    assert store.offsets.journal_end() == 0  # nothing was journaled

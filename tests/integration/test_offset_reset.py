@@ -14,6 +14,7 @@ from onceq.client.push_config import ConsumeFrom
 from onceq.log.offset_record import OFFSETS_TOPIC
 from onceq.protocol.codes import PullStatus, PushCode, RequestCode
 from onceq.protocol.errors import ErrorCode, OnceqError
+from tests.helpers import wait_until
 
 G, T = "rg", "rt"
 N = 50
@@ -128,7 +129,11 @@ async def test_forced_reset_forward_is_not_undone_by_a_busy_consumer(addr):
     c = await _consumer(addr, listener, batch_size=1)
     try:
         await _until(lambda: 5 in seen)
-        await asyncio.sleep(0.5)  # periodic commits (at most 5) went out
+        async def committed_5() -> bool:
+            return (await _offsets(addr, 1))[0] == 5
+
+        # periodic commits (every 0.2 s) went out, up to the stuck message and no further
+        await wait_until(committed_5, 5, "the commit of 5", interval=0.05)
         assert (await _offsets(addr, 1))[0] <= 5
         async with Admin(addr) as admin:
             rows = await admin.reset_offsets(G, T, to_offset=20, force=True)
@@ -140,7 +145,9 @@ async def test_forced_reset_forward_is_not_undone_by_a_busy_consumer(addr):
         while (await _offsets(addr, 1))[0] != N:
             assert time.monotonic() < deadline, "offsets not committed after the reset"
             await asyncio.sleep(0.1)
-        await asyncio.sleep(0.5)  # time for a stale commit to land, were one sent
+        # time for a stale commit to land, were one sent (periodic: every 0.2 s); nothing
+        # marks "no commit was sent", so a short wait
+        await asyncio.sleep(0.5)
         assert (await _offsets(addr, 1))[0] == N
         after = seen[first:]
         assert sorted(set(after)) == list(range(20, N))  # nothing below the new offset

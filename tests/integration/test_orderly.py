@@ -3,9 +3,7 @@ producer's selector, the orderly consumer's suspend / retry / DLQ paths, broadca
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Callable
 
 import pytest
 
@@ -16,17 +14,10 @@ from onceq.client.consume import ConsumeStatus, orderly
 from onceq.client.push import PushConsumer
 from onceq.protocol.codes import PullStatus, RequestCode, dlq_topic
 from onceq.protocol.errors import ErrorCode
+from tests.helpers import wait_until
 
 G = "og"
 T = "OT"
-
-
-async def wait_until(pred: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 async def _member(addr: str, client: str, *, orderly_meta: bool = True) -> BrokerConnection:
@@ -328,7 +319,9 @@ async def test_a_lost_lock_stops_the_queue_until_it_is_locked_again(broker, addr
         await wait_until(lambda: c.stats["lock_lost"] >= 1, 5, "the renewal refused")
         async with Producer(addr) as p:
             await p.send_batch(T, [b"n1", b"n2"], queue=0)
-        await asyncio.sleep(1.0)
+        refused = c.stats["lock_refused"]
+        await wait_until(lambda: c.stats["lock_refused"] >= refused + 3, 5,
+                         "relocks refused while the messages wait")
         assert len(seen) == 20  # not consumed while another client holds the lock
         assert await _unlock(intruder, "zz-intruder", [(0, -1)]) == [0]
         await wait_until(lambda: len(seen) == 22, 10, "the queue taken again")

@@ -160,7 +160,7 @@ async def test_orderly_members_join_leave_and_one_is_killed(tmp_path):
             rows = _read(outs)
             if len({(k, s) for _, _, k, s in rows}) >= total or time.monotonic() > deadline:
                 break
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.1)
         for name in ("c2", "c3", "c4"):
             await members.pop(name).stop()
         rows = _read(outs)

@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -17,27 +18,17 @@ import pytest
 from onceq import Admin, Message, OnceqError, Producer, PullConsumer
 from onceq.client.allocation import MessageQueue
 from onceq.client.push import ConsumeStatus, PushConsumer
+from onceq.client.push_config import PushConsumerConfig
 from onceq.protocol.codes import PROP_ORIGIN_TOPIC, dlq_topic, retry_topic
 from tests.handover import moved
-from tests.helpers import free_port, running_broker
+from tests.helpers import free_port, running_broker, wait_until
 
 CONSUMER_PROC = Path(__file__).resolve().parent.parent / "consumer_proc.py"
 FAST_LEVELS = " ".join(["50ms"] * 18)  # the 18 RocketMQ levels, all short
+CHILD_FLOW_SPAN = 100  # the killed / hung child's flow_span (see _kill_or_hang)
 
 
 # ================================================================ helpers
-async def wait_until(pred: Callable[[], bool], timeout: float, what: str,
-                     interval: float = 0.02) -> float:
-    """Poll ``pred`` until true; return the seconds it took. Fails after ``timeout``."""
-    t0 = time.monotonic()
-    deadline = t0 + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(interval)
-    return time.monotonic() - t0
-
-
 def consumer(addr: str, group: str, listener, topic: str = "T", **kw) -> PushConsumer:
     kw.setdefault("consume_from", "FIRST")
     kw.setdefault("rebalance_interval_s", 1.0)
@@ -251,7 +242,7 @@ async def test_fail_once_then_succeed_is_redelivered_once(retry_addr, kind):
     try:
         keys = await send_many(retry_addr, "T", 1, 10)
         await wait_until(lambda: len(seen) >= 20, 10, "every message twice")
-        await asyncio.sleep(0.4)  # nothing more may come
+        await asyncio.sleep(0.4)  # nothing more may come (no event to wait on)
         assert len(seen) == 20
         by_key: dict[str, list] = {}
         for key, recons, topic, body in seen:
@@ -302,6 +293,8 @@ async def test_always_failing_message_ends_in_dlq_after_16_retries(retry_addr):
             while not await dlq_full():
                 assert time.monotonic() < deadline, f"DLQ has {len(dlq)}: {deliveries}"
                 await asyncio.sleep(0.1)
+        # nothing more may come (a wrong redelivery would come within a 50 ms delay level);
+        # no event marks "no more deliveries", so a short wait
         await asyncio.sleep(0.3)
     finally:
         await c.shutdown()
@@ -342,7 +335,7 @@ async def test_partial_success_retries_only_after_ack_index(retry_addr, ack_inde
     try:
         await wait_until(lambda: sum(len(x) for x in calls) >= 4 + len(retried), 10,
                          "first batch and retries")
-        await asyncio.sleep(0.4)
+        await asyncio.sleep(0.4)  # no further retry may come (no event to wait on)
     finally:
         await c.shutdown()
     assert calls[0] == [(k, 0) for k in keys]  # one batch of 4
@@ -355,6 +348,7 @@ async def test_partial_success_retries_only_after_ack_index(retry_addr, ack_inde
 async def test_listener_exceeding_consume_timeout_is_retried(retry_addr, kind):
     seen: list[tuple[str, int]] = []
     cancelled: list[str] = []
+    late = threading.Event()  # the timed-out sync listener call returned
 
     async def alistener(msgs, ctx):
         m = msgs[0]
@@ -371,6 +365,7 @@ async def test_listener_exceeding_consume_timeout_is_retried(retry_addr, kind):
         seen.append((m.unique_key, m.reconsume_times))
         if m.reconsume_times == 0:
             time.sleep(0.8)  # a thread cannot be stopped: its late result is ignored
+            late.set()
 
     c = consumer(retry_addr, f"slow-{kind}", alistener if kind == "async" else slistener,
                  consume_timeout_s=0.3)
@@ -378,7 +373,13 @@ async def test_listener_exceeding_consume_timeout_is_retried(retry_addr, kind):
     try:
         (key,) = await send_many(retry_addr, "T", 1, 1)
         await wait_until(lambda: len(seen) >= 2, 10, "the retry")
-        await asyncio.sleep(0.9)
+        if kind == "sync":
+            assert await asyncio.to_thread(late.wait, 10)
+        else:
+            await wait_until(lambda: cancelled, 5, "the timed-out call to be cancelled")
+        # the late result (sync) must not count and nothing more may come: no event marks
+        # that, so a short wait
+        await asyncio.sleep(0.2)
     finally:
         await c.shutdown()
     assert seen == [(key, 0), (key, 1)]
@@ -416,7 +417,7 @@ async def test_broadcasting_every_member_gets_every_message_and_resumes_locally(
             b = await Child.start(addr, "bc", "B", out, *b_args)
             await wait_until(lambda: len(b.keys()) >= 400 and len(a_seen) >= 400, 15,
                              "both members to get the second 200")
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # no message may come twice (no event to wait on)
         finally:
             await b.stop(signal.SIGTERM)
             await a.shutdown()
@@ -447,11 +448,14 @@ async def _kill_or_hang(tmp_path, sig: int, expiry: float) -> None:
         await b.start()
         expected = all_queues(topic, n_queues)
         child = await Child.start(addr, group, topic, tmp_path / "child.keys",
-                                  "--rebalance-interval", "60", "--heartbeat-interval", "0.3")
+                                  "--rebalance-interval", "60", "--heartbeat-interval", "0.3",
+                                  "--flow-span", str(CHILD_FLOW_SPAN))
+        where: dict[str, int] = {}
         try:
             await wait_until(lambda: len(a.assignment) + len(b.assignment) < len(expected), 5,
                              "the child to take queues")
-            producer = asyncio.create_task(send_many(addr, topic, 100, 100, 0.01))
+            producer = asyncio.create_task(send_many(addr, topic, 100, 100, 0.01,
+                                                     where=where))
             await wait_until(lambda: len(child.keys()) > 500, 15, "the child to consume")
             assert not partition_ok([a, b], expected)
             if sig == signal.SIGSTOP:
@@ -475,6 +479,13 @@ async def _kill_or_hang(tmp_path, sig: int, expiry: float) -> None:
             # a and b never repeat what they handled themselves (the access lock); what
             # they repeat is at most what the child handled and had not committed
             assert own == 0 and dups <= len(child_keys), (own, dups, len(child_keys))
+            # and that is bounded per queue: the child's commits ride on its pulls, and it
+            # pulls a queue only while the messages in flight span at most CHILD_FLOW_SPAN
+            # offsets. What it handled past the commit of its last answered pull is within
+            # that span (+1) plus that pull's answer (pull_batch_size), whatever the timing
+            child_queues = {where[k] for k in child_keys}
+            per_queue = CHILD_FLOW_SPAN + 1 + PushConsumerConfig().pull_batch_size
+            assert dups <= len(child_queues) * per_queue, (dups, sorted(child_queues))
             if sig == signal.SIGKILL:
                 assert took < 1.5, f"took {took:.2f}s: the disconnect should move queues"
             else:
@@ -535,17 +546,20 @@ async def test_graceful_shutdown_commits_unregisters_and_others_rebalance_at_onc
         took = time.monotonic() - t0
         more = await send_many(addr, topic, 12, 100)
         await wait_until(lambda: all(k in handled for k in more), 15, "the new keys handled")
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # no duplicate may come (no event to wait on)
         for c in cs:
             await c.shutdown()
         dups = [k for k in keys if handled[k] > 1]
-        print(f"\n[graceful] rebalanced {took:.2f}s after shutdown; "
-              f"{len(dups)} duplicates among {len(keys)} earlier messages")
         assert set(handled) == set(keys) | set(more)
         assert took < 1.0
         # the leaver's queues were taken from its final commit: none of them came again
         left_qids = {mq.queue_id for mq in owned}
         assert not [k for k in dups if where[k] in left_qids]
+        # nor did queues moving between the others (revoked with a final commit, access
+        # lock on), and every earlier key was handled before anything moved
+        assert not dups, f"{len(dups)} duplicates among {len(keys)} earlier messages"
+        print(f"\n[graceful] rebalanced {took:.2f}s after shutdown; "
+              f"{len(dups)} duplicates among {len(keys)} earlier messages")
 
 
 # ================================================================ more edges
@@ -598,7 +612,7 @@ async def test_consumers_with_default_ids_in_one_process_split_the_queues(addr):
         await wait_until(lambda: partition_ok(cs, all_queues("D", 4)), 5, "a split")
         keys = await send_many(addr, "D", 4, 50)
         await wait_until(lambda: all(k in handled for k in keys), 10, "every key")
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # no duplicate may come (no event to wait on)
     finally:
         for c in cs:
             await c.shutdown()
@@ -630,7 +644,7 @@ async def test_reconnects_with_one_connection_after_the_broker_drops_it(tmp_path
             await wait_until(lambda: len(conns()) == 1, 5, "the consumer to reconnect")
             more = await send_many(addr, "R", 8, 50)
             await wait_until(lambda: all(k in handled for k in more), 10, "every new key")
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.3)  # no second connection may open (no event)
             client_conns = len(broker.connections)
         finally:
             await c.shutdown()
@@ -701,7 +715,7 @@ async def test_revoke_lets_running_listeners_finish_then_releases(tmp_path, drai
             await wait_until(lambda: len(finished) == 20, 5, "a's listener calls to finish")
             more = await send_many(addr, "S", 2, 10)
             await wait_until(lambda: all(k in handled for k in more), 5, "the new keys")
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.2)  # no duplicate may come (no event to wait on)
         finally:
             await b.shutdown()
             await a.shutdown()
@@ -732,7 +746,7 @@ async def test_tag_filter_delivers_matching_messages_and_commits_past_the_rest(a
     await c.start()
     try:
         await wait_until(lambda: len(seen) >= len(wanted), 5, "the a and b messages")
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # no filtered message may come (no event)
     finally:
         await c.shutdown()
     assert {k for k, _ in seen} == wanted and len(seen) == len(wanted)
@@ -763,7 +777,7 @@ async def test_negative_delay_level_sends_straight_to_dlq(retry_addr):
             while not (dlq := await in_dlq()):
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.05)
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # no further delivery may come (no event)
     finally:
         await c.shutdown()
     assert seen == [0]
@@ -779,7 +793,7 @@ async def test_retries_survive_a_restart_with_fewer_delay_levels(tmp_path):
         (key,) = await send_many(addr, "T", 1, 1)
         assert broker.retry is not None
         res = broker.retry.send_back("g", "T", 0, 0, 18, 16)  # the last level: 50 ms here
-        assert res == {"dlq": False, "reconsume": 1, "level": 18}
+        assert (res.dlq, res.reconsume, res.level) == (False, 1, 18)
     async with running_broker(data, delay_levels="100ms 200ms 300ms") as broker:
         addr = f"127.0.0.1:{broker.port}"
         async with PullConsumer(addr, "g") as pc:

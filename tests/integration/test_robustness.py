@@ -82,14 +82,17 @@ async def test_shutdown_still_leaves_cleanly_when_the_strategy_raises(tmp_path):
         async with Admin(addr) as admin:
             await admin.create_topic("T", 2)
 
+        calls: list[str] = []
+
         def broken(client_id, queues, clients):
+            calls.append(client_id)
             raise KeyError("strategy bug")
 
         c = PushConsumer(addr, "g", lambda msgs, ctx: None, allocate=broken,
                          rebalance_interval_s=0.2)
         c.subscribe("T")
         await c.start()
-        await asyncio.sleep(0.5)  # a few failed rebalances
+        assert await _wait(lambda: len(calls) >= 3), calls  # a few failed rebalances
         await c.shutdown()  # does not raise, and the member is gone at once
         assert b.groups.members("g") == []
         async with Admin(addr) as admin:  # with no member and no offset, no group at all
@@ -113,7 +116,9 @@ async def test_consumer_follows_a_queue_that_shrank(tmp_path):
         c = PushConsumer(addr, "g", listener, rebalance_interval_s=1, pull_suspend_s=0.5)
         c.subscribe("T")
         async with c:
-            await asyncio.sleep(0.5)
+            # moved back to the queue's end (0) and waiting there before anything is sent
+            assert await _wait(lambda: [h.job.offset for h in b.holds.holders_of(("T", 0))]
+                               == [0])
             async with Producer(addr) as p:
                 await p.send_batch("T", [Message(b"a"), Message(b"b")])
             assert await _wait(lambda: got == [b"a", b"b"]), got

@@ -11,11 +11,12 @@ import sys
 from dataclasses import dataclass
 
 from onceq import Admin, Producer
+from onceq.client.allocation import MessageQueue
 from onceq.client.connection import BrokerConnection
 from onceq.client.push import PushConsumer
 from onceq.protocol.codes import PullStatus, RequestCode
 from tests.handover import moved
-from tests.helpers import running_broker
+from tests.helpers import running_broker, wait_until
 
 TOPIC = "tl"
 QUEUES = 8
@@ -53,6 +54,24 @@ async def _wait_all(keys: list[str], seen: dict, timeout: float = 20) -> None:
         await asyncio.sleep(0.1)
 
 
+async def _settled(members: list[PushConsumer], names: list[str], deliveries: list,
+                   mark: int) -> None:
+    """Wait until ``members`` split every queue and each consumed every queue it owns
+    (``deliveries`` after index ``mark``): the handovers of a step are done while messages
+    flow."""
+    def done() -> bool:
+        if not members:
+            return True
+        owned = [mq for m in members for mq in m.assignment if mq.topic == TOPIC]
+        if len(owned) != QUEUES or len(set(owned)) != QUEUES:
+            return False
+        got = {(mq, name) for mq, _, name in deliveries[mark:]}
+        return all((mq, name) in got for m, name in zip(members, names, strict=True)
+                   for mq in m.assignment if mq.topic == TOPIC)
+
+    await wait_until(done, 20, "every queue consumed by its new holder")
+
+
 @dataclass
 class Run:
     lost: int
@@ -77,13 +96,18 @@ async def _join_leave(tmp_path, access_lock: bool) -> Run:
             return _consumer(addr, name, seen, deliveries, access_lock=access_lock)
 
         members = [await member("c0").start()]
+        names = ["c0"]
+        mark = 0
         for step in range(1, 7):  # grow to 3, shrink to none, then a new member joins
-            await asyncio.sleep(0.7)
+            await _settled(members, names, deliveries, mark)
+            mark = len(deliveries)
             if step in (1, 2, 6):
                 members.append(await member(f"c{step}").start())
+                names.append(f"c{step}")
             else:
                 await members.pop(0).shutdown()
-        await asyncio.sleep(0.7)
+                names.pop(0)
+        await _settled(members, names, deliveries, mark)
         stop.set()
         await prod
         await _wait_all(keys, seen)
@@ -139,14 +163,25 @@ async def test_sigkilled_holder_messages_are_redelivered(tmp_path):
             keys: list[str] = []
             stop = asyncio.Event()
             prod = asyncio.create_task(_produce(addr, stop, keys))
-            await asyncio.sleep(1.0)
+            await wait_until(lambda: out.exists() and out.stat().st_size > 0, 10,
+                             "the victim to consume")
             survivor = await _consumer(addr, "survivor", seen).start()
-            await asyncio.sleep(1.0)
-            locks = await _locks(addr)
-            assert locks, "the victim and the survivor hold queues"
+            await wait_until(lambda: len(survivor.assignment) > 0 and seen, 10,
+                             "the survivor to consume its share")
+
+            async def both_hold() -> bool:
+                return len({r["holder"] for r in await _locks(addr)}) == 2
+
+            await wait_until(both_hold, 10, "the victim and the survivor to hold queues")
             victim.send_signal(signal.SIGKILL)  # its in-flight, uncommitted messages ...
             victim.wait()
-            await asyncio.sleep(1.0)
+            mark = len(keys)
+            all_queues = {MessageQueue(TOPIC, q) for q in range(QUEUES)}
+            await wait_until(lambda: {mq for mq in survivor.assignment
+                                      if mq.topic == TOPIC} == all_queues, 10,
+                             "the survivor to take every queue")
+            # messages keep flowing while it does, and after
+            await wait_until(lambda: len(keys) >= mark + 200, 10, "more messages")
             stop.set()
             await prod
             with open(out) as f:
@@ -197,7 +232,7 @@ async def test_release_after_a_held_takeover_pull_does_not_move_the_offset_back(
                                                           "offset": 2})
             held = new.send_request(RequestCode.PULL, {**pull, "client": "new", "offset": 0,
                                                        "suspend_ms": 5000})
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.2)  # it stays held (no event marks "not answered")
             assert not held.done()  # corrected to 2 and held: nothing new to read
             hdr, _ = await new.request(RequestCode.RELEASE_QUEUE, {
                 "group": "tl-g", "client": "new", "topic": TOPIC, "queue": 0, "offset": 0})

@@ -118,7 +118,7 @@ def test_stream_replay_after_dedup_window_and_broker_kill_stores_once(spark, tmp
 
         proc.kill()  # SIGKILL: the sequence table is rebuilt at restart
         proc.wait(10)
-        time.sleep(0.6)  # and the dedup window is over
+        time.sleep(0.6)  # and the dedup window is over (the broker process's own clock)
         proc, addr = spawn_broker(data, "--dedup-window", "0.5", port=port)
         # forget that the last batch was committed: the restart replays it
         last = max(int(p.name) for p in (ckpt / "commits").iterdir() if p.name.isdigit())

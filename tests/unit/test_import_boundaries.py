@@ -6,10 +6,10 @@ from the top package (``from onceq import Admin``) resolved to the module it com
 
 * ``onceq.protocol`` (wire codec, codes, errors) imports from onceq only ``onceq.protocol``,
   and besides the standard library only ``msgpack``.
-* ``onceq.log`` (record and index formats) imports from onceq only ``onceq.log`` and
-  ``onceq.protocol``, and besides the standard library only ``msgpack``.
-* ``onceq.storage`` imports from onceq only ``onceq.storage``, ``onceq.log`` and
-  ``onceq.protocol`` (its error codes, until storage raises errors of its own).
+* ``onceq.log`` (record and index formats) imports from onceq only ``onceq.log``, and
+  besides the standard library only ``msgpack``.
+* ``onceq.storage`` imports from onceq only ``onceq.storage`` and ``onceq.log``: it raises
+  errors of its own (``storage/errors.py``), which the broker maps to wire codes.
 * ``onceq.broker`` never imports ``onceq.client``, ``onceq.idempotency``, ``onceq.spark``
   or ``onceq.cli``.
 * ``onceq.client`` never imports ``onceq.storage``, ``onceq.broker``, ``onceq.idempotency``,
@@ -84,9 +84,9 @@ CLIENT_SIDE = frozenset({"storage", "broker", "cli"})
 RULES = [
     Rule("onceq.protocol", allowed_onceq=frozenset({"protocol"}),
          allowed_third_party=frozenset({"msgpack"})),
-    Rule("onceq.log", allowed_onceq=frozenset({"log", "protocol"}),
+    Rule("onceq.log", allowed_onceq=frozenset({"log"}),
          allowed_third_party=frozenset({"msgpack"})),
-    Rule("onceq.storage", allowed_onceq=frozenset({"storage", "log", "protocol"})),
+    Rule("onceq.storage", allowed_onceq=frozenset({"storage", "log"})),
     Rule("onceq.broker", forbidden_onceq=frozenset({"client", "idempotency", "spark", "cli"})),
     Rule("onceq.client", forbidden_onceq=CLIENT_SIDE | {"idempotency", "spark"}),
     Rule("onceq.idempotency", forbidden_onceq=CLIENT_SIDE | {"spark"}),
@@ -213,10 +213,13 @@ def test_protocol_and_log_reaching_out_are_reported():
         "standard library and msgpack besides onceq)"]
     assert _check("onceq.log.record", "from ..client.message import Message\n") == [
         "src/onceq/log/record.py:1: imports onceq.client.message "
-        "(onceq.log may import from onceq only onceq.log, onceq.protocol)"]
+        "(onceq.log may import from onceq only onceq.log)"]
     assert _check("onceq.log", "from .. import _aio\n", is_package=True) == [
         "src/onceq/log/__init__.py:1: imports onceq._aio (onceq.log may import from onceq "
-        "only onceq.log, onceq.protocol)"]
+        "only onceq.log)"]
+    assert _check("onceq.storage.put", "from ..protocol.errors import OnceqError\n") == [
+        "src/onceq/storage/put.py:1: imports onceq.protocol.errors "
+        "(onceq.storage may import from onceq only onceq.log, onceq.storage)"]
 
 
 def test_a_name_from_the_top_package_is_checked_where_it_comes_from():
@@ -251,7 +254,7 @@ def test_pyspark_outside_the_spark_package_is_reported():
 
 
 def test_allowed_imports_pass():
-    assert _check("onceq.log.segment", "import struct\nfrom ..protocol.errors import X\n"
+    assert _check("onceq.log.segment", "import struct\n"
                   "from .record import MessageExt\nimport msgpack\n") == []
     assert _check("onceq.client.push", "from .._aio import wait_event\n"
                   "from ..log.record import MessageExt\nimport asyncio\n") == []

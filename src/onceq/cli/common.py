@@ -11,6 +11,7 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 from ..client.connection import ConnectionLost, parse_address
+from ..client.security import CredentialsError
 from ..protocol.errors import OnceqError
 
 T = TypeVar("T")
@@ -65,6 +66,8 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run(coro)
     except OnceqError as exc:
         exit_for(exc)
+    except CredentialsError as exc:
+        fail(str(exc))
 
 
 def async_command(fn: Callable[..., Coroutine[Any, Any, Any]]) -> Callable[..., Any]:

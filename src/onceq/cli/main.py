@@ -158,12 +158,14 @@ from .dedup_cmd import register as register_dedup  # noqa: E402 - dedup show/sta
 from .demo.command import demo  # noqa: E402 - the main job
 from .offsets_cmds import offsets  # noqa: E402 - offsets show/reset
 from .pipeline_cmd import pipeline  # noqa: E402 - the Spark pipeline
+from .security_cmds import register as register_security  # noqa: E402 - user, acl, tls
 from .verify_cmd import register as register_verify  # noqa: E402 - broker verify/status
 
 register(main)
 register_admin(main)
 register_audit(main)
 register_dedup(main)
+register_security(main)
 main.add_command(offsets)
 main.add_command(demo)
 main.add_command(pipeline)
