@@ -383,14 +383,17 @@ class Broker:
                 raise OnceqError(ErrorCode.UNKNOWN_REQUEST, f"unknown request code {code}")
             if self._closing:
                 raise OnceqError(ErrorCode.SHUTTING_DOWN)
-            self.security.admit(conn, code, corr_id)  # a user first (ACLs on)
+            security = self.security
+            if security.enabled:
+                security.admit(conn, code, corr_id)  # a user first
             try:
                 header = decode_header(raw_header)
             except ValueError as exc:
                 raise OnceqError(ErrorCode.BAD_REQUEST, str(exc)) from None
             cls, handler = entry
             request = cls.decode(header, payload)  # typed and checked, once
-            self.security.authorize(conn, code, corr_id, request)
+            if security.enabled:
+                security.authorize(conn, code, corr_id, request)
             if code in CLAIMING:
                 self.client_ids.check(conn, request.client)  # type: ignore[attr-defined]
             result = handler(Call(conn, corr_id), request)

@@ -54,7 +54,9 @@ def parse_address(address: str) -> tuple[str, int]:
 class BrokerConnection(asyncio.Protocol):
     def __init__(self, on_push: Callable[[int, dict[str, Any]], None] | None = None) -> None:
         self._decoder = FrameDecoder(DEFAULT_MAX_FRAME)
-        self._pending: dict[int, asyncio.Future[tuple[dict[str, Any], bytes]]] = {}
+        # correlation id -> the answer's future and the reply type it is decoded into
+        # (None: the raw header map and payload)
+        self._pending: dict[int, tuple[asyncio.Future[Any], type[Message] | None]] = {}
         self._ids = itertools.count(1)
         self._transport: asyncio.Transport | None = None
         self._out: list[bytes] = []
@@ -125,9 +127,10 @@ class BrokerConnection(asyncio.Protocol):
                     self._fail(ConnectionLost(f"broker closed the connection: {err.message}",
                                               err.code))
                     return
-                fut = self._pending.pop(corr_id, None)
-                if fut is None or fut.done():
+                entry = self._pending.pop(corr_id, None)
+                if entry is None or entry[0].done():
                     continue
+                fut, reply_type = entry
                 try:
                     hdr = decode_header(header)
                 except ValueError as exc:
@@ -140,8 +143,13 @@ class BrokerConnection(asyncio.Protocol):
                         self._fail(ConnectionLost(f"broker closed the connection: "
                                                   f"{ErrorCode(code).name}"))
                         return
-                else:
+                elif reply_type is None:
                     fut.set_result((hdr, payload))
+                else:
+                    try:
+                        fut.set_result(reply_type.decode(hdr, payload))
+                    except OnceqError as err:  # a reply that does not decode
+                        fut.set_exception(err)
             elif kind == PUSH and self._on_push is not None:
                 try:
                     self._on_push(code, decode_header(header))
@@ -156,7 +164,7 @@ class BrokerConnection(asyncio.Protocol):
         if self.error is None:
             self.error = err
         pending, self._pending = self._pending, {}
-        for fut in pending.values():
+        for fut, _ in pending.values():
             if not fut.done():
                 fut.set_exception(err)
         if not self.lost.done():
@@ -164,15 +172,17 @@ class BrokerConnection(asyncio.Protocol):
         if self._transport is not None:
             self._transport.close()
 
-    def send_request(self, code: int, header: dict[str, Any] | None, payload: bytes = b""
-                     ) -> asyncio.Future[tuple[dict[str, Any], bytes]]:
+    def send_request(self, code: int, header: dict[str, Any] | None, payload: bytes = b"",
+                     reply_type: type[Message] | None = None) -> asyncio.Future[Any]:
+        """Send a request now; the future of its answer: the raw header map and payload,
+        or with ``reply_type`` the typed reply."""
         if self.closed:
             if self.error is not None and self.error.code != ErrorCode.SERVICE_UNAVAILABLE:
                 raise self.error  # e.g. refused: TOO_MANY_CONNECTIONS
             raise ConnectionLost("connection to broker is closed")
         corr = next(self._ids) & 0xFFFFFFFF or 1  # 0 is for answers about the connection
         fut = asyncio.get_running_loop().create_future()
-        self._pending[corr] = fut
+        self._pending[corr] = (fut, reply_type)
         frame = encode_frame(REQUEST, code, corr, header, payload)
         if not self._out:  # requests made in one loop pass go out in one send
             asyncio.get_running_loop().call_soon(self._flush)
@@ -194,8 +204,7 @@ class BrokerConnection(asyncio.Protocol):
             raise ConnectionLost(f"no reply within {timeout}s") from None
         finally:
             if fut.cancelled():  # given up (timeout, cancelled caller): forget the request
-                for corr in [c for c, f in self._pending.items() if f is fut]:
-                    del self._pending[corr]
+                self._forget(fut)
 
     async def call(self, request: Message, timeout: float | None = 10.0) -> Any:
         """Send a typed request; return its typed reply (``protocol/replies.py``,
@@ -204,34 +213,14 @@ class BrokerConnection(asyncio.Protocol):
 
     def submit(self, request: Message) -> asyncio.Future[Any]:
         """Send a typed request now; a future of its typed reply (for pipelining: several
-        requests in flight on one connection). Cancelling the future forgets the request."""
-        raw = self.send_request(request.CODE, request.encode(),
-                                getattr(request, "payload", b""))
-        reply_type = REPLY_OF[request.CODE]
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        requests in flight on one connection). A cancelled future's answer is dropped when it
+        comes (the broker answers every request, and a lost connection drops them all)."""
+        return self.send_request(request.CODE, request.encode(),
+                                 getattr(request, "payload", b""), REPLY_OF[request.CODE])
 
-        def settle(done: asyncio.Future[tuple[dict[str, Any], bytes]]) -> None:
-            if fut.done():
-                return
-            if done.cancelled():
-                fut.cancel()
-            elif (exc := done.exception()) is not None:
-                fut.set_exception(exc)
-            else:
-                try:
-                    fut.set_result(reply_type.decode(*done.result()))
-                except OnceqError as err:  # a reply that does not decode
-                    fut.set_exception(err)
-
-        def forget(f: asyncio.Future[Any]) -> None:
-            if f.cancelled() and not raw.done():
-                raw.cancel()
-                for corr in [c for c, p in self._pending.items() if p is raw]:
-                    del self._pending[corr]
-
-        raw.add_done_callback(settle)
-        fut.add_done_callback(forget)
-        return fut
+    def _forget(self, fut: asyncio.Future[Any]) -> None:
+        for corr in [c for c, (f, _) in self._pending.items() if f is fut]:
+            del self._pending[corr]
 
     def call_oneway(self, request: Message) -> None:
         """Send a typed request and ignore its reply (fire-and-forget)."""

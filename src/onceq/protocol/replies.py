@@ -10,11 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from .codes import PullStatus, PushCode, RequestCode
-from .schema import Message, field, message
+from .schema import Message, field, invalid, message, p_int, p_int_list
 
 
 def p_status(name: str, value: Any) -> PullStatus:
-    return PullStatus(value)
+    try:
+        return PullStatus(value)
+    except ValueError:
+        raise invalid(f"field {name!r} is not a pull status: {value!r}") from None
 
 
 @message()
@@ -45,11 +48,13 @@ class SendReply(Message):
 
     @classmethod
     def decode(cls, header: dict[str, Any], payload: bytes = b"") -> SendReply:
+        queue = p_int("queue", header.get("queue"))
         if "base" in header:  # every message stored anew: the first offset and the count
-            base, n = header["base"], header["n"]
-            return cls(header["queue"], list(range(base, base + n)))
-        return cls(header["queue"], header["offsets"], header.get("dups", []),
-                   header.get("dupq", []))
+            base, n = p_int("base", header["base"]), p_int("n", header.get("n"))
+            return cls(queue, list(range(base, base + n)))
+        return cls(queue, p_int_list("offsets", header.get("offsets")),
+                   p_int_list("dups", header.get("dups", [])),
+                   p_int_list("dupq", header.get("dupq", [])))
 
     def encode(self) -> dict[str, Any]:
         offsets = self.offsets
@@ -81,8 +86,9 @@ class SequencedReply(Message):
 
     @classmethod
     def decode(cls, header: dict[str, Any], payload: bytes = b"") -> SequencedReply:
-        base = header.get("base", -1)
-        return cls(header["queue"], header["dup"], None if base < 0 else base, header["n"])
+        base = p_int("base", header.get("base", -1))
+        return cls(p_int("queue", header.get("queue")), p_int("dup", header.get("dup")),
+                   None if base < 0 else base, p_int("n", header.get("n")))
 
 
 @message()

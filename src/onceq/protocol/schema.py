@@ -136,6 +136,13 @@ def _spec(f: dataclasses.Field[Any]) -> Spec:
 
 M = TypeVar("M", bound="Message")
 
+# parsers whose check is written inline in a generated decoder (the parser still raises)
+_INLINE: dict[Parse, str] = {
+    p_int: "type(v) is int and INT64_MIN <= v <= INT64_MAX",
+    p_str: "type(v) is str",
+    p_bool: "type(v) is bool",
+}
+
 
 class Message:
     """Base of the typed requests, replies and pushes (``@message`` fills these in)."""
@@ -145,12 +152,14 @@ class Message:
     SPECS: ClassVar[tuple[Spec, ...]] = ()
     HAS_PAYLOAD: ClassVar[bool] = False
 
+    # ``@message`` gives each class a decode and an encode of its own, generated from its
+    # fields (``_decoder``, ``_encoder``); these generic ones say what they do
     @classmethod
     def decode(cls: type[M], header: dict[str, Any], payload: bytes = b"") -> M:
+        """The message of a decoded header map (and the frame's payload)."""
         values: dict[str, Any] = {}
-        get = header.get
         for s in cls.SPECS:
-            v = get(s.wire, _REQUIRED)
+            v = header.get(s.wire, _REQUIRED)
             if v is _REQUIRED:  # absent: its default (a required field is refused below)
                 if s.factory is not None:
                     values[s.name] = s.factory()
@@ -169,23 +178,76 @@ class Message:
 
     def encode(self) -> dict[str, Any]:
         """The header map: every field that is not None."""
-        out = {}
-        for s in self.SPECS:
-            v = getattr(self, s.name)
-            if v is not None:
-                out[s.wire] = v
-        return out
+        return {s.wire: v for s in self.SPECS if (v := getattr(self, s.name)) is not None}
+
+
+def _decoder(cls: type, fields: tuple[dataclasses.Field[Any], ...],
+             specs: tuple[Spec, ...]) -> Callable[..., Any]:
+    """``decode`` of one message class as straight-line code (one pass over its fields,
+    the common checks inline): it runs for every request a broker serves."""
+    env: dict[str, Any] = {"_R": _REQUIRED, "INT64_MIN": INT64_MIN, "INT64_MAX": INT64_MAX}
+    lines = ["def decode(cls, header, payload=b''):", " get = header.get"]
+    by_name = {s.name: s for s in specs}
+    args = []
+    for i, f in enumerate(fields):
+        if f.name == "payload":
+            args.append("payload")
+            continue
+        s = by_name[f.name]
+        env[f"p{i}"], env[f"w{i}"], env[f"d{i}"], env[f"f{i}"] = (
+            s.parse, s.wire, s.default, s.factory)
+        lines.append(f" v = get(w{i}, _R)")
+        if s.factory is not None:
+            absent = f"f{i}()"
+        elif s.default is not _REQUIRED:
+            absent = f"d{i}"
+        elif s.optional:
+            absent = "None"
+        else:
+            absent = f"p{i}(w{i}, None)"  # a required field: the parser refuses None
+        lines.append(f" if v is _R: a{i} = {absent}")
+        if s.optional:
+            lines.append(f" elif v is None: a{i} = None")
+        check = _INLINE.get(s.parse)
+        if check is not None:
+            lines.append(f" elif {check}: a{i} = v")
+        lines.append(f" else: a{i} = p{i}(w{i}, v)")
+        args.append(f"a{i}")
+    lines.append(f" return cls({', '.join(args)})")
+    exec("\n".join(lines), env)  # code built from the class's own fields
+    fn = env["decode"]
+    fn.__qualname__ = f"{cls.__name__}.decode"
+    fn.generated = True  # told apart from a decode a class writes itself
+    return classmethod(fn)  # type: ignore[return-value]
+
+
+def _encoder(specs: tuple[Spec, ...]) -> Callable[..., Any]:
+    """``encode`` of one message class: the header map of its fields that are not None."""
+    env: dict[str, Any] = {}
+    lines = ["def encode(self):", " out = {}"]
+    for i, s in enumerate(specs):
+        env[f"w{i}"] = s.wire
+        lines.append(f" v = self.{s.name}")
+        lines.append(f" if v is not None: out[w{i}] = v")
+    lines.append(" return out")
+    exec("\n".join(lines), env)  # code built from the class's own fields
+    return env["encode"]  # type: ignore[no-any-return]
 
 
 def message(code: int = 0) -> Callable[[type[M]], type[M]]:
     """Make ``cls`` a slotted dataclass message with request, push (or, 0, reply) code."""
 
     def wrap(cls: type[M]) -> type[M]:
+        own = set(vars(cls))  # a class may write its own decode or encode
         dc = dataclasses.dataclass(slots=True)(cls)
         fields = dataclasses.fields(dc)
         dc.CODE = code
         dc.HAS_PAYLOAD = any(f.name == "payload" for f in fields)
         dc.SPECS = tuple(_spec(f) for f in fields if f.name != "payload")
+        if "decode" not in own:
+            dc.decode = _decoder(dc, fields, dc.SPECS)  # type: ignore[method-assign]
+        if "encode" not in own:
+            dc.encode = _encoder(dc.SPECS)  # type: ignore[method-assign]
         return dc
 
     return wrap
