@@ -65,6 +65,8 @@ def test_precedence_and_errors(tmp_path):
         ([*cfg, str(good), "--retention-hours", "-1"], {}),
         (["broker", "start", "--print-config"], {}),
         ([*cfg, str(good), "--segment-size", "65536"], {}),
+        (["broker", "start", "--data-dir", str(tmp_path / "d2"), "--port", "0",
+          "--tls-cert", str(tmp_path / "absent.pem")], {}),
     ])
     for r in results[:4]:
         assert r.returncode == 0, (r.args, r.stderr)
@@ -95,6 +97,7 @@ def test_precedence_and_errors(tmp_path):
         "--retention-hours: must be >= 0, got -1.0",
         "data_dir is required",
         "segment_size must exceed max_body",
+        f"tls_cert/tls_key: cannot load {tmp_path / 'absent.pem'}",
     ]
     for r, text in zip(errors, expected, strict=True):
         assert text in r.stderr, (text, r.stderr)

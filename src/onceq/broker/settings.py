@@ -34,6 +34,7 @@ from ..storage.topics import MAX_QUEUES
 from .config import BrokerConfig
 from .limits import fd_limit
 from .retry import parse_delay_levels
+from .tls import server_context
 
 ENV_PREFIX = "ONCEQ_"
 # ONCEQ_ variables that are not broker settings: the client commands' (cli/common.py,
@@ -435,4 +436,8 @@ def preflight(cfg: BrokerConfig, soft_limit: int | None = None) -> None:
         raise ConfigError(f"host: {exc}") from None
     if cfg.metrics_port >= 0:
         check_host("metrics_host", cfg.metrics_host)
+    try:
+        server_context(cfg)  # the certificate, key and client CA load
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     check_fds(cfg, soft_limit)
