@@ -187,3 +187,23 @@ async def test_a_deleted_user_loses_access_at_once(broker):
         with pytest.raises(OnceqError) as exc:
             await c.pull("T", 0, 0, 1)
         assert exc.value.code == ErrorCode.UNAUTHENTICATED
+
+
+async def test_security_events_are_counted_in_the_metrics(tmp_path):
+    from tests.integration.test_metrics import ascrape, get
+
+    data = tmp_path / "d"
+    data.mkdir()
+    UserStore(str(data)).create("root", "root-pw", super=True)
+    async with running_broker(str(data), acl=True, metrics_port=0) as b:
+        for _ in range(2):
+            assert await _code(BrokerConnection.open(_addr(b), security=ClientSecurity(
+                "root", "guess"))) == ErrorCode.AUTH_FAILED
+        assert await _code(Admin(_addr(b), security=NOBODY).list_topics()) == \
+            ErrorCode.UNAUTHENTICATED
+        async with Admin(_addr(b), security=ROOT) as admin:
+            await admin.list_topics()
+        s = await ascrape(f"http://127.0.0.1:{b.metrics.port}/metrics")
+    assert get(s, "onceq_security_events_total", event="login-failed") == 2
+    assert get(s, "onceq_security_events_total", event="unauthenticated") == 1
+    assert get(s, "onceq_security_events_total", event="login") == 1

@@ -180,6 +180,13 @@ class BrokerMetrics:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], value)
             yield c
+        c = CounterMetricFamily("onceq_security_events",
+                                "Security decisions by event: logins, failed logins, lockouts, "
+                                "unauthenticated requests, denials (counted even when the "
+                                "audit log leaves a flood's lines out).", labels=["event"])
+        for event, count in sorted(b.security.audit.counts.items()):
+            c.add_metric([event], count)
+        yield c
         g = GaugeMetricFamily("onceq_connections", "Open client connections.")
         g.add_metric([], len(b.connections))
         yield g
