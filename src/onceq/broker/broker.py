@@ -420,6 +420,7 @@ class Broker:
         self.connections.discard(conn)
         self.holds.drop_connection(conn)
         self.client_ids.drop(conn)
+        self.sends.writers.drop(conn)
         for group, cid in self.groups.drop_connection(conn):
             log.info("group %s: member %s left (connection closed)", group, cid)
 

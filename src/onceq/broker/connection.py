@@ -36,6 +36,7 @@ class Connection(asyncio.Protocol):
         self.user: str | None = None  # who authenticated on this connection (security.py)
         self.scram: Any = None  # a SCRAM exchange under way (its server side)
         self.client_ids: set[str] = set()
+        self.writer_ids: set[str] = set()  # idempotent writers sending on it (writer_ids.py)
         self.refused = False  # over the connection cap: answered and closed at once
         self.guard = broker.guard
         self.buffered = 0  # bytes of a partial frame, counted in guard.input_buffered

@@ -11,12 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ..log.sequence import SequenceError, check_writer_id
 from ..protocol.codes import dlq_topic
 from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.replies import SendBackReply, SendReply, SequencedReply
 from ..storage.store import check_name
 from .fields import client_written_topic, is_system_topic, split_parts, user_topic
 from .idempotent import refuse_sequenced, send_sequenced
+from .writer_ids import WriterIds
 
 if TYPE_CHECKING:
     from ..protocol.requests import Send, SendBack, SendSequenced
@@ -37,6 +39,7 @@ class SendService:
     def __init__(self, config: BrokerConfig, store: MessageStore, sequences: SequenceStore,
                  durable: DurableReplies, on_put: Callable[[str, int], None]) -> None:
         self.config = config
+        self.writers = WriterIds()  # which connection and user each writer id belongs to
         self.store = store
         self.sequences = sequences
         self.durable = durable
@@ -72,6 +75,11 @@ class SendService:
     def h_send_sequenced(self, call: Call, req: SendSequenced) -> SequencedReply | None:
         """An idempotent writer's numbered batch (``idempotent.py``)."""
         topic = client_written_topic(req.topic)
+        try:
+            writer = check_writer_id(req.writer)
+        except SequenceError as exc:
+            raise OnceqError(ErrorCode.INVALID_SEQUENCE, str(exc)) from None
+        self.writers.claim(call.conn, writer)
         self.topic_for_write(topic)
         parts = split_parts(req.payload)
         reply, end = send_sequenced(self.store, self.sequences, req, parts, topic=topic)

@@ -166,6 +166,10 @@ class Producer(BrokerClient):
 
 
 def _results(topic: str, reply: SendReply, keys: list[str]) -> list[SendResult]:
-    dups = set(reply.dups)
-    return [SendResult(topic, reply.queue_of(i), off, k, i in dups)
+    queue = reply.queue
+    if not reply.dups:  # every message stored anew (the common case)
+        return [SendResult(topic, queue, off, k)
+                for off, k in zip(reply.offsets, keys, strict=True)]
+    dup_queue = dict(zip(reply.dups, reply.dupq, strict=True))  # a duplicate's first copy
+    return [SendResult(topic, dup_queue.get(i, queue), off, k, i in dup_queue)
             for i, (off, k) in enumerate(zip(reply.offsets, keys, strict=True))]

@@ -29,6 +29,7 @@ from typing import Any
 SEQ_PROPERTY = "WRITER_SEQ"
 SEQUENCED = 0x8000  # part flag: this message carries SEQ_PROPERTY (found at replay)
 MAX_WRITER_ID = 200
+MAX_EPOCH_JUMP = 2 ** 32  # a newer epoch is at most this far past a writer's last one
 SNAPSHOT_FORMAT = 1
 
 # (writer, topic, queue)
@@ -94,6 +95,11 @@ class SequenceTable:
         if epoch < 0 or seq < 0 or count < 1:
             raise SequenceError("epoch and sequence must be >= 0 and the batch not empty")
         state = self.writers.get(key)
+        if state is not None and epoch > state.epoch + MAX_EPOCH_JUMP:
+            raise SequenceError(
+                f"writer {key[0]!r} on {key[1]}:{key[2]}: epoch {epoch} jumps more than "
+                f"{MAX_EPOCH_JUMP} past its epoch {state.epoch}: refused (it would make "
+                "the writer's next batches look like duplicates)")
         if state is None or epoch > state.epoch:
             if seq != 0:
                 raise SequenceError(

@@ -41,6 +41,7 @@ class ErrorCode(IntEnum):
     NOT_MEMBER = 43  # an orderly lock request from a client that is no member of the group
     TOO_MANY_GROUPS = 44  # a heartbeat past the groups a client or the broker may have
     CLIENT_ID_IN_USE = 45  # a request naming a client id another connection owns
+    WRITER_IN_USE = 46  # a sequenced send naming a writer id another connection or user owns
     UNAUTHENTICATED = 50  # a request before the connection authenticated (ACLs are on)
     AUTH_FAILED = 51  # wrong user or password, or too many failures from this source
     ACCESS_DENIED = 52  # the user has no grant for the request (or a deny)
@@ -58,6 +59,7 @@ RETRIABLE: frozenset[ErrorCode] = frozenset(
         ErrorCode.STORAGE_ERROR,
         ErrorCode.TOO_MANY_CONNECTIONS,
         ErrorCode.CLIENT_ID_IN_USE,
+        ErrorCode.WRITER_IN_USE,
     }
 )
 
@@ -93,6 +95,7 @@ DEFAULT_MESSAGES: dict[ErrorCode, str] = {
     ErrorCode.NOT_MEMBER: "the client is not a member of the group: send a heartbeat first",
     ErrorCode.TOO_MANY_GROUPS: "too many consumer groups for this client or this broker",
     ErrorCode.CLIENT_ID_IN_USE: "the client id belongs to another connection",
+    ErrorCode.WRITER_IN_USE: "the writer id belongs to another connection or user",
     ErrorCode.UNAUTHENTICATED: "authenticate first: the broker requires a user",
     ErrorCode.AUTH_FAILED: "authentication failed",
     ErrorCode.ACCESS_DENIED: "access denied",
