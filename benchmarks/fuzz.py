@@ -9,7 +9,8 @@ pipelined chunks, each frame one of:
   type, out of range (2^63, 2^64, -1, 65535...), missing, or extra; names drawn from a small
   pool (so requests meet real topics, groups and clients) and from the system topics;
   payloads a valid batch of messages or junk;
-* such a frame with bytes flipped, cut short or grown;
+* such a frame with bytes flipped, cut short or grown (the connection then ends with it and
+  a new one is opened, so that every frame sent is read by the broker);
 * a request of an unknown code, a frame of another kind or version, or junk bytes.
 
 A connection the broker closes (a stream it cannot frame) is opened again. Throughout, one
@@ -135,39 +136,42 @@ class Gen:
             return data
         return r.randbytes(r.randrange(256))
 
-    def request(self, corr: int) -> tuple[bytes, bool]:
-        """One frame and whether the stream stays well framed."""
+    def request(self, corr: int) -> tuple[bytes, bool, bool]:
+        """One frame, whether the stream stays well framed, and whether the broker answers
+        it at once (a held pull answers within ``long_poll_max_s``: not waited for)."""
         r = self.r
         roll = r.random()
-        if roll < 0.04:  # unknown code, other kind or version: still one well-framed frame
+        if roll < 0.04:  # an unknown code, or a frame of another kind (ignored, unanswered)
             kind = r.choice([REQUEST, REQUEST, RESPONSE, PUSH])
             return encode_frame(kind, r.choice([0, 2, 99, 65535]), corr,
-                                {"topic": r.choice(NAMES)}), True
+                                {"topic": r.choice(NAMES)}), True, kind == REQUEST
         code = r.choice(CODES)
         cls = rq.REQUESTS[code]
+        answered = code != RequestCode.PULL
         header: dict[Any, Any] = {}
         for spec in cls.SPECS:
             if r.random() < 0.9:
                 header[spec.wire] = self.value(spec)
         if r.random() < 0.1:
-            header[self.scalar() if r.random() < 0.3 else "extra"] = self.junk(2)
+            key = self.scalar() if r.random() < 0.3 else "extra"
+            header[key if isinstance(key, str | int | bool | None) else "extra"] = self.junk(2)
         payload = self.payload() if cls.HAS_PAYLOAD or r.random() < 0.05 else b""
         try:
             frame = encode_frame(REQUEST, code, corr, header, payload)
         except (TypeError, ValueError, OverflowError):  # msgpack cannot carry the value
             frame = encode_frame(REQUEST, code, corr, {}, payload)
-        if roll < 0.10:  # bytes flipped, cut or grown: the stream may break from here
+        if roll < 0.05:  # bytes flipped, cut or grown: the stream may break from here
             b = bytearray(frame)
             for _ in range(r.randrange(1, 4)):
                 b[r.randrange(len(b))] = r.randrange(256)
             if r.random() < 0.3:
                 b = b[: r.randrange(len(b))] + r.randbytes(r.randrange(32))
-            return bytes(b), False
-        if roll < 0.11:  # a version the broker does not speak
+            return bytes(b), False, False
+        if roll < 0.055:  # a version the broker does not speak
             b = bytearray(frame)
             b[4] = (PROTOCOL_VERSION + 1 + r.randrange(200)) % 256
-            return bytes(b), False
-        return frame, True
+            return bytes(b), False, False
+        return frame, True, answered
 
 
 class Tally:
@@ -190,14 +194,14 @@ async def fuzz_conn(addr: str, gen: Gen, frames: int, chunk: int, tally: Tally,
         decoder = FrameDecoder()
         try:
             while left > 0:
-                n = min(chunk, left)
-                out, expect, framed = [], 0, True
-                for i in range(n):
-                    frame, ok = gen.request(i + 1)
+                # up to ``chunk`` frames; one that breaks the framing ends the chunk (the
+                # broker reads every frame sent, then closes the stream it cannot frame)
+                out, framed, expect = [], True, 0
+                while framed and len(out) < min(chunk, left):
+                    frame, framed, answered = gen.request(len(out) + 1)
                     out.append(frame)
-                    if framed:
-                        expect += 1
-                    framed = framed and ok
+                    expect += answered
+                n = len(out)
                 writer.write(b"".join(out))
                 left -= n
                 tally.sent += n
@@ -211,10 +215,10 @@ async def fuzz_conn(addr: str, gen: Gen, frames: int, chunk: int, tally: Tally,
                         if not data:
                             raise ConnectionResetError
                         decoder.feed(data)
-                        for _v, kind, code, _corr, _h, _p in decoder.frames():
+                        for _v, kind, code, corr, _h, _p in decoder.frames():
                             if kind == RESPONSE:
                                 tally.answer(code)
-                                got += 1
+                                got += corr != 0  # 0: about the connection, not a request
                 except TimeoutError:
                     if not broken:
                         raise RuntimeError(f"{expect - got} well-formed requests were not "
@@ -294,6 +298,7 @@ async def campaign(addr: str, frames: int, conns: int, seed: int) -> dict[str, A
     return {
         "frames": tally.sent, "seconds": round(took, 1),
         "frames_per_s": round(tally.sent / took),
+        "answered": sum(tally.answers.values()),
         "answers": {(ErrorCode(c).name if c in ErrorCode._value2member_map_ else str(c)): n
                     for c, n in sorted(tally.answers.items())},
         "system_errors": tally.answers.get(int(ErrorCode.SYSTEM_ERROR), 0),
