@@ -16,6 +16,8 @@ import collections
 import random
 import signal
 
+import pytest
+
 from onceq import Admin, Producer
 from onceq.client.push import PushConsumer
 from tests.helpers import free_port, spawn_broker
@@ -167,6 +169,7 @@ def _count(rec: Recorder, keys: list[str]) -> tuple[int, int]:
     return lost, dups
 
 
+@pytest.mark.slow
 async def test_restart_while_consuming_loses_nothing_and_repeats_only_inflight(tmp_path):
     data, port = str(tmp_path / "data"), free_port()
     proc, addr = spawn_broker(data, "--flush", "sync", port=port)
@@ -205,6 +208,7 @@ async def test_restart_while_consuming_loses_nothing_and_repeats_only_inflight(t
           f"offsets re-sent={resent}")
 
 
+@pytest.mark.slow
 async def test_restart_while_the_group_is_idle_repeats_nothing(tmp_path):
     data, port = str(tmp_path / "data"), free_port()
     proc, addr = spawn_broker(data, "--flush", "sync", port=port)

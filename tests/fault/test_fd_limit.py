@@ -7,6 +7,8 @@ import asyncio
 import os
 import signal
 
+import pytest
+
 from onceq import Admin, Producer, PullConsumer
 from onceq.protocol.codes import PullStatus
 from tests.helpers import spawn_broker
@@ -33,6 +35,7 @@ async def _pull_every_queue(addr: str, expect: dict[tuple[str, int], bytes]) -> 
     return wrong
 
 
+@pytest.mark.slow
 async def test_ten_thousand_queues_under_an_fd_limit_of_1024(tmp_path):
     data = str(tmp_path / "data")
     proc, addr = spawn_broker(data, fd_limit=LIMIT)

@@ -111,6 +111,7 @@ async def test_non_reading_client_with_many_held_pulls_is_dropped_rss_bounded(tm
             assert log.count("slow consumer") == 1, log
 
 
+@pytest.mark.slow
 async def test_group_changed_flood_to_non_reading_members_rss_bounded(tmp_path):
     """20 members that never read; a client flips its subscription 100,000 times, each flip
     answered before the next: the pushes coalesce, the broker's RSS barely moves."""
@@ -155,6 +156,7 @@ async def test_group_changed_flood_to_non_reading_members_rss_bounded(tmp_path):
             stop(proc)
 
 
+@pytest.mark.slow
 async def test_connection_cap_with_a_low_fd_limit(tmp_path):
     """The broker runs with 256 file descriptors; 400 clients connect and stay idle. Those
     above the cap get TOO_MANY_CONNECTIONS; earlier clients keep working; the broker creates

@@ -60,6 +60,7 @@ async def _saved(path: str, holders: set[str], timeout: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
+@pytest.mark.slow
 async def test_orderly_locks_survive_a_broker_kill(tmp_path):
     data, port = str(tmp_path / "data"), free_port()
     path = os.path.join(data, "ownership.json")

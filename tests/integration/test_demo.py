@@ -33,6 +33,7 @@ def demo_run(tmp_path_factory):
     return r, html, json.loads(html.with_suffix(".json").read_text())
 
 
+@pytest.mark.slow
 def test_demo_report_invariants(demo_run):
     r, html, rep = demo_run
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

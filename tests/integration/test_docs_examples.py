@@ -245,6 +245,7 @@ def run_one(program: Program, work: Path) -> str | None:
 
 
 @pytest.mark.timeout(2 * BLOCK_TIMEOUT_S + 60)
+@pytest.mark.slow
 def test_python_blocks(tmp_path, record_property):
     """Every program without Spark exits 0 within its time."""
     todo = [p for p in PROGRAMS if not p.spark]
@@ -282,6 +283,7 @@ SPARK_RUNNER = textwrap.dedent("""
 
 
 @pytest.mark.timeout(SPARK_TIMEOUT_S + 60)
+@pytest.mark.slow
 def test_spark_blocks(tmp_path, record_property):
     """Every program with Spark runs to its end, all in one Python process."""
     pytest.importorskip("pyspark")

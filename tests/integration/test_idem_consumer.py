@@ -365,6 +365,7 @@ async def test_store_outage_fails_closed_and_consumption_resumes(tmp_path, kind)
         await drop(checker)
 
 
+@pytest.mark.slow
 async def test_sync_push_consumer_with_a_business_key_acks_application_resends(addr,
                                                                              tmp_path):
     """From plain code: an order sent twice by the application (two messages, two unique

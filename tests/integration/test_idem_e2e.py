@@ -41,6 +41,7 @@ def injected_failure(m) -> bool:
 
 
 @pytest.mark.parametrize("mode", ["sqlite", "redis", "tx_postgresql"])
+@pytest.mark.slow
 async def test_members_join_leave_one_killed_failures_injected_effects_exactly_once(
         tmp_path, mode):
     group = "billing"

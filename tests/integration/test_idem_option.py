@@ -88,6 +88,7 @@ async def test_consumer_option_async_listener_batches_ack_index_and_dlq_reasons(
             await guard.store.get("billing", "T", "O1")
 
 
+@pytest.mark.slow
 async def test_sync_consumer_with_a_store_url_option(addr, tmp_path):
     """A plain function in a ``SyncPushConsumer(..., idempotency=URL,...)``: an order the
     application sends twice (same unique key cannot be reused, so the option's key is the

@@ -148,6 +148,7 @@ async def test_timeouts_off(tmp_path):
 
 
 # ================================================================ output limits
+@pytest.mark.slow
 async def test_pushes_to_non_reading_members_coalesce(tmp_path):
     """While a member has output unsent, a push waits and later ones of the same group
     replace it; each sweep sends the latest: a member that does not read gets a handful of

@@ -47,6 +47,7 @@ async def wait_for(pred: Callable[[], object], timeout: float, what: str) -> Non
         await asyncio.sleep(0.1)
 
 
+@pytest.mark.slow
 async def test_scrape_during_a_run(tmp_path):
     n_batches, per_batch, app_resends = 10, 20, 5
     sent = n_batches * per_batch

@@ -24,6 +24,8 @@ import zlib
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 from onceq import Admin, Producer
 from tests.helpers import running_broker
 
@@ -121,6 +123,7 @@ async def _produce(addr: str, rounds: int, pace_s: float) -> None:
             await asyncio.sleep(pace_s)
 
 
+@pytest.mark.slow
 async def test_orderly_members_join_leave_and_one_is_killed(tmp_path):
     rounds = MESSAGES // KEYS
     async with running_broker(str(tmp_path / "data")) as broker:

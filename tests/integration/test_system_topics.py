@@ -74,6 +74,7 @@ async def test_dlq_resend_is_copied_by_the_broker(tmp_path):
         assert not copy.flags & SEQUENCED
 
 
+@pytest.mark.slow
 async def test_a_message_at_the_largest_reconsume_count_is_dead_lettered(tmp_path):
     """A message whose reconsume count is already 65535 (the u16's limit) and that the
     listener fails goes to the DLQ (count kept at the limit) and the group's offset moves

@@ -113,6 +113,7 @@ def scenario(trace_broker):
     return _scenario(trace_broker)
 
 
+@pytest.mark.slow
 def test_audit_attributes_each_cause(spark, trace_broker, scenario, tmp_path):
     """``onceq audit`` (in this process: it runs on the active SparkSession) writes the
     report as JSON, prints the tables and writes each delivery with its cause to Parquet."""

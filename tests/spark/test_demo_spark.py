@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from onceq import Admin, Message, Producer
 from onceq.cli.demo.shop import make_orders
 from onceq.cli.demo.spark_step import SparkStep
 
 
+@pytest.mark.slow
 def test_spark_step_counts_each_order_once(spark, broker_addr, tmp_path):
     topic = "demo-spark"
     orders = make_orders(300, seed=3)

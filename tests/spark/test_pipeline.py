@@ -46,6 +46,7 @@ def _group_status(addr: str, group: str):
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mysql"])
+@pytest.mark.slow
 def test_totals_are_exact_with_duplicates_a_stop_and_a_replayed_batch(
         spark, broker_addr, tmp_path, kind):
     topic = f"p_orders_{kind}"

@@ -49,6 +49,7 @@ def test_default_checkpoint_is_one_per_database(spark, broker_addr, tmp_path, mo
             == replace(first, database=pg.replace("secret", "other")).checkpoint_location)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_database_is_refused(spark, broker_addr, tmp_path):
     topic = "c_mismatch"
     create_topic(broker_addr, topic, 1)

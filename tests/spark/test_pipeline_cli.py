@@ -45,6 +45,7 @@ def test_pipeline_errors_are_one_line_with_the_cli_exit_codes(broker_addr, tmp_p
     assert "error: TOPIC_NOT_EXIST: " in no_topic.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_pipeline_cleanly(broker_addr, tmp_path):
     topic = "cli_sigint"
     create_topic(broker_addr, topic, 2)

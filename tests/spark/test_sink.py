@@ -100,6 +100,7 @@ def _stream(spark, addr: str, src: str, dst: str, ckpt: Path) -> list[int]:
     return [p["numInputRows"] for p in q.recentProgress]
 
 
+@pytest.mark.slow
 def test_stream_replay_after_dedup_window_and_broker_kill_stores_once(spark, tmp_path):
     """Batches replayed after the broker's dedup window expired and after the broker was
     killed (SIGKILL) and restarted: each row is stored once."""
@@ -136,6 +137,7 @@ def test_stream_replay_after_dedup_window_and_broker_kill_stores_once(spark, tmp
         proc.wait(10)
 
 
+@pytest.mark.slow
 def test_task_failure_and_retry_store_each_row_once(broker_addr, tmp_path):
     """In its own Spark (local[2,4]); every task fails once after some rows were stored."""
     topic, queues, rows = "k_retry", 3, 60_000

@@ -124,6 +124,7 @@ def _max_offsets(addr: str, topic: str, queues: int) -> dict[int, int]:
         return {q: c.queue_offsets(topic, q)[1] for q in range(queues)}
 
 
+@pytest.mark.slow
 def test_stream_available_now_with_admission_control_and_restart_reads_each_once(
         spark, broker_addr, tmp_path):
     topic, group = "s_once", "spark-s-once"
@@ -229,6 +230,7 @@ def test_batch_data_loss(spark, retention_broker):
     assert got == {k: v for k, v in sent.items() if k[1] >= lo}
 
 
+@pytest.mark.slow
 def test_stream_stopped_mid_stream_resumes_without_gaps_or_duplicates(
         spark, broker_addr, tmp_path):
     topic = "s_stop"
@@ -254,6 +256,7 @@ def test_stream_stopped_mid_stream_resumes_without_gaps_or_duplicates(
     assert first_run + rest >= 400  # a batch cut short by stop() is read again
 
 
+@pytest.mark.slow
 def test_stream_after_sigkill_of_the_spark_jvm_resumes_exactly(spark, broker_addr, tmp_path):
     topic = "s_kill"
     create_topic(broker_addr, topic, 2)

@@ -91,6 +91,7 @@ def test_a_broker_that_stays_away_fails_the_read_clearly(spark):
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.slow
 def test_stream_survives_a_broker_restart_and_reads_each_message_once(spark, broker, tmp_path):
     topic = "r_stream"
     create_topic(broker.addr, topic, 2)
