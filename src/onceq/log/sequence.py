@@ -44,8 +44,11 @@ class SequenceError(ValueError):
         self.gap = gap
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class WriterState:
+    """One writer's place; replaced, never changed, so that a snapshot may take a shallow
+    copy of the table on the event loop and encode it elsewhere."""
+
     epoch: int
     seq: int  # the highest stored sequence number of ``epoch``
     last_ms: int  # store time of the last stored batch (idle expiry)
@@ -120,13 +123,11 @@ class SequenceTable:
                ) -> None:
         """``(epoch, seq)`` is stored at ``position``; keeps the highest."""
         state = self.writers.get(key)
-        if state is None:
-            self.writers[key] = WriterState(epoch, seq, now_ms, position)
-        elif (epoch, seq) >= (state.epoch, state.seq):
-            state.epoch, state.seq = epoch, seq
-            state.last_ms, state.position = max(state.last_ms, now_ms), position
-        else:
-            state.last_ms = max(state.last_ms, now_ms)
+        if state is None or (epoch, seq) >= (state.epoch, state.seq):
+            last_ms = now_ms if state is None else max(state.last_ms, now_ms)
+            self.writers[key] = WriterState(epoch, seq, last_ms, position)
+        elif now_ms > state.last_ms:
+            self.writers[key] = WriterState(state.epoch, state.seq, now_ms, state.position)
         self.dirty = True
 
     def expire(self, now_ms: int, idle_ms: int) -> int:
@@ -151,10 +152,7 @@ class SequenceTable:
     # ------------------------------------------------------------------ snapshot
     def encode_snapshot(self, position: int) -> bytes:
         """``writers.json``: the table after every record below ``position``."""
-        rows = [[w, t, q, s.epoch, s.seq, s.last_ms, s.position]
-                for (w, t, q), s in sorted(self.writers.items())]
-        return json.dumps({"format": SNAPSHOT_FORMAT, "position": position, "writers": rows},
-                          separators=(",", ":")).encode()
+        return encode_writers(self.writers, position)
 
     @classmethod
     def decode_snapshot(cls, raw: Any) -> tuple[SequenceTable, int]:
@@ -174,3 +172,20 @@ class SequenceTable:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"malformed writers snapshot: {exc}") from None
         return table, position
+
+
+SNAPSHOT_SLICE = 2048  # rows encoded per call: another thread gets the GIL between slices
+
+
+def encode_writers(writers: dict[WriterKey, WriterState], position: int) -> bytes:
+    """``writers.json`` of ``writers`` (a copy of a table, see ``WriterState``), encoded in
+    slices so that a thread doing it lets the event loop run in between."""
+    items = list(writers.items())
+    parts = []
+    for i in range(0, len(items), SNAPSHOT_SLICE):
+        rows = [[w, t, q, s.epoch, s.seq, s.last_ms, s.position]
+                for (w, t, q), s in items[i:i + SNAPSHOT_SLICE]]
+        parts.append(json.dumps(rows, separators=(",", ":"))[1:-1])
+    head = json.dumps({"format": SNAPSHOT_FORMAT, "position": position},
+                      separators=(",", ":"))[:-1]
+    return f'{head},"writers":[{",".join(parts)}]}}'.encode()

@@ -164,23 +164,26 @@ class ConsumerOffsets:
         self.dirty = True
 
     # ------------------------------------------------------------------ snapshot
-    def snapshot(self) -> tuple[bytes, int] | None:
-        """(``offsets.json`` content, journal records it covers) if the offsets changed
-        since the last snapshot, else None. Pass both to ``write``.
+    def snapshot(self) -> tuple[Offsets, int] | None:
+        """(a copy of the offsets, journal records it covers) if the offsets changed since
+        the last snapshot, else None. Pass both to ``write``, which encodes them: the copy
+        is taken on the loop (one dict copy per group and topic), the encoding is not.
 
         A caller whose write of the snapshot fails calls ``changed`` to retry later."""
         if not self.dirty:
             return None
         self.dirty = False
-        covered = self.journal_end()
-        return encode_snapshot(self.groups, covered), covered
+        groups = {g: {t: dict(qs) for t, qs in topics.items()}
+                  for g, topics in self.groups.items()}
+        return groups, self.journal_end()
 
     def changed(self) -> None:
         self.dirty = True
 
-    def write(self, data: bytes, covered: int) -> None:
-        """Write an offsets snapshot (safe to run off the loop)."""
-        write_atomic(self.path, data, self.files)
+    def write(self, groups: Offsets, covered: int) -> None:
+        """Encode and write an offsets snapshot (safe to run off the loop: the encoder is
+        the pure-Python one, which lets the loop run between its steps)."""
+        write_atomic(self.path, encode_snapshot(groups, covered), self.files)
         self.covered = max(self.covered, covered)
 
     def save(self) -> None:

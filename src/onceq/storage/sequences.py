@@ -36,6 +36,9 @@ from ..log.sequence import (
     SEQUENCED,
     SequenceError,
     SequenceTable,
+    WriterKey,
+    WriterState,
+    encode_writers,
     parse_marker,
 )
 from .metadata import load_json, write_atomic
@@ -43,6 +46,8 @@ from .metadata import load_json, write_atomic
 if TYPE_CHECKING:
     from .commitlog import Segment
     from .store import MessageStore
+
+EXPIRY_EVERY_S = 60.0
 
 log = logging.getLogger("onceq.storage")
 
@@ -59,6 +64,7 @@ class SequenceStore:
         self.idle_ms = int(idle_expiry_s * 1000)
         self.table = SequenceTable()
         self.replayed = 0
+        self._expired_at = float("-inf")  # store clock of the last expiry pass
 
     # ------------------------------------------------------------------ open
     def open(self) -> None:
@@ -102,23 +108,31 @@ class SequenceStore:
 
     # ------------------------------------------------------------------ upkeep
     def expire(self) -> int:
-        n = self.table.expire(int(self.store.clock() * 1000), self.idle_ms)
+        """Forget idle writers; a pass over the whole table, so at most once a minute or a
+        tenth of the expiry time, whichever is shorter (the expiry is counted in days)."""
+        now = self.store.clock()
+        if now - self._expired_at < min(EXPIRY_EVERY_S, self.idle_ms / 10_000):
+            return 0
+        self._expired_at = now
+        n = self.table.expire(int(now * 1000), self.idle_ms)
         if n:
             log.info("writers: %d idle writer sequences expired", n)
         return n
 
-    def snapshot(self) -> bytes | None:
-        """The snapshot to write if the table changed (taken on the loop: consistent with
-        the log end it records)."""
+    def snapshot(self) -> tuple[dict[WriterKey, WriterState], int] | None:
+        """The table to write if it changed, and the log end it covers: a shallow copy
+        taken on the loop (consistent with that end; entries are never changed in place),
+        to be encoded and written by ``write`` off the loop."""
         if not self.table.dirty:
             return None
         self.table.dirty = False
-        return self.table.encode_snapshot(self.store.log.end)
+        return dict(self.table.writers), self.store.log.end
 
-    def write(self, data: bytes) -> None:
-        """Write a snapshot (safe to run off the loop); on failure it is taken again."""
+    def write(self, snap: tuple[dict[WriterKey, WriterState], int]) -> None:
+        """Encode and write a snapshot (safe to run off the loop); on failure it is taken
+        again."""
         try:
-            write_atomic(self.path, data, self.store.files)
+            write_atomic(self.path, encode_writers(*snap), self.store.files)
         except OSError:
             self.table.dirty = True
             raise
