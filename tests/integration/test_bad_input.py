@@ -259,6 +259,27 @@ async def test_junk_header_gets_bad_request_and_connection_stays_usable(broker, 
     await assert_healthy(addr, seeded)
 
 
+async def test_a_reply_that_cannot_be_encoded_is_an_error_answer(broker, addr, seeded):
+    """A reply is encoded inside the request's error handling: one that cannot be (a value
+    past msgpack's 64 bits) is answered SYSTEM_ERROR, and the connection goes on."""
+    from onceq.protocol.replies import Pong
+    from onceq.protocol.requests import Ping
+
+    handlers = broker.handlers
+    saved = handlers[RequestCode.PING]
+    handlers[RequestCode.PING] = (Ping, lambda call, req: Pong(2 ** 70))
+    raw = await Raw.open(broker.port)
+    try:
+        code, hdr, _ = await raw.request(RequestCode.PING, corr=3)
+        assert code == ErrorCode.SYSTEM_ERROR and hdr["message"]
+    finally:
+        handlers[RequestCode.PING] = saved
+    code, _, _ = await raw.request(RequestCode.PING, corr=4)
+    assert code == 0
+    await raw.close()
+    await assert_healthy(addr, seeded)
+
+
 async def test_unknown_request_code(broker, addr, seeded):
     raw = await Raw.open(broker.port)
     for unknown in (0, 2, 999, 0xFFFF):

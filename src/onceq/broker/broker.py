@@ -397,24 +397,20 @@ class Broker:
             if code in CLAIMING:
                 self.client_ids.check(conn, request.client)  # type: ignore[attr-defined]
             result = handler(Call(conn, corr_id), request)
+            if result is not None:  # encoded here: a reply that cannot be is an error answer
+                conn.answer(corr_id, result)
         except OnceqError as exc:
             conn.respond(corr_id, int(exc.code), {"message": exc.message})
-            return
         except StorageError as exc:
             err = wire_error(exc)
             conn.respond(corr_id, int(err.code), {"message": err.message})
-            return
         except OSError as exc:  # disk trouble outside the store's own handling: no trace
             err = wire_error(storage_error(exc, "the request failed"))
             self.store.errors.error(f"request:{code}", "request %s failed: %s", code, exc)
             conn.respond(corr_id, int(err.code), {"message": err.message})
-            return
         except Exception as exc:
             log.exception("request %s failed", code)
             conn.respond(corr_id, int(ErrorCode.SYSTEM_ERROR), {"message": f"internal: {exc}"})
-            return
-        if result is not None:
-            conn.answer(corr_id, result)
 
     def on_disconnect(self, conn: Connection) -> None:
         self.connections.discard(conn)
