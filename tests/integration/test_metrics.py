@@ -160,3 +160,27 @@ async def test_metrics_port_in_use_fails_the_start_cleanly(tmp_path):
     # the store of the broker that failed was closed: it opens again
     async with running_broker(str(tmp_path / "b")):
         pass
+
+
+async def test_per_queue_lag_series_are_bounded_to_the_largest(tmp_path):
+    from onceq.broker.metrics import MAX_LAG_SERIES
+
+    queues = 1000
+    async with running_broker(str(tmp_path / "d"), metrics_port=0) as b:
+        addr = f"127.0.0.1:{b.port}"
+        async with Admin(addr) as admin:
+            await admin.create_topic("L", queues)
+        async with Producer(addr) as p:
+            for q in range(5):  # the only queues behind: one message each
+                await p.send("L", b"m", queue=q)
+        for group in ("g1", "g2"):
+            for q in range(queues):
+                b.store.commit_offset(group, "L", q, 0)
+        s = await ascrape(f"http://127.0.0.1:{b.metrics.port}/metrics")
+    lags = {labels: v for (name, labels), v in s.items() if name == "onceq_consumer_lag"}
+    assert len(lags) == MAX_LAG_SERIES < 2 * queues
+    assert get(s, "onceq_consumer_lag_series_left_out") == 2 * queues - MAX_LAG_SERIES
+    for group in ("g1", "g2"):
+        assert get(s, "onceq_group_lag", group=group, topic="L") == 5  # totals are whole
+        for q in range(5):  # the largest lags keep their series
+            assert get(s, "onceq_consumer_lag", group=group, queue=str(q), topic="L") == 1

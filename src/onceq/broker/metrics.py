@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 import os
 import time
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
 # prometheus_client (about 60 ms to import) is imported only by a broker with metrics on
 
 log = logging.getLogger("onceq.broker.metrics")
+
+MAX_LAG_SERIES = 1000  # per-queue lag series in one scrape (the largest lags)
 
 # seconds: 50 us .. 2.5 s
 LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
@@ -212,31 +215,52 @@ class BrokerMetrics:
 
     def _lag(self, b: Broker) -> Iterator[Metric]:
         """Messages behind per (group, topic, queue): the queue's max offset minus the
-        group's committed offset."""
+        group's committed offset; and per (group, topic), their sum. Past ``MAX_LAG_SERIES``
+        committed queues only the ``MAX_LAG_SERIES`` largest lags get a series of their own
+        (a scrape of every one of 100,000s would stall the broker and the scraper);
+        ``onceq_consumer_lag_series_left_out`` says how many were left out."""
         from prometheus_client.metrics_core import GaugeMetricFamily
 
         g = GaugeMetricFamily("onceq_consumer_lag",
-                              "Messages not yet consumed (committed) per group and queue.",
+                              "Messages not yet consumed (committed) per group and queue "
+                              f"(the {MAX_LAG_SERIES} largest when there are more).",
                               labels=["group", "topic", "queue"])
         total = GaugeMetricFamily("onceq_group_lag", "Messages behind per group and topic.",
                                   labels=["group", "topic"])
         store = b.store
-        for group, topics in sorted(store.offsets.groups.items()):
-            for topic, queues in sorted(topics.items()):
+        ends: dict[tuple[str, int], int | None] = {}  # a queue's max offset, once per scrape
+        rows: list[tuple[int, str, str, int]] = []
+        for group, topics in store.offsets.groups.items():
+            for topic, queues in topics.items():
                 if topic not in store.topics:
                     continue
                 sum_lag = 0
-                for q, off in sorted(queues.items(), key=lambda x: int(x[0])):
-                    try:
-                        _lo, hi = store.min_max(topic, int(q))
-                    except Exception:  # a queue beyond a shrunken topic
+                for q, off in queues.items():
+                    key = (topic, int(q))
+                    hi = ends.get(key, -1)
+                    if hi == -1:
+                        try:
+                            hi = ends[key] = store.min_max(topic, key[1])[1]
+                        except Exception:  # a queue beyond a shrunken topic
+                            hi = ends[key] = None
+                    if hi is None:
                         continue
                     lag = max(0, hi - off) if off >= 0 else 0
                     sum_lag += lag
-                    g.add_metric([group, topic, str(q)], lag)
+                    rows.append((lag, group, topic, key[1]))
                 total.add_metric([group, topic], sum_lag)
+        left_out = max(0, len(rows) - MAX_LAG_SERIES)
+        if left_out:
+            rows = heapq.nlargest(MAX_LAG_SERIES, rows)
+        for lag, group, topic, q in sorted(rows, key=lambda r: r[1:]):
+            g.add_metric([group, topic, str(q)], lag)
         yield g
         yield total
+        left = GaugeMetricFamily("onceq_consumer_lag_series_left_out",
+                                 "Per-queue lag series left out of this scrape (past "
+                                 f"{MAX_LAG_SERIES}: only the largest lags are shown).")
+        left.add_metric([], left_out)
+        yield left
 
     def _retries(self, b: Broker) -> Iterator[Metric]:
         """Messages that reached each group's retry topic and dead-letter queue (the max
