@@ -309,6 +309,18 @@ async def campaign(addr: str, frames: int, conns: int, seed: int) -> dict[str, A
     }
 
 
+def traceback_kinds(log: str, most: int = 10) -> dict[str, int]:
+    """The tracebacks in a broker log by kind (the last frame's place and the error)."""
+    kinds: dict[str, int] = {}
+    for block in log.split("Traceback (most recent call last):")[1:]:
+        lines = [x for x in block.splitlines() if x.strip()]
+        where = [x.strip() for x in lines if x.strip().startswith('File "')]
+        error = next((x for x in lines if not x.startswith(" ")), "?")
+        key = f"{where[-1] if where else '?'}: {error}"[:300]
+        kinds[key] = kinds.get(key, 0) + 1
+    return dict(sorted(kinds.items(), key=lambda kv: -kv[1])[:most])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--frames", type=int, default=5_000_000)
@@ -331,6 +343,7 @@ def main() -> None:
         with open(os.path.join(data, "broker.err")) as f:
             log = f.read()
         report["tracebacks_logged"] = log.count("Traceback")
+        report["traceback_kinds"] = traceback_kinds(log)
         report["broker_exit_code"] = broker.returncode
         verify = subprocess.run([sys.executable, "-m", "onceq.cli.main", "broker", "verify",
                                  "--data-dir", data], capture_output=True, text=True)

@@ -113,7 +113,7 @@ class Broker:
                                  self._on_internal_put)
         topics = TopicAdmin(self.store, config.default_queues,
                             topic_for_write=self.sends.topic_for_write,
-                            forget_topic=self._forget_topic)
+                            forget_topic=self._forget_topic, off_loop=self._off_loop)
         self.security = Security(config, clock)  # users, grants, the audit log
         self.admin = AdminOps(config, self.store, clock, owners=self.owners, trace=self.trace,
                               closing=lambda: self._closing)

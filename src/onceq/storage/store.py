@@ -200,11 +200,13 @@ class MessageStore:
     def create_topic(self, name: str, queues: int) -> TopicConfig:
         return self.topics.create(name, queues)
 
-    def delete_topic(self, name: str) -> None:
-        """Delete a topic, its consume queues, its dedup keys and its consumer offsets."""
-        self.topics.delete(name)
+    def delete_topic(self, name: str, *, keep_files: bool = False) -> str | None:
+        """Delete a topic, its consume queues, its dedup keys and its consumer offsets;
+        with ``keep_files``, the index directory to remove is returned (``Topics.delete``)."""
+        aside = self.topics.delete(name, keep_files=keep_files)
         self.dedup.drop_topic(name)
         self.offsets.drop_topic(name)
+        return aside
 
     def get_topic(self, name: str) -> TopicConfig:
         return self.topics.lookup(name)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -41,6 +42,7 @@ log = logging.getLogger("onceq.storage")
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_%|.\-]{1,127}$")
 MAX_QUEUES = 1024
+DELETED_PREFIX = "#deleted-"  # an index directory moved aside (no topic name has a #)
 
 
 def check_name(kind: str, name: object) -> str:
@@ -220,9 +222,22 @@ class Topics(Mapping[str, TopicConfig]):
         self.skipped.pop(name, None)  # replaced by the new topic
         return t
 
-    def delete(self, name: str) -> None:
+    def make_queue_dirs(self, name: str, first: int, end: int) -> None:
+        """Create the index directories of queues ``first``..``end - 1`` of topic ``name``
+        ahead of ``create`` (which then finds them): file work only, no state, so it may run
+        off the event loop (a thousand directories take a good part of a second). Left
+        over when the topic is not created, the next open drops them."""
+        check_name("topic", name)
+        if not 0 <= first <= end <= MAX_QUEUES:
+            raise InvalidArgument(f"queue count must be 1..{MAX_QUEUES}")
+        for qid in range(first, end):
+            self.files.makedirs(self._queue_dir(name, qid))
+
+    def delete(self, name: str, *, keep_files: bool = False) -> str | None:
         """Delete topic ``name`` and its consume queues (its dedup keys and offsets are the
-        caller's to drop)."""
+        caller's to drop). With ``keep_files`` the index directory is only moved aside, and
+        its path returned for the caller to remove (off the event loop); the next open
+        drops it if that never happens."""
         t = self.lookup(name)
         self.gate.check_writable(space=False)  # deleting frees space: allowed on a full disk
         table = {n: v for n, v in self._topics.items() if n != name}
@@ -232,12 +247,24 @@ class Topics(Mapping[str, TopicConfig]):
             self.errors.error("topics", "store: cannot delete topic %s: %s", name, exc)
             raise storage_error(exc, f"topic {name!r} was not deleted") from None
         del self._topics[name]
+        directory = os.path.join(self.queues_dir, name)
+        if keep_files:
+            for qid in range(t.queues):
+                self.queues.pop((name, qid)).close()
+            aside = os.path.join(self.queues_dir, f"{DELETED_PREFIX}{name}-{time.time_ns()}")
+            try:
+                self.files.replace(directory, aside)
+                return aside
+            except OSError as exc:  # the next open drops the directory of an unknown topic
+                log.warning("store: index files of deleted topic %s: %s", name, exc)
+                return None
         for qid in range(t.queues):
             try:
                 self.queues.pop((name, qid)).destroy()
             except OSError as exc:  # the next open drops the directory of an unknown topic
                 log.warning("store: index files of deleted topic %s: %s", name, exc)
-        self.files.rmtree(os.path.join(self.queues_dir, name))
+        self.files.rmtree(directory)
+        return None
 
     # ------------------------------------------------------------------ open
     def load(self) -> None:
