@@ -117,3 +117,13 @@ def test_bad_parameters_are_refused(clock):
                {"ipv6_prefix": 129}):
         with pytest.raises(ValueError):
             FailedLogins(clock, **kw)
+
+
+def test_endless_failures_from_one_source_never_overflow_the_lockout(clock):
+    """Failures go on being counted during lockouts (a flood of malformed exchanges): the
+    lockout doubles up to its longest and stays there, whatever their number."""
+    lim = FailedLogins(clock)  # the broker's defaults: 5 failures, 30 s doubling to 1 h
+    results = fail(lim, 20_000)
+    locks = [r for r in results if r is not None]
+    assert len(locks) == 20_000 // 5 and max(locks) == 3600
+    assert locks[:9] == [30, 60, 120, 240, 480, 960, 1920, 3600, 3600]

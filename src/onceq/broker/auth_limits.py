@@ -73,7 +73,8 @@ class _Tracker:
         if len(entry.failures) < self.threshold:
             return None
         seconds = min(lim.lockout_s * 2 ** entry.level, lim.max_lockout_s)
-        entry.level += 1
+        if seconds < lim.max_lockout_s:  # past the longest lockout the level stops growing
+            entry.level += 1
         entry.failures.clear()
         entry.locked_until = max(entry.locked_until, now + seconds)
         return seconds
