@@ -31,6 +31,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import struct
@@ -321,6 +322,16 @@ def traceback_kinds(log: str, most: int = 10) -> dict[str, int]:
     return dict(sorted(kinds.items(), key=lambda kv: -kv[1])[:most])
 
 
+def error_lines(log: str, most: int = 10) -> dict[str, int]:
+    """The broker's ERROR lines by message (numbers and names masked), most frequent first."""
+    kinds: dict[str, int] = {}
+    for line in log.splitlines():
+        if " ERROR " in line:
+            key = re.sub(r"\d+", "N", line.split(" ERROR ", 1)[1])[:200]
+            kinds[key] = kinds.get(key, 0) + 1
+    return dict(sorted(kinds.items(), key=lambda kv: -kv[1])[:most])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--frames", type=int, default=5_000_000)
@@ -344,6 +355,7 @@ def main() -> None:
             log = f.read()
         report["tracebacks_logged"] = log.count("Traceback")
         report["traceback_kinds"] = traceback_kinds(log)
+        report["error_lines"] = error_lines(log)
         report["broker_exit_code"] = broker.returncode
         verify = subprocess.run([sys.executable, "-m", "onceq.cli.main", "broker", "verify",
                                  "--data-dir", data], capture_output=True, text=True)

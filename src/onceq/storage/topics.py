@@ -226,12 +226,17 @@ class Topics(Mapping[str, TopicConfig]):
         """Create the index directories of queues ``first``..``end - 1`` of topic ``name``
         ahead of ``create`` (which then finds them): file work only, no state, so it may run
         off the event loop (a thousand directories take a good part of a second). Left
-        over when the topic is not created, the next open drops them."""
+        over when the topic is not created, the next open drops them. Best effort: a
+        directory it could not make (the topic deleted meanwhile, a full disk) is made, or
+        its error reported, by ``create``."""
         check_name("topic", name)
         if not 0 <= first <= end <= MAX_QUEUES:
             raise InvalidArgument(f"queue count must be 1..{MAX_QUEUES}")
-        for qid in range(first, end):
-            self.files.makedirs(self._queue_dir(name, qid))
+        try:
+            for qid in range(first, end):
+                self.files.makedirs(self._queue_dir(name, qid))
+        except OSError as exc:
+            log.debug("store: index directories of topic %s made ahead: %s", name, exc)
 
     def delete(self, name: str, *, keep_files: bool = False) -> str | None:
         """Delete topic ``name`` and its consume queues (its dedup keys and offsets are the
