@@ -641,3 +641,30 @@ def test_many_queues_through_a_small_cache_of_open_index_files(tmp_path):
         assert [m.queue_offset for m in msgs] == list(range(3 * PER_FILE))
     assert len(store.open_files) <= 4
     store.close()
+
+
+def test_index_directories_made_ahead_are_best_effort(tmp_path):
+    """``make_queue_dirs`` runs in a thread while the loop may delete the same topic: a
+    directory it cannot make (ENOENT as its parent is moved away) is no error; the create
+    that follows makes what is missing."""
+    from onceq.storage.files import FileOps
+    from tests.helpers import small_store
+
+    class ParentMoved(FileOps):
+        fail = True
+
+        def makedirs(self, path: str) -> None:
+            if self.fail and "/queues/t/" in path:
+                raise FileNotFoundError(2, "No such file or directory", path)
+            super().makedirs(path)
+
+    files = ParentMoved()
+    store = MessageStore(small_store(str(tmp_path / "d")), files=files)
+    store.open()
+    try:
+        store.topics.make_queue_dirs("t", 0, 40)  # no error
+        files.fail = False
+        store.create_topic("t", 40)
+        assert store.put("t", 39, [part(1)]).offsets == [0]
+    finally:
+        store.close()
