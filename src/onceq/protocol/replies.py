@@ -48,9 +48,12 @@ class SendReply(Message):
 
     @classmethod
     def decode(cls, header: dict[str, Any], payload: bytes = b"") -> SendReply:
-        queue = p_int("queue", header.get("queue"))
-        if "base" in header:  # every message stored anew: the first offset and the count
-            base, n = p_int("base", header["base"]), p_int("n", header.get("n"))
+        queue, base, n = header.get("queue"), header.get("base"), header.get("n")
+        if type(queue) is not int:
+            queue = p_int("queue", queue)
+        if base is not None:  # every message stored anew: the first offset and the count
+            if type(base) is not int or type(n) is not int:
+                base, n = p_int("base", base), p_int("n", n)
             return cls(queue, list(range(base, base + n)))
         return cls(queue, p_int_list("offsets", header.get("offsets")),
                    p_int_list("dups", header.get("dups", [])),
