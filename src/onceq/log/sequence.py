@@ -22,9 +22,9 @@ after it (``storage/sequences.py``).
 
 from __future__ import annotations
 
+import itertools
 import json
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 SEQ_PROPERTY = "WRITER_SEQ"
 SEQUENCED = 0x8000  # part flag: this message carries SEQ_PROPERTY (found at replay)
@@ -44,10 +44,10 @@ class SequenceError(ValueError):
         self.gap = gap
 
 
-@dataclass(frozen=True, slots=True)
-class WriterState:
+class WriterState(NamedTuple):
     """One writer's place; replaced, never changed, so that a snapshot may take a shallow
-    copy of the table on the event loop and encode it elsewhere."""
+    copy of the table on the event loop and encode it elsewhere. A tuple of integers: the
+    garbage collector leaves it alone, however many writers there are."""
 
     epoch: int
     seq: int  # the highest stored sequence number of ``epoch``
@@ -178,14 +178,14 @@ SNAPSHOT_SLICE = 2048  # rows encoded per call: another thread gets the GIL betw
 
 
 def encode_writers(writers: dict[WriterKey, WriterState], position: int) -> bytes:
-    """``writers.json`` of ``writers`` (a copy of a table, see ``WriterState``), encoded in
-    slices so that a thread doing it lets the event loop run in between."""
-    items = list(writers.items())
+    """``writers.json`` of ``writers`` (a copy of a table, see ``WriterState``), built as
+    text in slices: a thread doing it lets the event loop run in between, and it makes no
+    container per row for the garbage collector to chase."""
+    dumps = json.dumps
+    rows = iter(writers.items())
     parts = []
-    for i in range(0, len(items), SNAPSHOT_SLICE):
-        rows = [[w, t, q, s.epoch, s.seq, s.last_ms, s.position]
-                for (w, t, q), s in items[i:i + SNAPSHOT_SLICE]]
-        parts.append(json.dumps(rows, separators=(",", ":"))[1:-1])
-    head = json.dumps({"format": SNAPSHOT_FORMAT, "position": position},
-                      separators=(",", ":"))[:-1]
-    return f'{head},"writers":[{",".join(parts)}]}}'.encode()
+    while chunk := [f"[{dumps(w)},{dumps(t)},{q},{s[0]},{s[1]},{s[2]},{s[3]}]"
+                    for (w, t, q), s in itertools.islice(rows, SNAPSHOT_SLICE)]:
+        parts.append(",".join(chunk))
+    return (f'{{"format":{SNAPSHOT_FORMAT},"position":{position},'
+            f'"writers":[{",".join(parts)}]}}').encode()
