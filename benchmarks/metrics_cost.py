@@ -34,9 +34,11 @@ from _progress import Steps, note  # noqa: E402
 
 from onceq.broker.broker import Broker  # noqa: E402
 from onceq.broker.config import BrokerConfig  # noqa: E402
+from onceq.broker.fields import Call  # noqa: E402
 from onceq.broker.metrics import BrokerMetrics, Histogram, _timed  # noqa: E402
 from onceq.log.record import encode_part  # noqa: E402
 from onceq.protocol.codes import RequestCode  # noqa: E402
+from onceq.protocol.requests import Pull, SendBatch  # noqa: E402
 from onceq.storage.config import StoreConfig  # noqa: E402
 
 TOPIC = "bench"
@@ -53,23 +55,30 @@ def payloads(n: int, batch: int) -> list[bytes]:
     return out
 
 
+class _Call(Call):
+    """A request answered in this process: the handlers return their replies here (async
+    flush, nothing held), so no connection is needed."""
+
+    def __init__(self, corr: int) -> None:
+        super().__init__(None, corr)  # type: ignore[arg-type]
+
+
 def run(b: Broker, loads: list[bytes], batch: int, start: int) -> tuple[float, float]:
     """(us per send batch, us per pull batch)."""
-    send = b.handlers[RequestCode.SEND_BATCH]
-    pull = b.handlers[RequestCode.PULL]
-    hdr = {"topic": TOPIC, "queue": 0}
+    _, send = b.handlers[RequestCode.SEND_BATCH]
+    _, pull = b.handlers[RequestCode.PULL]
     t0 = time.perf_counter()
     for i, p in enumerate(loads):
-        res = send(None, i, hdr, p)
-        assert res is not None and res[0] == 0, res
+        res = send(_Call(i), SendBatch(TOPIC, 0, p))
+        assert res is not None and len(res.offsets) == batch, res
     t1 = time.perf_counter()
     offset = start
     end = start + len(loads) * batch
     n = 0
     while offset < end:
-        res = pull(None, n, {"topic": TOPIC, "queue": 0, "offset": offset, "max": batch}, b"")
-        assert res is not None and res[1]["n"] > 0, res
-        offset = res[1]["next"]
+        res = pull(_Call(n), Pull(TOPIC, 0, offset, batch))
+        assert res is not None and res.count > 0, res
+        offset = res.next
         n += 1
     t2 = time.perf_counter()
     return (t1 - t0) / len(loads) * 1e6, (t2 - t1) / n * 1e6

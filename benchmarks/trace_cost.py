@@ -34,10 +34,11 @@ QUEUES = 4
 
 async def _drain(addr: str, group: str, n: int) -> tuple[float, int]:
     """(messages per second, pulls that found messages)"""
-    from onceq import Admin
-    from onceq.protocol.codes import PullStatus, RequestCode
+    from onceq.client.connection import BrokerConnection, call
+    from onceq.protocol.codes import PullStatus
+    from onceq.protocol.requests import Pull
 
-    clients = [await Admin(addr).start() for _ in range(QUEUES)]
+    conns = [await BrokerConnection.open(addr) for _ in range(QUEUES)]
 
     pulls = 0
 
@@ -45,20 +46,19 @@ async def _drain(addr: str, group: str, n: int) -> tuple[float, int]:
         nonlocal pulls
         got, offset = 0, 0
         while True:
-            h, _ = await clients[q]._request(RequestCode.PULL, {
-                "topic": TOPIC, "queue": q, "offset": offset, "max": 32, "group": group,
-                "client": f"{group}-c"})
-            if h["st"] != PullStatus.FOUND:
+            r = await call(conns[q], Pull(TOPIC, q, offset, 32, group=group,
+                                          client=f"{group}-c{q}"))
+            if r.status != PullStatus.FOUND:
                 return got
-            got += h["n"]
+            got += r.count
             pulls += 1
-            offset = h["next"]
+            offset = r.next
 
     t0 = time.perf_counter()
     total = sum(await asyncio.gather(*(one(q) for q in range(QUEUES))))
     took = time.perf_counter() - t0
-    for c in clients:
-        await c.close()
+    for c in conns:
+        c.close()
     assert total == n, (total, n)
     return n / took, pulls
 

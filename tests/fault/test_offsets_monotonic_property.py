@@ -36,6 +36,7 @@ class _Conn:
     def __init__(self, name: str) -> None:
         self.peer = name
         self.client_ids: set[str] = set()
+        self.writer_ids: set[str] = set()
         self.closed = False
         self.held_pulls = 0
         self.answers: dict[int, tuple[int, dict]] = {}
