@@ -77,7 +77,7 @@ async def test_an_answer_to_a_pull_of_an_older_generation_is_not_applied():
     assignment.take(new)
     offsets.forget(MQ)
     offsets.started(MQ, 0, stored=True)
-    assert not assignment.current(MQ, old.generation)
+    assert not assignment.current(old, old.generation)
 
     answer.set_result(PullReply(PullStatus.NO_NEW_MESSAGE, 50, 0, 50))
     for _ in range(10):

@@ -29,6 +29,9 @@ class Assignment:
         """``pq`` is now its queue's process queue, under a new generation."""
         self.generation += 1
         pq.generation = self.generation
+        replaced = self._pqs.get(pq.mq)
+        if replaced is not None and replaced is not pq:
+            replaced.dropped = replaced.released = True  # its queue is another's now
         self._pqs[pq.mq] = pq
 
     def revoke(self, pq: ProcessQueue) -> None:
@@ -50,13 +53,15 @@ class Assignment:
     def active(self, pq: ProcessQueue) -> bool:
         """Whether new work may start on ``pq``: its queue's owned, undropped process
         queue."""
-        return not pq.dropped and self.current(pq.mq, pq.generation)
+        return not pq.dropped and not pq.released
 
-    def current(self, mq: MessageQueue, generation: int) -> bool:
-        """Whether work started on ``mq`` under ``generation`` may apply its result: the
-        queue has not been dropped, released or taken again since."""
-        pq = self._pqs.get(mq)
-        return pq is not None and pq.generation == generation and not pq.released
+    @staticmethod
+    def current(pq: ProcessQueue, generation: int) -> bool:
+        """Whether work started on ``pq`` under ``generation`` may apply its result: the
+        queue has not been dropped, released or taken again since (each take is a new
+        generation; a process queue that leaves the assignment, or is replaced in it, is
+        released)."""
+        return pq.generation == generation and not pq.released
 
     def get(self, mq: MessageQueue) -> ProcessQueue | None:
         return self._pqs.get(mq)

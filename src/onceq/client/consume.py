@@ -104,6 +104,9 @@ class ConsumeResult:
         """The result a listener's return value stands for, on a batch of ``size``: a
         ``ConsumeResult`` itself, or (the context style) a ``ConsumeStatus`` or None read
         with what the listener set on ``ctx``. Raises ValueError for anything else."""
+        if (returned is None or returned is ConsumeStatus.SUCCESS) and not (
+                ctx.delay_level or ctx.suspend_ms or ctx.dlq_reasons):
+            return _all_but(_clamp(ctx.ack_index + 1, size))  # the common answer, at once
         if isinstance(returned, ConsumeResult):
             acked = _clamp(returned.acked, size)
             return returned if acked == returned.acked else \
@@ -149,3 +152,17 @@ def orderly(listener: L) -> L:
 
 def is_orderly(listener: Any) -> bool:
     return getattr(listener, "onceq_orderly", False) is True
+
+
+_PREFIXES: dict[int, ConsumeResult] = {}  # acked -> the plain result (batch sizes are few)
+
+
+def _all_but(acked: int) -> ConsumeResult:
+    """The plain result acknowledging ``acked`` messages (the rest retried), shared: a
+    frozen result is the same whoever returns it."""
+    r = _PREFIXES.get(acked)
+    if r is None:
+        r = ConsumeResult(acked)
+        if len(_PREFIXES) < 4096:
+            _PREFIXES[acked] = r
+    return r

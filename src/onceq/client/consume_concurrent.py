@@ -164,7 +164,7 @@ class ConcurrentConsumeService(ConsumeService):
                 self._expired[w] = False
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
         done, failed = batch[:result.acked], batch[result.acked:]
-        if not self.assignment.current(pq.mq, generation):
+        if not self.assignment.current(pq, generation):
             # finished after the queue was released (the drain timeout passed) or dropped:
             # its next owner re-reads these messages from the committed offset; a send-back
             # now would add a second copy

@@ -97,7 +97,7 @@ class Fetcher:
                 await asyncio.sleep(min(0.05 * 2 ** failures, 3.0))
                 continue
             failures = 0
-            if not self.assignment.current(pq.mq, pq.generation):
+            if not self.assignment.current(pq, pq.generation):
                 return  # dropped or taken again while the pull was out: not ours to apply
             pq.last_pull = r.clock()
             if not await self._apply(pq, reply, commit, sent, wanted):

@@ -121,9 +121,11 @@ class ListenerRunner:
         try:
             if self.threads is None:
                 returned = self.listener(batch, ctx)
+                if returned is not None and inspect.isawaitable(returned):
+                    returned = await returned
             else:
                 returned = await self.threads.submit(self.listener, batch, ctx)
-            return await answer(returned, ctx, len(batch))
+            return ConsumeResult.of(returned, ctx, len(batch))
         except Exception:
             return self.failed(ctx)
 
@@ -166,6 +168,6 @@ class ListenerRunner:
 async def answer(returned: Any, ctx: ConsumeContext, size: int) -> ConsumeResult:
     """The result a listener's return value stands for (awaited first when it is
     awaitable, e.g. from an object with an async ``__call__``)."""
-    if inspect.isawaitable(returned):
+    if returned is not None and inspect.isawaitable(returned):
         returned = await returned
     return ConsumeResult.of(returned, ctx, size)
