@@ -4,6 +4,8 @@ names the connection's user (mTLS); an expired or foreign certificate gets nothi
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from onceq import Admin, ClientSecurity, ErrorCode, OnceqError
@@ -98,3 +100,23 @@ async def test_an_expired_or_foreign_client_certificate_gets_nothing(broker, cer
             await call(conn, ListTopics(), timeout=5)
         finally:
             conn.close()
+
+
+async def test_the_metrics_port_speaks_tls_when_asked(tmp_path, certs):
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    async with running_broker(str(tmp_path / "d"), tls_cert=str(certs["server"]),
+                              tls_key=str(certs["server_key"]), metrics_port=0,
+                              metrics_tls=True) as b:
+        ctx = ssl.create_default_context(cafile=str(certs["ca"]))
+        url = f"127.0.0.1:{b.metrics.port}/metrics"
+
+        def get(scheme: str, context: ssl.SSLContext | None) -> str:
+            with urllib.request.urlopen(f"{scheme}://{url}", timeout=5, context=context) as r:
+                return r.read().decode()
+
+        assert "onceq_connections" in await asyncio.to_thread(get, "https", ctx)
+        with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
+            await asyncio.to_thread(get, "http", None)  # plain text gets nothing

@@ -64,6 +64,7 @@ class BrokerConfig:
     # Prometheus endpoint (broker/metrics.py): -1 off, 0 any free port
     metrics_port: int = -1
     metrics_host: str = "127.0.0.1"
+    metrics_tls: bool = False  # /metrics over TLS with tls_cert and tls_key
     # security (broker/security.py, docs/security.md)
     acl: bool = False  # users authenticate (SCRAM-SHA-256) and every request is authorized
     insecure: bool = False  # allow listening beyond loopback without ACLs
@@ -99,6 +100,8 @@ class BrokerConfig:
         self.store.validate()
         if self.tls_client_auth not in ("none", "optional", "required"):
             raise ValueError("tls_client_auth must be none, optional or required")
+        if self.metrics_tls and not self.tls_cert:
+            raise ValueError("metrics_tls needs tls_cert (and tls_key)")
         if self.tls_client_auth != "none" and not (self.tls_cert and self.tls_client_ca):
             raise ValueError("tls_client_auth needs tls_cert and tls_client_ca")
         if not 0 <= self.port <= 65535:

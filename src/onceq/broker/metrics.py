@@ -36,10 +36,12 @@ import os
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
+from ssl import SSLContext
 from typing import TYPE_CHECKING, Any
 
 from ..protocol.codes import DLQ_PREFIX, RETRY_PREFIX, RequestCode
 from .metrics_http import HttpLimits, MetricsHttpServer
+from .tls import metrics_context
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -294,9 +296,9 @@ class BrokerMetrics:
             log.warning("metrics: cannot measure the data directory: %s", exc)
         return generate_latest(self.registry)
 
-    async def start(self, host: str, port: int) -> None:
-        self.port = await self.http.start(host, port)
-        log.info("metrics on http://%s:%d/metrics", host, self.port)
+    async def start(self, host: str, port: int, ssl: SSLContext | None = None) -> None:
+        self.port = await self.http.start(host, port, ssl)
+        log.info("metrics on %s://%s:%d/metrics", "https" if ssl else "http", host, self.port)
 
     async def stop(self) -> None:
         await self.http.stop()
@@ -349,5 +351,5 @@ async def start_metrics(broker: Broker) -> BrokerMetrics | None:
         return None
     m = BrokerMetrics(broker)
     m.time_handlers()
-    await m.start(cfg.metrics_host, cfg.metrics_port)
+    await m.start(cfg.metrics_host, cfg.metrics_port, metrics_context(cfg))
     return m

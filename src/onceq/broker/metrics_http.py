@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from ssl import SSLContext
 
 log = logging.getLogger("onceq.broker.metrics")
 
@@ -99,11 +100,12 @@ class MetricsHttpServer:
     def open_connections(self) -> int:
         return len(self.slots)
 
-    async def start(self, host: str, port: int) -> int:
+    async def start(self, host: str, port: int, ssl: SSLContext | None = None) -> int:
         # the stream limit bounds one header line and what is buffered ahead of it
         self._server = await asyncio.start_server(
             self._serve, host, port, reuse_address=True,
-            limit=self.limits.max_head_bytes + 2)
+            limit=self.limits.max_head_bytes + 2, ssl=ssl,
+            ssl_handshake_timeout=self.limits.head_deadline_s if ssl else None)
         return self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:

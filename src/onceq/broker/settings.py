@@ -34,7 +34,7 @@ from ..storage.topics import MAX_QUEUES
 from .config import BrokerConfig
 from .limits import fd_limit
 from .retry import parse_delay_levels
-from .tls import server_context
+from .tls import metrics_context, server_context
 
 ENV_PREFIX = "ONCEQ_"
 # ONCEQ_ variables that are not broker settings: the client commands' (cli/common.py,
@@ -163,6 +163,8 @@ _META: dict[str, tuple[str, float | None, float | None]] = {
     "metrics_port": ("Port of the Prometheus endpoint /metrics (-1: off, 0: any free "
                      "port; at most 65535).", -1, 65535),
     "metrics_host": ("Address the Prometheus endpoint listens on.", None, None),
+    "metrics_tls": ("Serve /metrics over TLS with tls_cert and tls_key (no client "
+                    "certificates asked).", None, None),
     # security
     "acl": ("Users authenticate (SCRAM-SHA-256 or a client certificate) and every request "
             "is checked against the ACL grants (docs/security.md).", None, None),
@@ -438,6 +440,7 @@ def preflight(cfg: BrokerConfig, soft_limit: int | None = None) -> None:
         check_host("metrics_host", cfg.metrics_host)
     try:
         server_context(cfg)  # the certificate, key and client CA load
+        metrics_context(cfg)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     check_fds(cfg, soft_limit)

@@ -14,6 +14,20 @@ import ssl
 from .config import BrokerConfig
 
 
+def metrics_context(config: BrokerConfig) -> ssl.SSLContext | None:
+    """The metrics port's TLS context (the client port's certificate, no client
+    certificates), None unless ``metrics_tls``."""
+    if not config.metrics_tls:
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(config.tls_cert, config.tls_key or None)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"tls_cert/tls_key: cannot load {config.tls_cert}: {exc}") from None
+    return ctx
+
+
 def server_context(config: BrokerConfig) -> ssl.SSLContext | None:
     """The client port's TLS context, None when TLS is off; ``ValueError`` naming the
     setting when a file cannot be used."""
