@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..client.security import ClientSecurity, CredentialsError, read_credentials_file
+
 EARLIEST = -2
 LATEST = -1
 
@@ -54,6 +56,7 @@ class SourceOptions:
     body_schema: str | None = None  # Spark DDL of the decoded columns
     include_body: bool = True  # keep the body column beside the decoded ones
     read_timeout_s: int = 60  # how long the broker may fail every attempt (retry.py)
+    security: ClientSecurity | None = None  # None: from the environment (ONCEQ_USER...)
 
     def subscribes(self, topic: str) -> bool:
         return _reads(self.topics, self.topic_pattern, topic)
@@ -113,6 +116,7 @@ class SourceOptions:
             body_schema=body_schema,
             include_body=include_body,
             read_timeout_s=_int_option(opts, "readtimeout", 60, "readTimeout", minimum=1) or 60,
+            security=security_options(opts),
         )
 
 
@@ -180,6 +184,32 @@ def _int_option(opts: Mapping[str, str], key: str, default: int | None, name: st
     if value < minimum:
         raise OptionError(f"option {name!r} must be >= {minimum}, not {value}")
     return value
+
+
+SECURITY_OPTIONS = ("user", "password", "credentialsfile", "tls", "tlsca")
+
+
+def security_options(opts: Mapping[str, str]) -> ClientSecurity | None:
+    """The user and TLS of the connections to the broker, from the options ``user`` and
+    ``password`` (Spark redacts an option named password in its plans and UI),
+    ``credentialsFile`` (a file whose first line is ``user:password``, read on the driver),
+    ``tls`` (``true``: connect with TLS, verifying the broker) and ``tlsCa`` (the CA of the
+    broker's certificate). None when no option names them: the clients then read the
+    environment of the driver and executors (``ONCEQ_USER``, ``ONCEQ_PASSWORD``...)."""
+    if not any(k in opts for k in SECURITY_OPTIONS):
+        return None
+    user, password = opts.get("user") or None, opts.get("password") or None
+    path = opts.get("credentialsfile")
+    if path and user is None:
+        try:
+            user, password = read_credentials_file(path)
+        except CredentialsError as exc:
+            raise OptionError(f"option 'credentialsFile': {exc}") from None
+    if (user is None) != (password is None):
+        raise OptionError("options 'user' and 'password' go together")
+    ca = opts.get("tlsca") or None
+    tls = _bool_option(opts, "tls", ca is not None, "tls")
+    return ClientSecurity(user, password, tls, ca)
 
 
 def _bool_option(opts: Mapping[str, str], key: str, default: bool, name: str) -> bool:

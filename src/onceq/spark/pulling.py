@@ -11,6 +11,7 @@ import pyarrow as pa
 
 from ..client.connection import ConnectionLost, retriable
 from ..client.pull import PullConsumer
+from ..client.security import ClientSecurity
 from ..protocol.codes import PullStatus
 from ..protocol.errors import OnceqError
 from .arrow import records_to_batch
@@ -34,6 +35,7 @@ class QueueRange:
     pull_batch: int = 1024
     verify_checksums: bool = True
     timeout_s: float = 60.0  # how long the broker may fail every pull (retry.py)
+    security: ClientSecurity | None = None  # None: from the environment
 
 
 async def pull_range(r: QueueRange) -> AsyncIterator[pa.RecordBatch]:
@@ -45,7 +47,8 @@ async def pull_range(r: QueueRange) -> AsyncIterator[pa.RecordBatch]:
     offset = r.start
     backoff = Backoff(r.timeout_s, f"reading {r.topic}/{r.queue} at {r.servers}")
     while offset < r.end:
-        consumer = PullConsumer(r.servers, r.group, verify_checksums=r.verify_checksums)
+        consumer = PullConsumer(r.servers, r.group, verify_checksums=r.verify_checksums,
+                                security=r.security)
         try:
             stream = consumer.stream(r.topic, r.queue, offset, r.pull_batch, suspend=0.0,
                                      commit=False, decode=False)

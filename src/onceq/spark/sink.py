@@ -44,9 +44,10 @@ from pyspark.sql.types import (
     StructType,
 )
 
+from ..client.security import ClientSecurity
 from ..client.sequenced import SequencedWriter
 from .encode import encode_chunk, route, split_by_queue
-from .options import OptionError, _int_option
+from .options import OptionError, _int_option, security_options
 
 log = logging.getLogger("onceq.spark")
 
@@ -70,6 +71,7 @@ class SinkOptions:
     batch_size: int
     in_flight: int
     timeout_s: int
+    security: ClientSecurity | None = None  # None: from the environment (ONCEQ_USER...)
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> SinkOptions:
@@ -87,6 +89,7 @@ class SinkOptions:
             batch_size=_int_option(opts, "batchsize", 1000, "batchSize", minimum=1) or 1000,
             in_flight=_int_option(opts, "maxinflight", 4, "maxInFlight", minimum=1) or 4,
             timeout_s=_int_option(opts, "sendtimeout", 60, "sendTimeout", minimum=1) or 60,
+            security=security_options(opts),
         )
 
 
@@ -132,7 +135,7 @@ async def write_partition(opts: SinkOptions, writer: str, epoch: int, partition:
                           batches: Iterator[pa.RecordBatch]) -> SinkCommit:
     """Send the rows of one task; returns once all are stored."""
     sender = SequencedWriter(opts.servers, writer, epoch, window=opts.in_flight,
-                             timeout=opts.timeout_s)
+                             timeout=opts.timeout_s, security=opts.security)
     size = opts.batch_size
     pending: dict[int, list[pa.RecordBatch]] = {}
     counts: dict[int, int] = {}

@@ -30,6 +30,7 @@ from pyspark.sql.types import StructType
 
 from ..client.admin import Admin
 from ..client.connection import ConnectionLost, retriable
+from ..client.security import ClientSecurity
 from ..client.sync import SyncPullConsumer
 from ..protocol.errors import ErrorCode, OnceqError
 from .arrow import ARROW_SCHEMA, SCHEMA_DDL
@@ -121,7 +122,8 @@ class _Planner:
     @property
     def client(self) -> SyncPullConsumer:
         if self._client is None:
-            self._client = SyncPullConsumer(self.opts.servers, self.opts.group)
+            self._client = SyncPullConsumer(self.opts.servers, self.opts.group,
+                                            security=self.opts.security)
         return self._client
 
     def call(self, fn: Callable[[SyncPullConsumer], T]) -> T:
@@ -150,7 +152,7 @@ class _Planner:
         if o.topic_pattern is None:
             counts = {t: self.call(lambda c, t=t: c.queue_count(t)) for t in o.topics}
         else:
-            topics = self.retrying(lambda: asyncio.run(_list_topics(o.servers)))
+            topics = self.retrying(lambda: asyncio.run(_list_topics(o.servers, o.security)))
             counts = {t["topic"]: int(t["queues"]) for t in topics
                       if not t["topic"].startswith("%")  # retry and dead-letter topics
                       and o.subscribes(t["topic"])}
@@ -177,7 +179,7 @@ class _Planner:
     def range(self, tq: TopicQueue, start: int, end: int) -> list[QueueRange]:
         o = self.opts
         return [QueueRange(o.servers, o.group, tq[0], tq[1], s, e, o.fail_on_data_loss,
-                           o.pull_batch, o.verify_checksums, o.read_timeout_s)
+                           o.pull_batch, o.verify_checksums, o.read_timeout_s, o.security)
                 for s, e in split_range(start, end, o.max_messages_per_partition)]
 
     def close(self) -> None:
@@ -195,8 +197,9 @@ class _Planner:
         _Planner.__init__(self, state["opts"])
 
 
-async def _list_topics(servers: str) -> list[dict[str, Any]]:
-    async with Admin(servers) as admin:
+async def _list_topics(servers: str, security: ClientSecurity | None
+                       ) -> list[dict[str, Any]]:
+    async with Admin(servers, security=security) as admin:
         return await admin.list_topics()
 
 
