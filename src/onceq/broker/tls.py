@@ -17,15 +17,7 @@ from .config import BrokerConfig
 def metrics_context(config: BrokerConfig) -> ssl.SSLContext | None:
     """The metrics port's TLS context (the client port's certificate, no client
     certificates), None unless ``metrics_tls``."""
-    if not config.metrics_tls:
-        return None
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    try:
-        ctx.load_cert_chain(config.tls_cert, config.tls_key or None)
-    except (OSError, ssl.SSLError) as exc:
-        raise ValueError(f"tls_cert/tls_key: cannot load {config.tls_cert}: {exc}") from None
-    return ctx
+    return _with_certificate(config) if config.metrics_tls else None
 
 
 def server_context(config: BrokerConfig) -> ssl.SSLContext | None:
@@ -33,12 +25,7 @@ def server_context(config: BrokerConfig) -> ssl.SSLContext | None:
     setting when a file cannot be used."""
     if not config.tls_cert:
         return None
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    try:
-        ctx.load_cert_chain(config.tls_cert, config.tls_key or None)
-    except (OSError, ssl.SSLError) as exc:
-        raise ValueError(f"tls_cert/tls_key: cannot load {config.tls_cert}: {exc}") from None
+    ctx = _with_certificate(config)
     if config.tls_client_auth != "none":
         try:
             ctx.load_verify_locations(config.tls_client_ca)
@@ -47,4 +34,15 @@ def server_context(config: BrokerConfig) -> ssl.SSLContext | None:
                              f"{exc}") from None
         ctx.verify_mode = (ssl.CERT_REQUIRED if config.tls_client_auth == "required"
                            else ssl.CERT_OPTIONAL)
+    return ctx
+
+
+def _with_certificate(config: BrokerConfig) -> ssl.SSLContext:
+    """A server context (TLS 1.2 or later) holding ``tls_cert`` and ``tls_key``."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(config.tls_cert, config.tls_key or None)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"tls_cert/tls_key: cannot load {config.tls_cert}: {exc}") from None
     return ctx
