@@ -144,6 +144,10 @@ class BatchReport:
     products: int  # inventory rows upserted
     replayed: bool  # applied before: the database was left as it was
     duration_s: float
+    # False for a batch stopped after its database commit but before Spark recorded its
+    # progress: rows_in is then the rows written (Spark's counts are unknown) and the next
+    # run reports the same batch again in full, as a replay
+    from_progress: bool = True
 
     def line(self) -> str:
         state = "replayed: nothing changed" if self.replayed else (
@@ -454,7 +458,8 @@ def run_pipeline(spark: Any, config: PipelineConfig, *,
             writer.outcomes.clear()
         for bid, (outcome, written, duration) in unfinished:
             b = BatchReport(bid, written, 0, 0, 0, outcome.late_duplicates, outcome.orders_new,
-                            outcome.products, outcome.replayed, duration)
+                            outcome.products, outcome.replayed, duration,
+                            from_progress=False)
             result.batches.append(b)
             report(b)
         exc = query.exception()

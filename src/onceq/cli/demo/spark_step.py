@@ -52,10 +52,15 @@ class SparkOutcome:
 def count_batches(batches: list[dict[str, Any]]) -> tuple[int, int]:
     """Rows read and duplicates dropped over both runs, each micro-batch once: a batch
     Spark ran again after the stop (its commit lost, or it ran before its report) read the
-    same rows and dropped the same duplicates; its first report counts."""
+    same rows and dropped the same duplicates; its first report with Spark's progress counts
+    (one made without it, for a batch stopped before Spark recorded it, knows only the rows
+    written, not those Spark dropped)."""
     first: dict[int, dict[str, Any]] = {}
     for b in batches:
-        first.setdefault(b["batch"], b)
+        seen = first.get(b["batch"])
+        if seen is None or (not seen.get("from_progress", True)
+                            and b.get("from_progress", True)):
+            first[b["batch"]] = b
     return (sum(b["rows_in"] for b in first.values()),
             sum(b["spark_duplicates"] + b["late_duplicates"] for b in first.values()))
 
@@ -124,7 +129,8 @@ class SparkStep:
                 out.batches.append({"run": run, "batch": b.batch_id, "rows_in": b.rows_in,
                                     "spark_duplicates": b.spark_duplicates,
                                     "late_duplicates": b.late_duplicates,
-                                    "orders_new": b.orders_new, "replayed": b.replayed})
+                                    "orders_new": b.orders_new, "replayed": b.replayed,
+                                    "from_progress": b.from_progress})
                 self.progress.append(f"run {run}: {b.line()}")
                 if run == 1:
                     stop.set()  # stop after the first batch; run 2 restarts from the checkpoint
