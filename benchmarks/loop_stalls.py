@@ -8,13 +8,16 @@ and max. Scenarios:
   topic, one sequenced send each), then sequenced sends go on so that ``writers.json`` is
   written every second;
 * ``offsets``: ``--offsets`` committed offsets (groups x queues of one topic), then commits
-  go on so that ``offsets.json`` is written every second.
+  go on so that ``offsets.json`` is written every second;
+* ``topics``: another connection creates and deletes topics (4 queues each), ``--topics``
+  operations pipelined at a time, round after round, while the pings run (each one
+  writes the topics table, and a creation fsyncs the commit log).
 
 The requests go over the wire as header maps, so ``--src`` can run source trees of any age
 (each tree in turn, per scenario; the goal is a ping p99 under 50 ms).
 
 Usage: python benchmarks/loop_stalls.py [--writers 200000] [--offsets 160000]
-       [--seconds 10] [--src DIR ...]
+       [--topics 2000] [--seconds 10] [--src DIR ...]
 Prints one JSON document.
 """
 
@@ -126,9 +129,37 @@ async def keep_changing(addr: str, scenario: str, stop: asyncio.Event) -> None:
         writer.close()
 
 
+def topic_change(i: int) -> bytes:
+    """Operation ``i``: create topic ``t<i // 2>`` (even), delete it (odd)."""
+    from onceq.protocol.codes import RequestCode
+    from onceq.protocol.frame import REQUEST, encode_frame
+
+    name = f"churn{i // 2}"
+    if i % 2 == 0:
+        return encode_frame(REQUEST, RequestCode.CREATE_TOPIC, 1, {"topic": name, "queues": 4})
+    return encode_frame(REQUEST, RequestCode.DELETE_TOPIC, 1, {"topic": name})
+
+
+async def churn_topics(addr: str, size: int, stop: asyncio.Event) -> int:
+    """Rounds of ``size`` pipelined topic creations and deletions until ``stop``; the
+    operations done."""
+    done = 0
+    while not stop.is_set():
+        count = Count("topics: changes", size)
+        await pipelined(addr, [topic_change(i) for i in range(size)], count)
+        done += size
+    return done
+
+
 async def scenario_run(addr: str, scenario: str, size: int, seconds: float) -> dict:
     from onceq import Admin
 
+    if scenario == "topics":
+        stop = asyncio.Event()
+        churn = asyncio.create_task(churn_topics(addr, size, stop))
+        lat = sorted(await pings(addr, seconds))
+        stop.set()
+        return {"size": size, "operations": await churn, **summary(lat)}
     async with Admin(addr) as admin:
         await admin.create_topic(TOPIC, QUEUES)
     count = Count(f"{scenario}: load", size)
@@ -146,8 +177,11 @@ async def scenario_run(addr: str, scenario: str, size: int, seconds: float) -> d
     lat = sorted(await pings(addr, seconds))
     stop.set()
     await changer
-    return {"size": size, "pings": len(lat),
-            "p50_ms": round(1000 * statistics.median(lat), 2),
+    return {"size": size, **summary(lat)}
+
+
+def summary(lat: list[float]) -> dict:
+    return {"pings": len(lat), "p50_ms": round(1000 * statistics.median(lat), 2),
             "p99_ms": round(1000 * lat[int(0.99 * (len(lat) - 1))], 2),
             "max_ms": round(1000 * lat[-1], 2)}
 
@@ -168,6 +202,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--writers", type=int, default=200_000)
     ap.add_argument("--offsets", type=int, default=160_000)
+    ap.add_argument("--topics", type=int, default=2000)
+    ap.add_argument("--only", choices=("writers", "offsets", "topics"), nargs="+")
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--src", nargs="+", default=[SRC])
     ap.add_argument("--child", nargs=3, metavar=("SCENARIO", "SIZE", "SECONDS"))
@@ -177,8 +213,11 @@ def main() -> None:
         return
     srcs = [os.path.abspath(s) for s in a.src]
     report: dict = {"seconds": a.seconds, "src": srcs, "results": {}}
-    steps = Steps(2 * len(srcs))
-    for scenario, size in (("writers", a.writers), ("offsets", a.offsets)):
+    scenarios = [(sc, size) for sc, size in (("writers", a.writers), ("offsets", a.offsets),
+                                            ("topics", a.topics))
+                 if a.only is None or sc in a.only]
+    steps = Steps(len(scenarios) * len(srcs))
+    for scenario, size in scenarios:
         for src in srcs:
             steps.next(f"{scenario} ({size}) on {src}")
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(

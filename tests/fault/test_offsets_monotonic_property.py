@@ -85,8 +85,7 @@ async def _run(steps: list[tuple]) -> None:
         conns = {m: _Conn(m) for m in MEMBERS}
         try:
             admin = _Conn("admin")
-            _request(broker, admin, RequestCode.CREATE_TOPIC, {"topic": TOPIC,
-                                                               "queues": QUEUES})
+            broker.store.create_topic(TOPIC, QUEUES)
             for q in range(QUEUES):
                 broker.store.put(TOPIC, q, [encode_part(b"m", f"{q}-{i}", 1)
                                             for i in range(MESSAGES)])

@@ -113,7 +113,8 @@ class Broker:
                                  self._on_internal_put)
         topics = TopicAdmin(self.store, config.default_queues,
                             topic_for_write=self.sends.topic_for_write,
-                            forget_topic=self._forget_topic, off_loop=self._off_loop)
+                            forget_topic=self._forget_topic, off_loop=self._off_loop,
+                            log_durable=self._log_durable)
         self.security = Security(config, clock)  # users, grants, the audit log
         self.admin = AdminOps(config, self.store, clock, owners=self.owners, trace=self.trace,
                               closing=lambda: self._closing)
@@ -247,6 +248,18 @@ class Broker:
             await self.flusher.flush_now()
         await self._off_loop(store.checkpoints.checkpoint_at, end,
                              store.checkpoints.dirty_index_files(), chunk)
+
+    async def _log_durable(self, end: int) -> None:
+        """Return once the commit log is fsynced up to ``end`` (off the loop)."""
+        flusher = self.flusher
+        if flusher is None:  # not started: nothing to share the fsync with
+            self.store.gate.sync_log()
+            return
+        if flusher.flushed < end:
+            await flusher.flush_now()
+        if flusher.flushed < end:  # writes stopped (a failed fsync): nothing is durable
+            raise OnceqError(ErrorCode.STORAGE_ERROR, "the commit log cannot be made "
+                             f"durable: {self.store.write_failure}")
 
     async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run blocking file work in a thread. A cancelled caller does not stop the thread,

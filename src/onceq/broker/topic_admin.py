@@ -17,6 +17,7 @@ from ..protocol.replies import Empty, TopicInfo, TopicList, TopicStatusReply
 from ..protocol.requests import CreateTopic, DeleteTopic, GetTopic, ListTopics, TopicStatus
 from ..storage.errors import StorageError
 from ..storage.failures import storage_error
+from ..storage.topics import MAX_QUEUES, check_name
 from .fields import Call, Handler, client_written_topic
 from .store_errors import wire_error
 
@@ -26,22 +27,28 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("onceq.broker")
 
-DIRS_ON_LOOP = 16  # new queues whose index directories are made on the event loop
-
-
 class TopicAdmin:
     """``topic_for_write(topic)`` creates a missing topic on first use (when enabled), as
-    a send does; ``forget_topic(topic)`` drops a deleted topic from the broker's tables."""
+    a send does; ``forget_topic(topic)`` drops a deleted topic from the broker's tables.
+
+    A client's topic creation or deletion does its file work and fsyncs (index
+    directories, the commit log up to a new topic's start, the topics table) in threads,
+    so that other clients are not held while it runs (a topic created on first use by a
+    send writes the table on the loop, as it must before the send is stored)."""
 
     def __init__(self, store: MessageStore, default_queues: int, *,
                  topic_for_write: Callable[[str], None],
                  forget_topic: Callable[[str], None],
-                 off_loop: Callable[..., Awaitable[Any]]) -> None:
+                 off_loop: Callable[..., Awaitable[Any]],
+                 log_durable: Callable[[int], Awaitable[None]]) -> None:
         self.store = store
         self.default_queues = default_queues
         self.topic_for_write = topic_for_write
         self.forget_topic = forget_topic
         self.off_loop = off_loop  # runs blocking file work in a thread
+        self.log_durable = log_durable  # returns once the commit log is fsynced up to a position
+        self._serial = asyncio.Lock()  # one client's topic change at a time, in order
+        self._pending = 0  # client topic changes waiting or running
         self._tasks: set[asyncio.Task[None]] = set()
 
     def handlers(self) -> dict[type[Message], Handler]:
@@ -50,36 +57,73 @@ class TopicAdmin:
                 TopicStatus: self.h_topic_status}
 
     def h_create_topic(self, call: Call, req: CreateTopic) -> TopicInfo | None:
-        """A topic with more than ``DIRS_ON_LOOP`` new queues gets their index directories
-        made in a thread first (a thousand take a good part of a second), then is created
-        on the loop as any other; the answer comes then."""
+        """A topic already as asked (or a refusal) is answered at once; a new or grown one
+        once the topics table is written, in a thread (``_change``)."""
         name = client_written_topic(req.topic)
         queues = self.default_queues if req.queues is None else req.queues
-        topics = self.store.topics
-        if req.exclusive and name in topics:
-            raise OnceqError(ErrorCode.TOPIC_EXISTS, f"topic {name!r} already exists")
-        old = topics.get(name)
-        first = old.queues if old is not None else 0
-        if queues - first <= DIRS_ON_LOOP:
-            return self._create(name, queues)
-
-        async def create() -> TopicInfo:
-            await self.off_loop(topics.make_queue_dirs, name, first, queues)
-            if req.exclusive and name in topics:  # created meanwhile
+        old = self.store.topics.get(name)
+        if not self._pending:  # else after the changes that came before it
+            if req.exclusive and old is not None:
                 raise OnceqError(ErrorCode.TOPIC_EXISTS, f"topic {name!r} already exists")
-            return self._create(name, queues)
-
-        self._later(call, create())
+            if old is not None and queues <= old.queues:
+                return self._create(name, queues)  # as it is, or a refused shrink
+        self._later(call, self._change(self._grow, name, queues, req.exclusive))
         return None
+
+    def h_delete_topic(self, call: Call, req: DeleteTopic) -> None:
+        """The topic is gone when this answers; its index files are removed in a thread."""
+        name = client_written_topic(req.topic)
+        if not self._pending:  # else it may be a creation waiting its turn
+            self.store.get_topic(name)  # no such topic: refused at once
+        self._later(call, self._change(self._delete, name))
+
+    def _change(self, change: Callable[..., Awaitable[Message]], *args: Any
+                ) -> Coroutine[Any, Any, Message]:
+        """One topic creation or deletion of a client, to run after those that came before
+        it (``_pending`` counts them from now), so that each writes the table the previous
+        one left."""
+        self._pending += 1
+
+        async def run() -> Message:
+            try:
+                async with self._serial:
+                    return await change(*args)
+            finally:
+                self._pending -= 1
+        return run()
+
+    async def _grow(self, name: str, queues: int, exclusive: bool) -> TopicInfo:
+        """Create topic ``name`` or grow it: the index directories of its new queues, then
+        (a new topic) the commit log durable up to where it starts, then the topics table,
+        each in a thread; the topic appears on the loop after them, as ``create`` finds the
+        table written."""
+        topics = self.store.topics
+        check_name("topic", name)
+        if not 1 <= queues <= MAX_QUEUES:
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT,
+                             f"queue count must be 1..{MAX_QUEUES}")
+        old = topics.get(name)  # as it is now: a send may have created it meanwhile
+        if exclusive and old is not None:
+            raise OnceqError(ErrorCode.TOPIC_EXISTS, f"topic {name!r} already exists")
+        if old is None or queues > old.queues:
+            self.store.gate.check_writable()
+            await self.off_loop(topics.make_queue_dirs, name,
+                                old.queues if old is not None else 0, queues)
+            end = self.store.log.end
+            if old is None:
+                await self.log_durable(end)
+            await self.off_loop(topics.commit_create, name, queues, end)
+        return self._create(name, queues)
 
     def _create(self, name: str, queues: int) -> TopicInfo:
         t = self.store.create_topic(name, queues)
         log.info("topic %s created/updated with %d queues", name, t.queues)
         return TopicInfo(t.name, t.queues)
 
-    def h_delete_topic(self, call: Call, req: DeleteTopic) -> Empty:
-        """The topic is gone when this answers; its index files are removed in a thread."""
-        name = client_written_topic(req.topic)
+    async def _delete(self, name: str) -> Empty:
+        self.store.get_topic(name)  # deleted meanwhile: TOPIC_NOT_EXIST
+        self.store.gate.check_writable(space=False)  # deleting frees space
+        await self.off_loop(self.store.topics.commit_delete, name)
         aside = self.store.delete_topic(name, keep_files=True)
         self.forget_topic(name)
         log.info("topic %s deleted", name)

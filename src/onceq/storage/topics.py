@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -90,6 +91,18 @@ def _count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _merge_topic(table: dict[str, TopicConfig], t: TopicConfig
+                 ) -> dict[str, TopicConfig] | None:
+    """``table`` with topic ``t`` in it: added, or grown to its queue count keeping the
+    creation it has; None when ``table`` has it with as many queues already."""
+    cur = table.get(t.name)
+    if cur is not None and cur.queues >= t.queues:
+        return None
+    table[t.name] = t if cur is None else TopicConfig(
+        t.name, t.queues, cur.created_position, cur.created_ms)
+    return table
+
+
 def load_topics_table(path: str, files: FileOps) -> tuple[dict[str, TopicConfig],
                                                           dict[str, Any]]:
     """The topics of the table at ``path`` that pass the checks of a topic creation, and
@@ -132,6 +145,10 @@ class Topics(Mapping[str, TopicConfig]):
         self.gate = gate
         self.errors = errors
         self._topics: dict[str, TopicConfig] = {}
+        # the table as written: ahead of ``_topics`` while a change written off the event
+        # loop waits to be applied there; written under ``_write_lock`` from any thread
+        self._durable: dict[str, TopicConfig] = {}
+        self._write_lock = threading.Lock()
         self.queues = queues
         # entries of the table that failed the checks at open, written back as they are
         self.skipped: dict[str, Any] = {}
@@ -176,6 +193,11 @@ class Topics(Mapping[str, TopicConfig]):
 
     # ------------------------------------------------------------------ changes
     def create(self, name: str, queues: int) -> TopicConfig:
+        """Create topic ``name`` with ``queues`` queues, or grow it to that many.
+
+        When the durable table already names the topic with at least that many queues
+        (``commit_create`` wrote it, off the event loop), nothing is written: only the
+        consume queues are opened and the topic appears in memory."""
         check_name("topic", name)
         if not isinstance(queues, int) or not 1 <= queues <= MAX_QUEUES:
             raise InvalidArgument(f"queue count must be 1..{MAX_QUEUES}")
@@ -187,9 +209,13 @@ class Topics(Mapping[str, TopicConfig]):
             if queues == old.queues:
                 return old
         self.gate.check_writable()
-        new: list[ConsumeQueue] = []
+        written = self._durable.get(name)
+        first = old.queues if old is not None else 0
+        new: dict[int, ConsumeQueue] = {}
         try:
-            if old is not None:
+            if written is not None and written.queues >= queues:
+                t = written
+            elif old is not None:
                 t = TopicConfig(name, queues, old.created_position, old.created_ms)
             else:
                 # the log must be durable up to created_position first: a log that ended
@@ -198,29 +224,58 @@ class Topics(Mapping[str, TopicConfig]):
                 self.gate.sync_log()
                 t = TopicConfig(name, queues, self.log.end, int(self.clock() * 1000))
             # index directories first: left over after a failure, the next open drops them
-            for qid in range(old.queues if old else 0, queues):
-                cq = self._consume_queue(name, qid)
-                new.append(cq)
+            for qid in range(first, t.queues):
+                cq = new[qid] = self._consume_queue(name, qid)
                 cq.load()
                 cq.reset(0)
-            # the table is durable before anything changes in memory
-            self._write_topics({**self._topics, name: t})
+            # the table is durable before anything changes in memory; what is written is
+            # the durable table with this topic merged in (another writer may have grown it)
+            t = self._commit(lambda table: _merge_topic(table, t)).get(name, t)
+            for qid in range(first + len(new), t.queues):  # grown meanwhile: made by it
+                cq = new[qid] = self._consume_queue(name, qid)
+                cq.load()
         except OSError as exc:
-            for cq in new:
+            for cq in new.values():
                 cq.close()
-            if old is None:
+            # never the directories of queues the durable table names
+            kept = self._durable.get(name)
+            if kept is None:
                 self.files.rmtree(os.path.join(self.queues_dir, name))
             else:
-                for cq in new:
-                    self.files.rmtree(cq.dir)
+                for qid, cq in new.items():
+                    if qid >= kept.queues:
+                        self.files.rmtree(cq.dir)
             err = storage_error(exc, f"topic {name!r} was not created")
             self.errors.error("topics", "store: cannot create topic %s: %s", name, exc)
             raise err from None
-        for qid, cq in enumerate(new, start=old.queues if old else 0):
+        for qid, cq in new.items():
             self.queues[(name, qid)] = cq
         self._topics[name] = t
         self.skipped.pop(name, None)  # replaced by the new topic
         return t
+
+    def commit_create(self, name: str, queues: int, log_end: int) -> None:
+        """Write the durable table with topic ``name`` created (at commit-log position
+        ``log_end``, up to which the caller made the log durable) or grown to ``queues``
+        queues; nothing changes in memory: ``create`` does that next, on the event loop,
+        without writing again. Any thread; the queues' index directories must exist
+        (``make_queue_dirs``)."""
+        check_name("topic", name)
+        t = TopicConfig(name, queues, log_end, int(self.clock() * 1000))
+        try:
+            self._commit(lambda table: _merge_topic(table, t))
+        except OSError as exc:
+            self.errors.error("topics", "store: cannot create topic %s: %s", name, exc)
+            raise storage_error(exc, f"topic {name!r} was not created") from None
+
+    def commit_delete(self, name: str) -> None:
+        """Write the durable table without topic ``name``; ``delete`` then drops it from
+        memory without writing again. Any thread."""
+        try:
+            self._commit(lambda table: table if table.pop(name, None) else None)
+        except OSError as exc:
+            self.errors.error("topics", "store: cannot delete topic %s: %s", name, exc)
+            raise storage_error(exc, f"topic {name!r} was not deleted") from None
 
     def make_queue_dirs(self, name: str, first: int, end: int) -> None:
         """Create the index directories of queues ``first``..``end - 1`` of topic ``name``
@@ -245,12 +300,7 @@ class Topics(Mapping[str, TopicConfig]):
         drops it if that never happens."""
         t = self.lookup(name)
         self.gate.check_writable(space=False)  # deleting frees space: allowed on a full disk
-        table = {n: v for n, v in self._topics.items() if n != name}
-        try:
-            self._write_topics(table)
-        except OSError as exc:
-            self.errors.error("topics", "store: cannot delete topic %s: %s", name, exc)
-            raise storage_error(exc, f"topic {name!r} was not deleted") from None
+        self.commit_delete(name)  # nothing to write after ``commit_delete`` in a thread
         del self._topics[name]
         directory = os.path.join(self.queues_dir, name)
         if keep_files:
@@ -287,6 +337,7 @@ class Topics(Mapping[str, TopicConfig]):
             except OSError as save_exc:  # rebuilt again at the next start
                 log.error("store: cannot save the rebuilt topics table: %s", save_exc)
         self._topics.update(topics)
+        self._durable = dict(topics)
 
     def _topics_from_index_dirs(self) -> dict[str, TopicConfig]:
         """The topics table as the index directories show it: one topic per directory
@@ -322,29 +373,38 @@ class Topics(Mapping[str, TopicConfig]):
             topics[name] = TopicConfig(name, queues, min(first, default=0), now_ms)
         return topics
 
-    def _save_topics(self, table: dict[str, TopicConfig] | None = None) -> None:
-        """Write ``table`` (None: the topics in memory) as the topics table, with the
-        skipped entries that no topic of ``table`` replaces."""
-        table = self._topics if table is None else table
+    def _save_topics(self, table: dict[str, TopicConfig]) -> None:
+        """Write ``table`` as the topics table, with the skipped entries that no topic of
+        ``table`` replaces."""
         out = {n: e for n, e in self.skipped.items() if n not in table}
         out.update((n, t.to_json()) for n, t in table.items())
         save_json(self.path, out, self.files)
 
-    def _write_topics(self, table: dict[str, TopicConfig]) -> None:
-        """Make ``table`` the durable topics table, or raise with the old one in place.
+    def _commit(self, change: Callable[[dict[str, TopicConfig]],
+                                       dict[str, TopicConfig] | None]
+                ) -> dict[str, TopicConfig]:
+        """Make ``change(a copy of the durable table)`` the durable topics table (nothing
+        is written when it returns None: no change), or raise with the old one in place;
+        the durable table after it. Writes are serialised, from any thread.
 
-        When the rename went through but its directory fsync failed, the new table is
-        visible on disk while memory keeps the old one: the old table is written back, and
-        when even that fails the store stops writing (a restart reads whichever is there).
-        """
-        try:
-            self._save_topics(table)
-        except RenameNotDurable as exc:
+        When the rename went through but its directory fsync failed, the old table is
+        written back, and when even that fails the store stops writing (a restart reads
+        whichever is there)."""
+        with self._write_lock:
+            old = self._durable
+            table = change(dict(old))
+            if table is None:
+                return old
             try:
-                self._save_topics()
-            except OSError as again:
-                self.gate.stop(f"the topics table cannot be restored: {again}")
-            raise exc from None
+                self._save_topics(table)
+            except RenameNotDurable as exc:
+                try:
+                    self._save_topics(old)
+                except OSError as again:
+                    self.gate.stop(f"the topics table cannot be restored: {again}")
+                raise exc from None
+            self._durable = table
+            return table
 
     def _queue_dir(self, topic: str, qid: int) -> str:
         return os.path.join(self.queues_dir, topic, str(qid))
@@ -397,7 +457,7 @@ class Topics(Mapping[str, TopicConfig]):
             t.created_position = end
         if moved:
             try:
-                self._save_topics()
+                self._save_topics(self._durable)
             except OSError as exc:  # moved back again at the next start
                 log.error("store: cannot save the moved topics: %s", exc)
 
