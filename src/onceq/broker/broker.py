@@ -285,7 +285,8 @@ class Broker:
     async def _save_sequences(self) -> None:
         """Expire idle writers; snapshot the sequence table when it changed."""
         async with self._sequences_lock:
-            self.sequences.expire()
+            expired = self.sequences.expire()
+            self.sends.writers.forget_users(self.sequences.table.writers, expired)
             data = self.sequences.snapshot()
             if data is not None:
                 await self._off_loop(self.sequences.write, data)
