@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import socket
 import time
@@ -15,7 +16,8 @@ import pytest
 from onceq import Admin, ErrorCode, OnceqError, Producer, PullConsumer
 from onceq.protocol.codes import RequestCode
 from onceq.protocol.frame import REQUEST, encode_frame
-from tests.helpers import spawn_broker
+from onceq.storage.metadata import decode_checkpoint
+from tests.helpers import spawn_broker, wait_until
 from tests.integration.test_bad_input import Raw
 
 MB = 1024 * 1024
@@ -56,6 +58,24 @@ async def wait_closed(raw: Raw, seconds: float) -> bool:
     return False
 
 
+def sockets(pid: int) -> int:
+    """How many sockets process ``pid`` has open (its listener and connections)."""
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):  # closed meanwhile
+            n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+    return n
+
+
+def checkpointed(data_dir: str) -> int | None:
+    """The log position the broker's last checkpoint of ``data_dir`` covers."""
+    try:
+        with open(os.path.join(data_dir, "checkpoint"), "rb") as f:
+            return decode_checkpoint(f.read())
+    except FileNotFoundError:
+        return None
+
+
 def stop(proc) -> str:
     """SIGTERM the broker; its exit code must be 0; return what it logged."""
     proc.send_signal(signal.SIGTERM)
@@ -80,11 +100,14 @@ async def test_non_reading_client_with_many_held_pulls_is_dropped_rss_bounded(tm
             base = status(proc.pid)
             raw = await open_raw(port)
             k = 600
+            # a ping after the pulls: the broker takes a connection's requests in order and
+            # holds a pull as it takes it, so its answer (the only one: nothing is at offset
+            # 1 yet) comes once all k pulls are held
             await raw.write(b"".join(encode_frame(REQUEST, RequestCode.PULL, i, {
                 "topic": "T", "queue": 0, "offset": 1, "suspend_ms": 2000})
-                for i in range(1, k + 1)))
-            # all held (a broker process shows no held pulls: no event to wait on)
-            await asyncio.sleep(0.3)
+                for i in range(1, k + 1)) + encode_frame(REQUEST, RequestCode.PING, k + 1))
+            code, corr, _hdr, _p = await raw.read_frame(10.0)
+            assert (code, corr) == (0, k + 1)
             big = await p.send("T", b"m" * MB, queue=0)
             closing = asyncio.create_task(wait_closed(raw, 10.0))
             served = 0
@@ -206,15 +229,21 @@ async def test_connection_cap_with_a_low_fd_limit(tmp_path):
                 for _ in range(3):
                     acked.append((f"t{t}", q, (await producer.send(
                         f"t{t}", b"x" * 100_000, queue=q)).offset))
-        # checkpoints (every second) run at the cap; nothing public shows one ran
-        await asyncio.sleep(2.5)
+        # checkpoints (every second) run at the cap: one fsyncs the new index files and
+        # then records the log end in the checkpoint file
+        log_end = (await admin.broker_status())["log_end"]
+        await wait_until(lambda: (checkpointed(data) or -1) >= log_end, 30,
+                         "a checkpoint covering every send")
+        before = sockets(proc.pid)
         await admin.close()
         await producer.close()
         for r in raws:
             await r.close()
         raws = []
-        # the broker sees the closes; not polled with connects, whose refusals would log
-        await asyncio.sleep(0.3)
+        # the broker sees the closes (it drops a connection before closing its socket); not
+        # polled with connects, whose refusals would log
+        await wait_until(lambda: sockets(proc.pid) <= before - 2 - len(accepted), 30,
+                         "the broker to close its side of every connection")
         async with Admin(addr) as a:  # slots free again
             await a.ping()
         log = stop(proc)

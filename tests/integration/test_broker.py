@@ -574,9 +574,11 @@ async def test_sync_flush_ack_waits_for_the_covering_fsync(tmp_path, monkeypatch
 
     real = flush_mod.fsync_all
     done: list[float] = []
+    started = threading.Event()  # the first slow fsync is running
 
     def slow_fsync(files, fds: list) -> None:
         if fds:
+            started.set()
             time.sleep(0.3)  # a slow disk (the scenario), not a wait
         real(files, fds)
         if fds:
@@ -589,7 +591,7 @@ async def test_sync_flush_ack_waits_for_the_covering_fsync(tmp_path, monkeypatch
         await _topic(addr, "T", 1)
         async with Producer(addr) as p:
             send = asyncio.create_task(p.send("T", b"durable"))
-            await asyncio.sleep(0.1)  # the flusher's slow fsync is running
+            assert await asyncio.to_thread(started.wait, 10)  # the flusher's slow fsync runs
             await b.flusher.flush_now()  # a concurrent flush (as the checkpoint does)
             await send
             acked = time.monotonic()
@@ -600,9 +602,11 @@ async def test_sync_send_in_flight_at_stop_is_answered(tmp_path, monkeypatch):
     import onceq.broker.flush as flush_mod
 
     real = flush_mod.fsync_all
+    started = threading.Event()  # the send's fsync is running
 
     def slow_fsync(files, fds: list) -> None:
         if fds:
+            started.set()
             time.sleep(0.2)  # a slow disk (the scenario), not a wait
         real(files, fds)
 
@@ -613,7 +617,7 @@ async def test_sync_send_in_flight_at_stop_is_answered(tmp_path, monkeypatch):
         await _topic(addr, "T", 1)
         async with Producer(addr, retries=0) as p:
             send = asyncio.create_task(p.send("T", b"at shutdown"))
-            await asyncio.sleep(0.05)
+            assert await asyncio.to_thread(started.wait, 10)  # in flight: its fsync runs
             await b.stop()
             r = await asyncio.wait_for(send, 2)  # answered, not a lost connection
             assert r.offset == 0

@@ -343,11 +343,17 @@ async def test_store_outage_fails_closed_and_consumption_resumes(tmp_path, kind)
                 await wait_until(lambda: len(effects) == 20, 30, "the first messages")
                 await wait_until_async(lambda: consumed(checker), 20, 30)
                 outage.cut()
+                refused_before = consumer.stats["sent_back"]
                 second = [r.unique_key for r in await p.send_batch(
                     "T", [f"b{i}".encode() for i in range(20)])]
                 await wait_until(lambda: wrapped.stats["store_errors"] >= 3, 30,
                                  "store errors")
-                await asyncio.sleep(0.5)  # nothing may run while the store is away (no event)
+                # nothing may run while the store is away: every new message is tried
+                # together (one pull, a listener call each) and sent back; twice as many
+                # send-backs mean their retries were refused too
+                await wait_until(lambda: consumer.stats["sent_back"]
+                                 >= refused_before + 2 * len(second), 30,
+                                 "the new messages to be refused and retried")
                 during = dict(effects)
                 outage.up = True
                 await wait_until(lambda: len(effects) == 40, 60, "consumption to resume")

@@ -145,9 +145,19 @@ async def test_forced_reset_forward_is_not_undone_by_a_busy_consumer(addr):
         while (await _offsets(addr, 1))[0] != N:
             assert time.monotonic() < deadline, "offsets not committed after the reset"
             await asyncio.sleep(0.1)
-        # time for a stale commit to land, were one sent (periodic: every 0.2 s); nothing
-        # marks "no commit was sent", so a short wait
-        await asyncio.sleep(0.5)
+        # a stale commit would go out with a periodic commit round (every 0.2 s), each
+        # ending in a flush of the offsets: two whole rounds after the offset was seen at N
+        offsets = c.coordinator.offsets
+        flush = offsets.flush
+        rounds = 0
+
+        async def counted_flush() -> None:
+            nonlocal rounds
+            await flush()
+            rounds += 1
+
+        offsets.flush = counted_flush
+        await wait_until(lambda: rounds >= 2, 10, "two more periodic commit rounds")
         assert (await _offsets(addr, 1))[0] == N
         after = seen[first:]
         assert sorted(set(after)) == list(range(20, N))  # nothing below the new offset

@@ -233,9 +233,19 @@ async def test_a_writer_waits_for_a_broker_out_of_reach_within_its_timeout(tmp_p
         await a.create_topic(T, 2)
     addr = f"127.0.0.1:{port}"
     w = SequencedWriter(addr, "w", 0, timeout=20)
+    attempts: list[str] = []  # the addresses of the writer's connection attempts
+    connect = w._connect
+
+    async def counted(address, *args):
+        attempts.append(address)
+        return await connect(address, *args)
+
+    w._connect = counted
 
     async def back_later():
-        await asyncio.sleep(1.0)  # the outage the writer rides out (the scenario itself)
+        # the outage the writer rides out (the scenario itself): over once the writer has
+        # tried to connect three times
+        await wait_until(lambda: len(attempts) >= 3, 20, "the writer to try three times")
         async with running_broker(data, port=port):
             await done.wait()
 

@@ -232,7 +232,8 @@ async def test_release_after_a_held_takeover_pull_does_not_move_the_offset_back(
                                                           "offset": 2})
             held = new.send_request(RequestCode.PULL, {**pull, "client": "new", "offset": 0,
                                                        "suspend_ms": 5000})
-            await asyncio.sleep(0.2)  # it stays held (no event marks "not answered")
+            # the broker holds it (long polling) ...
+            await wait_until(lambda: b.holds.holders_of((TOPIC, 0)), 5, "the pull held")
             assert not held.done()  # corrected to 2 and held: nothing new to read
             hdr, _ = await new.request(RequestCode.RELEASE_QUEUE, {
                 "group": "tl-g", "client": "new", "topic": TOPIC, "queue": 0, "offset": 0})

@@ -229,7 +229,7 @@ def test_a_lost_connection_stops_consumption_until_the_locks_are_renewed():
     asyncio.run(main())
 
 
-def test_a_plain_listener_over_the_consume_timeout_is_waited_for_before_the_retry():
+def test_a_plain_listener_over_the_consume_timeout_is_waited_for_before_the_retry(caplog):
     """A thread cannot be stopped: after the consume timeout, the orderly service waits
     for the call to end before it tries the batch again (never two calls at once)."""
     import threading
@@ -265,7 +265,14 @@ def test_a_plain_listener_over_the_consume_timeout_is_waited_for_before_the_retr
             if calls:
                 break
             await asyncio.sleep(0.02)
-        await asyncio.sleep(0.3)  # the timeout passed long ago; the retry waits
+        # the timeout has passed (the runner says so) ...
+        for _ in range(250):
+            if "exceeded the consume timeout" in caplog.text:
+                break
+            await asyncio.sleep(0.02)
+        assert "exceeded the consume timeout" in caplog.text
+        # ... and the retry waits: a retry not waiting would come one suspend (10 ms) later
+        await asyncio.sleep(0.1)
         assert calls == 1
         first_may_end.set()
         for _ in range(100):
