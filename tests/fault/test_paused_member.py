@@ -34,7 +34,8 @@ FAST = {"heartbeat_interval_s": 0.2, "rebalance_interval_s": 0.5, "commit_interv
 
 
 async def _offsets(admin: Admin) -> list[int]:
-    return [await admin.group_offset(GROUP, TOPIC, q) for q in range(QUEUES)]
+    # nothing committed yet counts as 0: nothing consumed
+    return [await admin.group_offset(GROUP, TOPIC, q) or 0 for q in range(QUEUES)]
 
 
 async def _until(check, timeout: float, what: str) -> None:

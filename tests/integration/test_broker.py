@@ -385,11 +385,11 @@ async def test_commit_and_fetch_offsets(addr):
     async with Producer(addr) as p:
         await p.send_batch("T", [b"1", b"2", b"3"], queue=0)
     async with PullConsumer(addr, "g1") as c, PullConsumer(addr, "g2") as c2:
-        assert await c.fetch_offset("T", 0) == -1
+        assert await c.fetch_offset("T", 0) is None
         await c.commit_offset("T", 0, 2)
         assert await c.fetch_offset("T", 0) == 2
-        assert await c.fetch_offset("T", 1) == -1
-        assert await c2.fetch_offset("T", 0) == -1  # per group
+        assert await c.fetch_offset("T", 1) is None
+        assert await c2.fetch_offset("T", 0) is None  # per group
         # piggy-backed commit on a pull
         r = await c2.pull("T", 0, 0, 1, commit_offset=1)
         assert [m.body for m in r.messages] == [b"1"]
@@ -740,7 +740,7 @@ def test_sync_clients_from_plain_code(tmp_path):
                 time.sleep(0.01)
             assert [m.body for m in res.messages] == [b"hello", b"a", b"b", b"c"]
             assert res.messages[0].tags == "t"
-            assert c.fetch_offset("S", 1) == -1
+            assert c.fetch_offset("S", 1) is None
             c.commit_offset("S", 1, res.next_offset)
             assert c.fetch_offset("S", 1) == 4
             res = c.pull("S", 1, 4, suspend=0.1)

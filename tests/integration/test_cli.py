@@ -95,7 +95,7 @@ def test_send_pull_offsets(baddr):
 
     # offsets with a group: nothing committed yet, then committed via the client library
     rows = table_rows(ok(run("offsets", "cli-t", "--group", "cli-g", "-b", baddr)))
-    assert rows[int(q)] == [q, "0", "4", "-1", "4"]
+    assert rows[int(q)] == [q, "0", "4", "-", "4"]  # nothing committed
     subprocess.run([sys.executable, "-c", (
         "from onceq import SyncPullConsumer\n"
         f"c = SyncPullConsumer({baddr!r}, 'cli-g')\n"
@@ -268,7 +268,7 @@ def test_offsets_reset(baddr):
         (*base, "--to-offset", str(2**70)),  # wider than the wire's 64 bits
     ])
     rows = table_rows(ok(results[0]))
-    assert sorted(r[0] for r in rows) == ["0", "1"] and all(r[1] == "-1" for r in rows)
+    assert sorted(r[0] for r in rows) == ["0", "1"] and all(r[1] == "-" for r in rows)
     assert sorted(int(r[2]) for r in rows) == [0, 6]  # clamped to each queue's max
     assert json.loads(ok(results[1]))["queues"][0]["queue"] == 1
     assert [q["new"] for q in json.loads(ok(results[2]))["queues"]] == [0, 0]

@@ -365,7 +365,7 @@ async def test_sigkill_before_or_after_the_commit_leaves_one_effect_each(db, tmp
         await child.wait()
     async with Admin(addr) as admin:
         committed = [await admin.group_offset(group, "T", q) for q in range(2)]
-    assert sum(max(c, 0) for c in committed) < n  # the redelivery will happen
+    assert sum(c or 0 for c in committed) < n  # the redelivery will happen
     second = transactional(db.handler(), db=db.url, table=db.table)
     consumer = PushConsumer(addr, group, second, consume_from="FIRST",
                             rebalance_interval_s=1.0)

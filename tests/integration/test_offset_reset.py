@@ -45,8 +45,8 @@ async def test_reset_without_members_clamps_and_reports(addr):
     await _fill(addr)
     async with Admin(addr) as admin:
         rows = await admin.reset_offsets(G, T, to_offset=7)
-        assert [(r.queue_id, r.old_offset, r.new_offset) for r in rows] == [(0, -1, 7),
-                                                                             (1, -1, 7)]
+        assert [(r.queue_id, r.old_offset, r.new_offset) for r in rows] == [(0, None, 7),
+                                                                             (1, None, 7)]
         rows = await admin.reset_offsets(G, T, to_offset=10_000, queue=1)
         assert [(r.queue_id, r.old_offset, r.new_offset) for r in rows] == [(1, 7, N)]
         rows = await admin.reset_offsets(G, T, to_offset=-5)

@@ -65,7 +65,7 @@ async def _consumed_by(admin: Admin, topic: str, queue: int, offset: int
         if group.startswith("%"):
             continue
         committed = await admin.group_offset(group, topic, queue)
-        if committed >= 0:
+        if committed is not None:
             out.append({"group": group, "committed": committed, "consumed": committed > offset})
     return out
 

@@ -290,7 +290,8 @@ async def group_status(group: str, as_json: bool, broker: str) -> None:
     for q in st.queues:
         table.add_row(q.topic, str(q.queue_id), str(q.max_offset),
                       "-" if q.deliver_offset is None else str(q.deliver_offset),
-                      str(q.committed), str(q.lag), Text(_holder(q)),
+                      "-" if q.committed is None else str(q.committed), str(q.lag),
+                      Text(_holder(q)),
                       "pending" if q.handover_pending else "-",
                       Text(q.expected_owner or "-"))
     console.print(table)

@@ -45,7 +45,7 @@ async def offsets_show(topic_name: str, group: str | None, broker: str) -> None:
             extra: tuple[str, ...] = ()
             if group:
                 c = await admin.group_offset(group, topic_name, q)
-                extra = (str(c), str(hi - max(c, lo)) if c >= 0 else str(hi - lo))
+                extra = ("-", str(hi - lo)) if c is None else (str(c), str(hi - max(c, lo)))
             table.add_row(str(q), str(lo), str(hi), *extra)
     console.print(table)
 
@@ -98,5 +98,6 @@ async def offsets_reset(group: str, topic: str, to_offset: int | None, to_time: 
         return
     table = Table("queue", "old offset", "new offset")
     for r in rows:
-        table.add_row(str(r.queue_id), str(r.old_offset), str(r.new_offset))
+        table.add_row(str(r.queue_id), "-" if r.old_offset is None else str(r.old_offset),
+                      str(r.new_offset))
     console.print(table)

@@ -80,7 +80,7 @@ class QueueStatus:
     queue_id: int
     min_offset: int
     max_offset: int
-    committed: int  # -1: the group has committed nothing on this queue
+    committed: int | None  # None: the group has committed nothing on this queue
     expected_owner: str | None = None  # owner under AVERAGE allocation (None: no member)
     lock_holder: str | None = None  # access-lock holder (None: not locked)
     deliver_offset: int | None = None  # next offset after the last pull that found messages
@@ -91,7 +91,8 @@ class QueueStatus:
     @property
     def lag(self) -> int:
         """Messages not yet consumed (from the queue's minimum when nothing is committed)."""
-        return self.max_offset - max(self.committed, self.min_offset)
+        done = self.min_offset if self.committed is None else self.committed
+        return self.max_offset - max(done, self.min_offset)
 
 
 @dataclass(slots=True)
@@ -110,7 +111,7 @@ class OffsetReset:
     """One queue of an offset reset."""
 
     queue_id: int
-    old_offset: int  # -1: the group had no offset there
+    old_offset: int | None  # None: the group had no offset there
     new_offset: int
 
 
@@ -121,8 +122,8 @@ class ResendResult:
     dlq_offset: int
     unique_key: str
     topic: str = ""
-    queue_id: int = -1
-    offset: int = -1
+    queue_id: int | None = None  # where its copy went (None: not resent)
+    offset: int | None = None
     duplicate: bool = False  # already resent within the broker's dedup window
     error: str | None = None
 
@@ -158,9 +159,10 @@ class Admin(BrokerClient):
         n = await self.queue_count(topic)
         return [await self.queue_offsets(topic, q) for q in range(n)]
 
-    async def group_offset(self, group: str, topic: str, queue: int) -> int:
+    async def group_offset(self, group: str, topic: str, queue: int) -> int | None:
+        """``group``'s committed offset on the queue, None when it has none."""
         reply: OffsetReply = await self._call(GetOffset(group, topic, queue))
-        return reply.offset
+        return reply.committed
 
     async def reset_offsets(self, group: str, topic: str, *, to_offset: int | None = None,
                             to_time_ms: int | None = None, queue: int | None = None,
@@ -183,7 +185,8 @@ class Admin(BrokerClient):
                 found: OffsetReply = await self._call(SearchOffset(topic, q, to_time_ms))
                 targets.append([q, found.offset])
         reply: ResetReply = await self._call(ResetOffsets(group, topic, targets, force))
-        return [OffsetReset(int(q), int(old), int(new)) for q, old, new in reply.queues]
+        return [OffsetReset(int(q), None if old < 0 else int(old), int(new))
+                for q, old, new in reply.queues]
 
     async def list_groups(self) -> list[str]:
         reply: GroupList = await self._call(ListGroups())
@@ -207,7 +210,7 @@ class Admin(BrokerClient):
             if name.startswith("%") and name != retry_topic(group):
                 continue
             for q in range(int(t["queues"])):
-                if await self.group_offset(group, name, q) >= 0:
+                if await self.group_offset(group, name, q) is not None:
                     out.append(name)
                     break
         return out

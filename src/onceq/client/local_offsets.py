@@ -35,11 +35,13 @@ class LocalOffsetStore:
     def _key(mq: MessageQueue) -> str:
         return f"{mq.topic}:{mq.queue_id}"
 
-    def get(self, mq: MessageQueue) -> int:
-        return self._offsets.get(self._key(mq), -1)
+    def get(self, mq: MessageQueue) -> int | None:
+        """The offset kept for ``mq``, None when there is none."""
+        return self._offsets.get(self._key(mq))
 
     def set(self, mq: MessageQueue, offset: int) -> None:
-        if offset > self._offsets.get(self._key(mq), -1):
+        kept = self._offsets.get(self._key(mq))
+        if kept is None or offset > kept:
             self._offsets[self._key(mq)] = offset
             self._dirty = True
 

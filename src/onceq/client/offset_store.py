@@ -70,8 +70,7 @@ class LocalOffsets(OffsetStore):
         self.file = file
 
     async def read(self, mq: MessageQueue) -> int | None:
-        offset = self.file.get(mq)
-        return offset if offset >= 0 else None
+        return self.file.get(mq)
 
     async def commit(self, mq: MessageQueue, offset: int) -> None:
         self.file.set(mq, offset)
@@ -99,7 +98,7 @@ class BrokerOffsets(OffsetStore):
 
     async def read(self, mq: MessageQueue) -> int | None:
         reply: OffsetReply = await self.r.call(self._get(mq))
-        return reply.offset if reply.offset >= 0 else None
+        return reply.committed
 
     def started(self, mq: MessageQueue, offset: int, stored: bool) -> None:
         self._refused.pop(mq, None)

@@ -121,10 +121,10 @@ class PullConsumer(BrokerClient):
     async def commit_offset(self, topic: str, queue: int, offset: int) -> None:
         await self._call(CommitOffset(self.group, topic, queue, offset))
 
-    async def fetch_offset(self, topic: str, queue: int) -> int:
-        """The group's committed offset for the queue, or -1 when there is none."""
+    async def fetch_offset(self, topic: str, queue: int) -> int | None:
+        """The group's committed offset for the queue, or None when there is none."""
         reply: OffsetReply = await self._call(GetOffset(self.group, topic, queue))
-        return reply.offset
+        return reply.committed
 
     async def queue_offsets(self, topic: str, queue: int) -> tuple[int, int]:
         reply: QueueOffsets = await self._call(QueryOffsets(topic, queue))

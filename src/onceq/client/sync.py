@@ -101,7 +101,7 @@ class SyncPullConsumer:
     def commit_offset(self, topic: str, queue: int, offset: int) -> None:
         self._lt.run(self._c.commit_offset(topic, queue, offset))
 
-    def fetch_offset(self, topic: str, queue: int) -> int:
+    def fetch_offset(self, topic: str, queue: int) -> int | None:
         return self._lt.run(self._c.fetch_offset(topic, queue))
 
     def queue_offsets(self, topic: str, queue: int) -> tuple[int, int]:

@@ -133,7 +133,12 @@ class QueueOffsets(Message):
 
 @message()
 class OffsetReply(Message):
-    offset: int
+    offset: int  # of GET_OFFSET: -1 on the wire when the group has none there
+
+    @property
+    def committed(self) -> int | None:
+        """``offset`` as a committed offset: None when the group has none."""
+        return None if self.offset < 0 else self.offset
 
 
 @message()
