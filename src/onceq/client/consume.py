@@ -106,7 +106,10 @@ class ConsumeResult:
         with what the listener set on ``ctx``. Raises ValueError for anything else."""
         if (returned is None or returned is ConsumeStatus.SUCCESS) and not (
                 ctx.delay_level or ctx.suspend_ms or ctx.dlq_reasons):
-            return _all_but(_clamp(ctx.ack_index + 1, size))  # the common answer, at once
+            acked = ctx.ack_index + 1  # the common answer, at once
+            if not 0 <= acked <= size:
+                acked = _clamp(acked, size)
+            return _PREFIXES.get(acked) or _all_but(acked)
         if isinstance(returned, ConsumeResult):
             acked = _clamp(returned.acked, size)
             return returned if acked == returned.acked else \

@@ -103,6 +103,8 @@ class ListenerRunner:
         self.listener = listener
         self.timeout_s = timeout_s
         self.threads = threads
+        # a coroutine function's call is awaited as it is (no check of what it returned)
+        self._coroutine = threads is None and inspect.iscoroutinefunction(listener)
 
     @classmethod
     def start(cls, listener: Listener, concurrency: int, timeout_s: float) -> ListenerRunner:
@@ -119,7 +121,9 @@ class ListenerRunner:
         """Call the listener without a timeout; an exception or a bad answer is a
         failure."""
         try:
-            if self.threads is None:
+            if self._coroutine:
+                returned = await self.listener(batch, ctx)  # type: ignore[misc]
+            elif self.threads is None:
                 returned = self.listener(batch, ctx)
                 if returned is not None and inspect.isawaitable(returned):
                     returned = await returned
