@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -33,8 +34,17 @@ class PullResult:
     payload: bytes = b""  # the stored records undecoded (``decode=False``)
 
 
+_default_ids: Counter[str] = Counter()
+
+
 def default_client_id(instance: str = "DEFAULT") -> str:
-    return f"{socket.gethostname()}@{os.getpid()}#{instance}"
+    """``host@pid#instance`` (RocketMQ's shape), made unique inside this process: the
+    broker binds a client id to one connection, and two clients with the same id would be
+    one member to it (or be refused: ``CLIENT_ID_IN_USE``)."""
+    base = f"{socket.gethostname()}@{os.getpid()}#{instance}"
+    _default_ids[base] += 1
+    n = _default_ids[base]
+    return base if n == 1 else f"{base}-{n}"
 
 
 def parse_tags(expression: str | None) -> list[str] | None:

@@ -41,18 +41,6 @@ from .security import ClientSecurity
 
 __all__ = ["ConsumeContext", "ConsumeResult", "ConsumeStatus", "Listener", "PushConsumer"]
 
-_default_ids: Counter[str] = Counter()
-
-
-def _unique_default_id(instance: str) -> str:
-    """``host@pid#instance``, made unique inside this process: two consumers with the same
-    id would be one member to the broker (each heartbeat replacing the other and notifying
-    the group) and would both consume the same queues."""
-    base = default_client_id(instance)
-    _default_ids[base] += 1
-    n = _default_ids[base]
-    return base if n == 1 else f"{base}-{n}"
-
 
 class PushConsumer(BrokerClient):
     def __init__(self, address: str, group: str, listener: Listener | None = None,
@@ -72,7 +60,7 @@ class PushConsumer(BrokerClient):
                 raise TypeError(f"unknown consumer setting {k!r}")
             setattr(self.config, k, v)
         self.config.validate()
-        self.client_id = client_id or _unique_default_id(self.config.instance_name)
+        self.client_id = client_id or default_client_id(self.config.instance_name)
         # BROADCASTING offsets file: must survive a restart, so not the default client id
         # (it holds the pid); like RocketMQ's ip@instanceName for broadcasting consumers
         self.offset_owner = client_id or f"{socket.gethostname()}#{self.config.instance_name}"
