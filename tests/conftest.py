@@ -18,3 +18,12 @@ async def broker(tmp_path):
 @pytest.fixture
 def addr(broker):
     return f"127.0.0.1:{broker.port}"
+
+
+@pytest.fixture
+async def fast_retry_addr(tmp_path):
+    """A broker whose 18 retry delay levels are all 50 ms (a message retried through the
+    retry topic comes back at once, not after RocketMQ's 10 s and more)."""
+    async with running_broker(str(tmp_path / "data"),
+                              delay_levels=" ".join(["50ms"] * 18)) as b:
+        yield f"127.0.0.1:{b.port}"

@@ -89,12 +89,13 @@ async def test_consumer_option_async_listener_batches_ack_index_and_dlq_reasons(
 
 
 @pytest.mark.slow
-async def test_sync_consumer_with_a_store_url_option(addr, tmp_path):
+async def test_sync_consumer_with_a_store_url_option(fast_retry_addr, tmp_path):
     """A plain function in a ``SyncPushConsumer(..., idempotency=URL,...)``: an order the
     application sends twice (same unique key cannot be reused, so the option's key is the
     order property) is handled once."""
     from onceq import SyncProducer, SyncPushConsumer
 
+    addr = fast_retry_addr
     async with Admin(addr) as admin:
         await admin.create_topic("T", 2)
     url = f"sqlite:///{tmp_path}/dedup.db"
@@ -115,7 +116,7 @@ async def test_sync_consumer_with_a_store_url_option(addr, tmp_path):
                              idempotency=Idempotency(url, key="property:order"))
         with c:
             guard = c.idempotent_listener
-            deadline = time.monotonic() + 45  # a re-send seen BUSY is retried after 10 s
+            deadline = time.monotonic() + 45  # a re-send seen BUSY comes back from retry
             while guard.stats["handled"] + guard.stats["duplicate"] < 15:
                 assert time.monotonic() < deadline, dict(guard.stats)
                 time.sleep(0.05)
