@@ -1,5 +1,8 @@
 """Side-by-side benchmark of peer systems on loopback: Redis Streams and NATS JetStream.
 
+Redis Streams is measured twice: on the server at 6379 as it is configured, and on a
+server started for the run that fsyncs every write (``redis-always``, below).
+
 The workload mirrors onceq's: fixed-size bodies, N messages, producer and consumer in
 separate processes (fresh interpreters started with subprocess). The produce phase is timed
 inside the producer process; once all N messages are stored, the consume phase is timed
@@ -8,6 +11,11 @@ a fresh stream that is deleted afterwards.
 
 redis  produce: XADD, pipelined by B (B=1: one XADD per round trip), no MAXLEN.
        consume: XREADGROUP COUNT B, then one XACK carrying every id just read.
+redis-always  the same workload on a second redis-server started for the run on a free
+       loopback port, with ``--appendonly yes --appendfsync always --save ''`` in a temporary
+       directory (every write fsynced to the AOF before the reply; a pipeline of B XADDs
+       shares one fsync), stopped afterwards: the peer for onceq's sync flush. Unavailable
+       when no ``redis-server`` binary is on the PATH.
 nats   produce: file-storage stream; B=1 awaits each js.publish, B>1 issues B
                 js.publish_async calls and then awaits their acks.
        consume: pull subscription, fetch(B), msg.ack() per message, flush at the end.
@@ -22,14 +30,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
+from collections.abc import Callable, Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _progress import Steps, note
@@ -37,22 +50,24 @@ from _progress import Steps, note
 REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
 NATS_HOST, NATS_PORT = "127.0.0.1", 4222
 NATS_URL = f"nats://{NATS_HOST}:{NATS_PORT}"
+REDIS_ALWAYS = "redis-always"  # the private redis-server with appendfsync always
 
 PROBE_TIMEOUT = 0.5  # seconds, availability check
 IDLE_TIMEOUT = 10.0  # seconds without progress before a child gives up
 CHILD_MIN_WAIT = 60.0  # seconds the parent waits for a child at least
+SERVER_START_TIMEOUT = 15.0  # seconds a started redis-server has to answer PING
 
 
 # --------------------------------------------------------------------------- availability
 
 
-def _probe_redis() -> bool:
+def _probe_redis(port: int = REDIS_PORT) -> bool:
     try:
         import redis  # noqa: F401
     except ImportError:
         return False
     try:
-        with socket.create_connection((REDIS_HOST, REDIS_PORT), timeout=PROBE_TIMEOUT) as s:
+        with socket.create_connection((REDIS_HOST, port), timeout=PROBE_TIMEOUT) as s:
             s.settimeout(PROBE_TIMEOUT)
             s.sendall(b"PING\r\n")
             return s.recv(64).startswith(b"+PONG")
@@ -86,22 +101,72 @@ def _probe_nats() -> bool:
     return bool(info.get("jetstream"))
 
 
+def _can_start_redis() -> bool:
+    """A redis-server binary on the PATH and the redis client installed."""
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        return False
+    return shutil.which("redis-server") is not None
+
+
 def available() -> dict[str, bool]:
-    """Which peers answer on loopback right now (quick TCP check, short timeout)."""
-    return {"redis": _probe_redis(), "nats": _probe_nats()}
+    """Which peers answer on loopback right now (quick TCP check, short timeout); for
+    ``redis-always``, whether a redis-server can be started."""
+    return {"redis": _probe_redis(), "nats": _probe_nats(), REDIS_ALWAYS: _can_start_redis()}
+
+
+# --------------------------------------------------------------------------- redis-always
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.contextmanager
+def redis_always_server() -> Iterator[int]:
+    """Run a redis-server fsyncing every write (AOF, ``appendfsync always``, no RDB
+    snapshots) in a temporary directory on a free loopback port; yield the port."""
+    from throughput import _free_port
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("no redis-server binary on the PATH")
+    with tempfile.TemporaryDirectory(prefix="onceq-peer-redis-") as d:
+        port = _free_port()
+        proc = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", REDIS_HOST, "--dir", d,
+             "--appendonly", "yes", "--appendfsync", "always", "--save", "",
+             "--daemonize", "no", "--logfile", os.path.join(d, "redis.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + SERVER_START_TIMEOUT
+            while not _probe_redis(port):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server on port {port} did not start")
+                time.sleep(0.05)
+            yield port
+        finally:
+            _stop(proc)
 
 
 # --------------------------------------------------------------------------- redis children
 
 
-def _redis_client():
+def _redis_client(port: int = REDIS_PORT):
     import redis
 
-    return redis.Redis(host=REDIS_HOST, port=REDIS_PORT, socket_timeout=IDLE_TIMEOUT)
+    return redis.Redis(host=REDIS_HOST, port=port, socket_timeout=IDLE_TIMEOUT)
 
 
-def _redis_produce(key: str, n: int, batch: int, body_size: int) -> tuple[float, int]:
-    r = _redis_client()
+def _redis_produce(key: str, n: int, batch: int, body_size: int,
+                   port: int = REDIS_PORT) -> tuple[float, int]:
+    r = _redis_client(port)
     try:
         r.ping()
         body = os.urandom(body_size)
@@ -125,8 +190,9 @@ def _redis_produce(key: str, n: int, batch: int, body_size: int) -> tuple[float,
         r.close()
 
 
-def _redis_consume(key: str, group: str, n: int, batch: int) -> tuple[float, int]:
-    r = _redis_client()
+def _redis_consume(key: str, group: str, n: int, batch: int,
+                   port: int = REDIS_PORT) -> tuple[float, int]:
+    r = _redis_client(port)
     try:
         r.ping()
         block_ms = int(IDLE_TIMEOUT * 1000)
@@ -254,17 +320,18 @@ def _run_child(role: str, args: tuple, n: int) -> tuple[float, int]:
     return out["rate"], out["count"]
 
 
-def _redis_once(n: int, batch: int, body_size: int) -> tuple[float, float]:
-    r = _redis_client()
+def _redis_once(n: int, batch: int, body_size: int,
+                port: int = REDIS_PORT) -> tuple[float, float]:
+    r = _redis_client(port)
     key = f"onceq-peer-{uuid.uuid4().hex[:12]}"
     group = "bench"
     try:
         r.xgroup_create(key, group, id="0", mkstream=True)
-        prod, _ = _run_child("redis_produce", (key, n, batch, body_size), n)
+        prod, _ = _run_child("redis_produce", (key, n, batch, body_size, port), n)
         stored = r.xlen(key)
         if stored != n:
             raise RuntimeError(f"redis stream holds {stored} entries, expected {n}")
-        cons, got = _run_child("redis_consume", (key, group, n, batch), n)
+        cons, got = _run_child("redis_consume", (key, group, n, batch, port), n)
         if got != n:
             raise RuntimeError(f"redis consumer read {got}, expected {n}")
         return prod, cons
@@ -312,7 +379,9 @@ def _nats_once(n: int, batch: int, body_size: int) -> tuple[float, float]:
             print(f"peers: could not delete nats stream {stream}: {exc!r}", file=sys.stderr)
 
 
-_RUNNERS = {"redis": _redis_once, "nats": _nats_once}
+Once = Callable[[int, int, int], tuple[float, float]]
+_RUNNERS: dict[str, Once] = {"redis": _redis_once, "nats": _nats_once,
+                             REDIS_ALWAYS: _redis_once}
 
 
 def _n_for(n: int, batch: int) -> int:
@@ -331,29 +400,47 @@ def run_peers(n: int, batches: list[int], repeats: int = 3, body_size: int = 100
             note(f"{peer}: not available, skipped")
             results[peer] = {"available": False}
             continue
-        entry: dict = {"available": True, "produce": {}, "consume": {}, "n": {}}
-        errors: dict = {}
-        for batch in batches:
-            m = _n_for(n, batch)
-            prods, conss = [], []
-            for r in range(repeats):
-                steps.next(f"{peer}: batch={batch}, n={m}, run {r + 1}/{repeats}")
-                try:
-                    p, c = once(m, batch, body_size)
-                except Exception as exc:
-                    note(f"  {peer} failed: {exc!r}")
-                    errors[str(batch)] = repr(exc)
-                    break
-                note(f"  {peer}: produce {p:.0f}/s, consume {c:.0f}/s")
-                prods.append(p)
-                conss.append(c)
-            entry["n"][str(batch)] = m
-            entry["produce"][str(batch)] = round(statistics.median(prods), 1) if prods else None
-            entry["consume"][str(batch)] = round(statistics.median(conss), 1) if conss else None
-        if errors:
-            entry["errors"] = errors
-        results[peer] = entry
+        if peer != REDIS_ALWAYS:
+            results[peer] = _measure(peer, once, n, batches, repeats, body_size, steps)
+            continue
+        with contextlib.ExitStack() as stack:
+            try:
+                port = stack.enter_context(redis_always_server())
+            except RuntimeError as exc:  # the server would not start: like a peer that is down
+                note(f"{peer}: not available: {exc}")
+                results[peer] = {"available": False, "reason": str(exc)}
+                continue
+            note(f"{peer}: redis-server with appendfsync always on port {port}")
+            results[peer] = _measure(peer, functools.partial(once, port=port), n, batches,
+                                     repeats, body_size, steps)
     return results
+
+
+def _measure(peer: str, once: Once, n: int, batches: list[int], repeats: int,
+             body_size: int, steps: Steps) -> dict:
+    """One peer's medians per batch size, each over ``repeats`` runs of ``once``."""
+    entry: dict = {"available": True, "produce": {}, "consume": {}, "n": {}}
+    errors: dict = {}
+    for batch in batches:
+        m = _n_for(n, batch)
+        prods, conss = [], []
+        for r in range(repeats):
+            steps.next(f"{peer}: batch={batch}, n={m}, run {r + 1}/{repeats}")
+            try:
+                p, c = once(m, batch, body_size)
+            except Exception as exc:
+                note(f"  {peer} failed: {exc!r}")
+                errors[str(batch)] = repr(exc)
+                break
+            note(f"  {peer}: produce {p:.0f}/s, consume {c:.0f}/s")
+            prods.append(p)
+            conss.append(c)
+        entry["n"][str(batch)] = m
+        entry["produce"][str(batch)] = round(statistics.median(prods), 1) if prods else None
+        entry["consume"][str(batch)] = round(statistics.median(conss), 1) if conss else None
+    if errors:
+        entry["errors"] = errors
+    return entry
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,9 @@ pulls with offset commits piggy-backed on every pull. The produce phase is timed
 producer process and the consume phase in the consumer process, exactly as the peers are
 measured by ``peers.py``. One topic with one queue (one Redis stream, one JetStream stream).
 Each figure is the median of ``--repeats`` runs, each run on a fresh broker data directory.
+The sync flush is also set against Redis fsyncing every write (``redis-always`` in
+``peers.py``: a redis-server started for the run with ``appendfsync always``), produce at
+batch 100, under ``ratios``.
 
 Usage: python benchmarks/throughput.py [--n 200000] [--repeats 3] [--no-peers]
 Prints one JSON document.
@@ -183,7 +186,8 @@ def main() -> None:
     if not a.no_peers:
         from peers import run_peers
 
-        note("peers: Redis Streams and NATS JetStream, same workload")
+        note("peers: Redis Streams (also with appendfsync always) and NATS JetStream, "
+             "same workload")
         peers = run_peers(a.n, batches, a.repeats, BODY)
     report["peers"] = peers
     ratios: dict = {}
@@ -195,6 +199,10 @@ def main() -> None:
                 key = f"{phase}_{b}_async_vs_{name}"
                 ratios[key] = _ratio(onceq["async"][phase].get(str(b)),
                                      p[phase].get(str(b)))
+    always = peers.get("redis-always", {})
+    if always.get("available"):
+        ratios["sync flush batch 100 vs Redis appendfsync always pipelined 100"] = _ratio(
+            onceq["sync"]["produce"].get("100"), always["produce"].get("100"))
     report["ratios"] = ratios
     r, nt = peers.get("redis", {}), peers.get("nats", {})
     report["goals"] = {
