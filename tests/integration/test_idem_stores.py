@@ -131,6 +131,24 @@ async def test_batch_in_one_call_keeps_order_and_sees_its_own_duplicates(store):
     assert [r.outcome for r in again] == [Outcome.DUPLICATE, Outcome.CLAIMED]
 
 
+async def test_a_batch_larger_than_one_statement_mixing_new_and_known_keys(store):
+    """1,200 keys in one call (more than one VALUES statement; one array per column where
+    the database takes arrays), every third known already: each gets its own outcome."""
+    keys = [f"big-{i:04d}" for i in range(1200)]
+    known = keys[::3]
+    await store.claim_many([claim("first", k) for k in known])
+    assert await store.complete_many([ticket("first", k) for k in known],
+                                     RETENTION) == [True] * len(known)
+    res = await store.claim_many([claim(f"o{i}", k) for i, k in enumerate(keys)])
+    assert [r.outcome for r in res] == [Outcome.DUPLICATE if i % 3 == 0 else Outcome.CLAIMED
+                                        for i in range(1200)]
+    fresh = [(i, k) for i, k in enumerate(keys) if i % 3]
+    done = await store.complete_many([ticket(f"o{i}", k) for i, k in fresh]
+                                     + [ticket("nobody", keys[1])], RETENTION)
+    assert done == [True] * len(fresh) + [False]
+    assert (await store.get("g", "t", keys[1199])).status is Status.CONSUMED
+
+
 async def test_release_lets_the_redelivery_run(store, clock):
     await store.claim_many([claim("a")])
     clock.advance(1)

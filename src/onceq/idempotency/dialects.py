@@ -32,7 +32,13 @@ class Dialect:
     is_transient: Callable[[BaseException], bool] = lambda exc: False
     errors: tuple[type[BaseException], ...] = ()
     sync_connect: Callable[[str], Callable[[], Any]] = lambda level: lambda: None
-    array_in: bool = False  # ``= ANY(array)`` instead of ``IN (...)`` (PostgreSQL)
+    # arrays as parameters (PostgreSQL): ``= ANY(array)`` instead of ``IN (...)``, and
+    # rows given as one array per column (``unnest``) instead of ``VALUES (...), ...``: the
+    # statement text then stays the same whatever the batch size, short enough for the
+    # driver to cache its parsing and prepare it once
+    array_in: bool = False
+    # the SQL types of the table's columns (COLS), for arrays of rows
+    column_types: tuple[str, ...] = ()
     # the rowcount of ``insert_absent`` counts the rows inserted, not those already there
     # (MySQL's ``ON DUPLICATE KEY UPDATE`` with FOUND_ROWS counts both: False)
     counts_inserts: bool = False
@@ -185,6 +191,8 @@ def postgres_dialect(url: SplitResult) -> Dialect:
                    "DELETE FROM {t} WHERE ctid IN (SELECT ctid FROM {t} WHERE expires_at <= ? "
                    "LIMIT ?)", is_transient=transient, errors=(psycopg.Error,),
                    array_in=True, counts_inserts=True, row_values_in=True,
+                   column_types=("text", "text", "text", "text", "text", "int", "float8",
+                                 "text", "float8", "float8", "float8", "text"),
                    history_set=lambda parts: (
                        f"history = right(COALESCE(history, '') || {' || '.join(parts)}, "
                        f"{HISTORY_CHARS})"))

@@ -102,6 +102,18 @@ class SqlStore:
             return f"{column} = ANY(?)", [list(values)]
         return f"{column} IN ({self._marks(len(values))})", list(values)
 
+    def _rows(self, n_columns: int, rows: Sequence[Sequence[Any]],
+              types: Sequence[str] = ()) -> tuple[str, list[Any]]:
+        """Rows as a source for ``INSERT ... <source>`` or ``(cols) IN (<source>)``: one
+        array per column (``SELECT * FROM unnest(...)``, ``types`` the columns' SQL types)
+        where the database takes arrays, else ``VALUES (...), ...``."""
+        if self.dialect.array_in:
+            arrays = ", ".join(f"?::{t}[]" for t in (types or ["text"] * n_columns))
+            return f"SELECT * FROM unnest({arrays})", [list(col) for col in zip(*rows,
+                                                                               strict=True)]
+        row = f"({self._marks(n_columns)})"
+        return f"VALUES {', '.join([row] * len(rows))}", [v for r in rows for v in r]
+
     def _connection(self) -> Any:
         conn = getattr(self._local, "conn", None)
         if conn is None:
@@ -290,10 +302,12 @@ class SqlStore:
             fresh.append((*k, consuming, c.owner, 1, lease_until, c.payload_hash, now, now,
                           lease_until + c.retention_s, f"{claimed}{c.owner}\n"))
         inserted = 0
-        for i in range(0, len(fresh), 500):  # one statement per 500 rows: one round trip
-            chunk = fresh[i:i + 500]
-            cur.execute(self._sql(self.dialect.insert_absent.replace(
-                ROW, ", ".join([ROW] * len(chunk)))), [v for row in chunk for v in row])
+        step = len(fresh) if self.dialect.array_in else 500  # VALUES: 500 rows a statement
+        for i in range(0, len(fresh), step):
+            source, params = self._rows(len(fresh[0]), fresh[i:i + step],
+                                        self.dialect.column_types)
+            cur.execute(self._sql(self.dialect.insert_absent.replace(f"VALUES {ROW}", source)),
+                        params)
             inserted += cur.rowcount
         if (self.dialect.counts_inserts and inserted == len(fresh)
                 and len(first) == len(claims)):
@@ -342,13 +356,9 @@ class SqlStore:
         cond, params = self._in("owner", sorted({t.owner for t in tickets}))
         cur.execute(self._sql(f"SELECT grp, topic, dkey, owner, status FROM {{t}} WHERE {cond} "
                               f"AND expires_at > ?{self.dialect.lock}"), (*params, now))
-        rows = {r[3]: (r[0], r[1], r[2], r[4]) for r in cur.fetchall()}
-        out: list[str | None] = []
-        for t in tickets:
-            row = rows.get(t.owner)
-            out.append(row[3] if row is not None and row[:3] == (t.group, t.topic, t.key)
-                       else None)
-        return out
+        # keyed by the whole ticket: one owner token may hold several records
+        rows = {(r[0], r[1], r[2], r[3]): r[4] for r in cur.fetchall()}
+        return [rows.get((t.group, t.topic, t.key, t.owner)) for t in tickets]
 
     def _event(self, event: str, now: float) -> tuple[str, list[Any]]:
         """``history = ...`` appending ``event`` by each updated row's own owner."""
@@ -397,13 +407,12 @@ class SqlStore:
             distinct = sorted(set(tickets), key=lambda t: (t.group, t.topic, t.key, t.owner))
             owners, oparams = self._in("owner", sorted({t.owner for t in distinct}))
             hist, hparams = self._event("completed", now)
+            source, tparams = self._rows(4, distinct)
             cur.execute(self._sql(
                 f"UPDATE {{t}} SET {hist}, status = ?, updated_at = ?, expires_at = ? WHERE "
-                f"{owners} AND (grp, topic, dkey, owner) IN (VALUES "
-                f"{', '.join(['(?, ?, ?, ?)'] * len(distinct))}) AND status = ? "
+                f"{owners} AND (grp, topic, dkey, owner) IN ({source}) AND status = ? "
                 f"AND expires_at > ?"),
-                (*hparams, done, now, now + retention_s, *oparams,
-                 *(v for t in distinct for v in (t.group, t.topic, t.key, t.owner)),
+                (*hparams, done, now, now + retention_s, *oparams, *tparams,
                  Status.CONSUMING.value, now))
             if cur.rowcount == len(distinct):
                 return [True] * len(tickets)

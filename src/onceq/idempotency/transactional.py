@@ -112,6 +112,9 @@ def _dialect(url: str, busy_timeout_s: float | None = None) -> Dialect:
                                purge=purge, is_transient=transient)
 
 
+_DONE_TYPES = ("text", "text", "text", "text", "float8")  # the done table's columns
+
+
 def _never(exc: BaseException) -> bool:
     return False
 
@@ -259,13 +262,14 @@ class TransactionalListener(RetentionChecked):
                 for m, key in items if key is not None]
         if len(rows) < 2 or len({r[:3] for r in rows}) != len(rows):
             return False  # nothing to gain, or a key twice in the batch: one by one
-        one = "(?, ?, ?, ?, ?)"
         cur.execute("SAVEPOINT onceq_batch")
         inserted = 0
-        for i in range(0, len(rows), 500):
-            chunk = rows[i:i + 500]
-            cur.execute(self.engine._sql(self.engine.dialect.insert_absent.replace(
-                one, ", ".join([one] * len(chunk)))), [v for r in chunk for v in r])
+        engine = self.engine
+        step = len(rows) if engine.dialect.array_in else 500  # VALUES: 500 rows a statement
+        for i in range(0, len(rows), step):
+            source, params = engine._rows(5, rows[i:i + step], _DONE_TYPES)
+            cur.execute(engine._sql(engine.dialect.insert_absent.replace(
+                "VALUES (?, ?, ?, ?, ?)", source)), params)
             inserted += cur.rowcount
         if inserted == len(rows):
             cur.execute("RELEASE SAVEPOINT onceq_batch")
