@@ -190,7 +190,8 @@ def postgres_dialect(url: SplitResult) -> Dialect:
                    _INSERT + " ON CONFLICT DO NOTHING",
                    "DELETE FROM {t} WHERE ctid IN (SELECT ctid FROM {t} WHERE expires_at <= ? "
                    "LIMIT ?)", is_transient=transient, errors=(psycopg.Error,),
-                   array_in=True, counts_inserts=True, row_values_in=True,
+                   # binary parameters: no text escaping of every array element
+                   array_in=True, counts_inserts=True, row_values_in=True, param="%b",
                    column_types=("text", "text", "text", "text", "text", "int", "float8",
                                  "text", "float8", "float8", "float8", "text"),
                    history_set=lambda parts: (
