@@ -149,6 +149,17 @@ async def test_a_batch_larger_than_one_statement_mixing_new_and_known_keys(store
     assert (await store.get("g", "t", keys[1199])).status is Status.CONSUMED
 
 
+@pytest.mark.parametrize("kind", ["sqlite", "mysql", "postgresql"])
+async def test_values_wider_than_their_column_are_refused_not_cut(store):
+    """A SQL store refuses what its columns cannot hold (MariaDB's INSERT IGNORE would
+    otherwise cut it to fit): nothing is written."""
+    for bad in (claim("o" * 101), claim("a", group="g" * 129),
+                Claim("g", "t", "k1", "a", "h" * 65)):
+        with pytest.raises(ValueError):
+            await store.claim_many([bad])
+    assert await store.get("g", "t", "k1") is None
+
+
 async def test_release_lets_the_redelivery_run(store, clock):
     await store.claim_many([claim("a")])
     clock.advance(1)

@@ -40,7 +40,8 @@ class Dialect:
     # the SQL types of the table's columns (COLS), for arrays of rows
     column_types: tuple[str, ...] = ()
     # the rowcount of ``insert_absent`` counts the rows inserted, not those already there
-    # (MySQL's ``ON DUPLICATE KEY UPDATE`` with FOUND_ROWS counts both: False)
+    # (MySQL's ``INSERT IGNORE`` counts inserted rows; ``ON DUPLICATE KEY UPDATE`` with
+    # FOUND_ROWS would count the rows found too)
     counts_inserts: bool = False
     # ``(a, b) IN (VALUES (?, ?), ...)`` works and uses the index of the other condition
     row_values_in: bool = False
@@ -156,9 +157,12 @@ def mysql_dialect(url: SplitResult) -> Dialect:
                    _schema("DOUBLE", "VARCHAR(128)", "VARCHAR(255)",
                            " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin",
                            inline_index=True),
-                   _INSERT + " ON DUPLICATE KEY UPDATE grp = grp",
+                   # IGNORE: the rowcount is the rows inserted (with FOUND_ROWS, the
+                   # no-op ON DUPLICATE KEY UPDATE counted the rows found too); every value
+                   # is checked against its column before, so only duplicate keys are ignored
+                   _INSERT.replace("INSERT INTO", "INSERT IGNORE INTO"),
                    "DELETE FROM {t} WHERE expires_at <= ? LIMIT ?",
-                   is_transient=transient, errors=(pymysql.Error,),
+                   is_transient=transient, errors=(pymysql.Error,), counts_inserts=True,
                    history_set=lambda parts: (
                        f"history = RIGHT(CONCAT(COALESCE(history, ''), {', '.join(parts)}), "
                        f"{HISTORY_CHARS})"),

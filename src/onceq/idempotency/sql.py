@@ -287,6 +287,11 @@ class SqlStore:
         for c in claims:
             if len(c.key) > MAX_KEY_LEN:
                 raise ValueError(f"dedup key longer than {MAX_KEY_LEN} characters")
+            # the columns' widths: a longer value is refused, never cut to fit
+            if len(c.owner) > 100 or len(c.payload_hash) > 64 or max(
+                    len(c.group), len(c.topic)) > 128:
+                raise ValueError("owner token over 100, payload hash over 64, or group or "
+                                 "topic over 128 characters")
         return await self._run(self._claim_tx, list(claims))
 
     def _claim_tx(self, cur: Any, now: float, claims: list[Claim]) -> list[ClaimResult]:
