@@ -376,7 +376,8 @@ class Topics(Mapping[str, TopicConfig]):
     def _save_topics(self, table: dict[str, TopicConfig]) -> None:
         """Write ``table`` as the topics table, with the skipped entries that no topic of
         ``table`` replaces."""
-        out = {n: e for n, e in self.skipped.items() if n not in table}
+        # a copy taken at once: this may run in a thread while the loop drops an entry
+        out = {n: e for n, e in list(self.skipped.items()) if n not in table}
         out.update((n, t.to_json()) for n, t in table.items())
         save_json(self.path, out, self.files)
 
