@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,9 +28,18 @@ CLI = [sys.executable, "-m", "onceq.cli.main"]
 def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
     html = out / "report.html"
-    r = subprocess.run([*CLI, "demo", "-n", "400", "--contrast-orders", "200", "--no-spark",
-                        "--report", str(html)], capture_output=True, text=True, timeout=150,
-                       env={**os.environ, "COLUMNS": "120"})
+    args = [*CLI, "demo", "-n", "400", "--contrast-orders", "200", "--no-spark", "--report",
+            str(html)]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "COLUMNS": "120"}, start_new_session=True)
+    try:  # within the test's own timeout, so that a stuck run shows where it was
+        stdout, stderr = proc.communicate(timeout=100)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the demo and the brokers and members it runs
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the demo did not end within 100 s; its output:\n{stdout[-4000:]}\n"
+                    f"{stderr[-4000:]}")
+    r = subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
     return r, html, json.loads(html.with_suffix(".json").read_text())
 
 
