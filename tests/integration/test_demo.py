@@ -35,10 +35,14 @@ def demo_run(tmp_path_factory):
     try:  # within the test's own timeout, so that a stuck run shows where it was
         stdout, stderr = proc.communicate(timeout=100)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the demo and the brokers and members it runs
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"the demo did not end within 100 s; its output:\n{stdout[-4000:]}\n"
-                    f"{stderr[-4000:]}")
+        proc.send_signal(signal.SIGUSR1)  # the onceq command prints its threads' stacks
+        try:
+            stdout, stderr = proc.communicate(timeout=2)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the demo, its brokers and members
+            stdout, stderr = proc.communicate()
+        pytest.fail(f"the demo did not end within 100 s; its output:\n{stdout[-3000:]}\n"
+                    f"{stderr[-12000:]}")
     r = subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
     return r, html, json.loads(html.with_suffix(".json").read_text())
 

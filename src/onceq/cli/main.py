@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import faulthandler
+import signal
 
 import click
 from rich.console import Console
@@ -25,6 +27,8 @@ console = Console()
 def main(**log: str | None) -> None:
     """onceq: a message bus that ends repeated consumption."""
     setup_cli_logging(log)
+    # `kill -USR1 PID` prints every thread's stack to stderr (a process that seems stuck)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 # ---------------------------------------------------------------- broker
