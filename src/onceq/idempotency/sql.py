@@ -27,7 +27,7 @@ import random
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -113,6 +113,14 @@ class SqlStore:
                                                                                strict=True)]
         row = f"({self._marks(n_columns)})"
         return f"VALUES {', '.join([row] * len(rows))}", [v for r in rows for v in r]
+
+    def _row_chunks(self, rows: Sequence[Sequence[Any]], types: Sequence[str]
+                    ) -> Iterator[tuple[str, list[Any]]]:
+        """``_rows`` of ``rows`` for one statement each: all of them as arrays, else 500
+        rows of ``VALUES`` a statement."""
+        step = len(rows) if self.dialect.array_in else 500
+        for i in range(0, len(rows), step):
+            yield self._rows(len(rows[0]), rows[i:i + step], types)
 
     def _connection(self) -> Any:
         conn = getattr(self._local, "conn", None)
@@ -307,10 +315,7 @@ class SqlStore:
             fresh.append((*k, consuming, c.owner, 1, lease_until, c.payload_hash, now, now,
                           lease_until + c.retention_s, f"{claimed}{c.owner}\n"))
         inserted = 0
-        step = len(fresh) if self.dialect.array_in else 500  # VALUES: 500 rows a statement
-        for i in range(0, len(fresh), step):
-            source, params = self._rows(len(fresh[0]), fresh[i:i + step],
-                                        self.dialect.column_types)
+        for source, params in self._row_chunks(fresh, self.dialect.column_types):
             cur.execute(self._sql(self.dialect.insert_absent.replace(f"VALUES {ROW}", source)),
                         params)
             inserted += cur.rowcount

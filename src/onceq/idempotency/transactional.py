@@ -265,9 +265,7 @@ class TransactionalListener(RetentionChecked):
         cur.execute("SAVEPOINT onceq_batch")
         inserted = 0
         engine = self.engine
-        step = len(rows) if engine.dialect.array_in else 500  # VALUES: 500 rows a statement
-        for i in range(0, len(rows), step):
-            source, params = engine._rows(5, rows[i:i + step], _DONE_TYPES)
+        for source, params in engine._row_chunks(rows, _DONE_TYPES):
             cur.execute(engine._sql(engine.dialect.insert_absent.replace(
                 "VALUES (?, ?, ?, ?, ?)", source)), params)
             inserted += cur.rowcount
