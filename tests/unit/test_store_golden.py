@@ -1,7 +1,7 @@
 """The data directory a fixed scenario leaves is the same, byte for byte, release to release.
 
 The scenario runs against ``MessageStore`` directly with a fake clock: topics created, sends
-(duplicates caught by the dedup window among them), offset commits, a checkpoint, a close
+(duplicates caught by the dedup window among them, record batches among them), offset commits, a checkpoint, a close
 and a reopen, a topic deleted and created again, a retention run, a close. The SHA-256 over
 every file's relative path and bytes must match the constant recorded when the on-disk
 formats were last changed on purpose. Nothing in the scenario depends on the wall clock,
@@ -17,12 +17,13 @@ from pathlib import Path
 
 import pytest
 
+from onceq.log.batch import encode_batch
 from onceq.log.record import encode_part
 from onceq.storage.config import StoreConfig
 from onceq.storage.store import MessageStore
 from tests.clock import FakeClock
 
-GOLDEN_SHA256 = "2f593138f454a08990d0255fed791a133f3c1fe3334c053090d17074475f43ad"
+GOLDEN_SHA256 = "5813a3bbcf5b2f7f3d577a7c73657002ba23f94da9e35e9f6070b9afc68622f3"
 
 T0 = 1_700_000_000.0
 
@@ -80,6 +81,11 @@ def run_scenario(path: Path) -> None:
             assert again.duplicates == list(range(min(2, len(parts))))
         store.put("events", batch % 2, [_part(1000 + batch, f"ev-{batch}")], dedup=False)
         clock.advance(0.25)
+    # record batches, stored as sent: one alone, one with a retried key (split)
+    batch = [_part(5000 + k, _hex_key(5000 + k)) for k in range(6)]
+    assert store.put_batch("orders", 3, encode_batch(batch)).offsets[0] > 0
+    assert store.put_batch("orders", 2, encode_batch(batch[4:] + [_part(5006, "b-6")])
+                           ).duplicates == [0, 1]
     store.commit_offset("g1", "orders", 0, 3)
     store.commit_offset("g1", "orders", 1, 5)
     store.commit_offset("g2", "events", 0, 7)

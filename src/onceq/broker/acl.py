@@ -116,6 +116,7 @@ REQUIRED: dict[type[Message], Callable[[Any], list[Need]]] = {
     rq.Ping: lambda r: [],
     rq.Send: lambda r: [_t(r.topic, P)],
     rq.SendBatch: lambda r: [_t(r.topic, P)],
+    rq.SendRecords: lambda r: [_t(r.topic, P)],
     rq.SendSequenced: lambda r: [_t(r.topic, P)],
     rq.SendBack: _send_back,
     rq.Pull: _pull,

@@ -196,7 +196,7 @@ class AdminOps:
                     break
                 past_end = False
                 try:
-                    for m in decode_records(r.payload):
+                    for m in decode_records(r.payload, True, offset, r.next_offset):
                         if m.store_ts_ms > end:
                             past_end = True
                             break

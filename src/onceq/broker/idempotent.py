@@ -42,8 +42,12 @@ def refuse_sequenced(parts: list[memoryview]) -> None:
     of the log would take the message for one at the next restart. (Sends name user topics
     only; the broker's own copies into system topics clear the flag, ``retry.py``.)"""
     if _flagged(parts):
-        raise OnceqError(ErrorCode.INVALID_SEQUENCE, "the SEQUENCED message flag is "
-                         "reserved for sequenced sends (SEND_SEQUENCED)")
+        refuse_sequenced_flag()
+
+
+def refuse_sequenced_flag() -> None:
+    raise OnceqError(ErrorCode.INVALID_SEQUENCE, "the SEQUENCED message flag is "
+                     "reserved for sequenced sends (SEND_SEQUENCED)")
 
 
 def check_marker(parts: list[memoryview], writer: str, epoch: int, last: int) -> None:

@@ -143,6 +143,7 @@ class BrokerMetrics:
         handlers = self.broker.handlers
         for code, hist in ((RequestCode.SEND, self.send_latency),
                            (RequestCode.SEND_BATCH, self.send_latency),
+                           (RequestCode.SEND_RECORDS, self.send_latency),
                            (RequestCode.SEND_SEQUENCED, self.send_latency),
                            (RequestCode.PULL, self.pull_latency)):
             cls, handler = handlers[code]

@@ -145,7 +145,8 @@ class PullService:
             if job.client is not None:
                 self.owners.delivered(job.group, job.topic, job.queue, r.next_offset)
             if job.trace is not None:
-                self.trace.delivered(*job.trace, job.topic, job.queue, r.payload)
+                self.trace.delivered(*job.trace, job.topic, job.queue, r.payload,
+                                     job.offset, r.next_offset, job.tag_hashes)
             if self.metrics is not None:
                 self.metrics.on_pull(job.topic, r.count, len(r.payload))
         damaged = None

@@ -218,7 +218,8 @@ class RetryService:
 
     def _read(self, topic: str, queue: int, offset: int, what: str) -> MessageExt:
         r = self.store.get(topic, queue, offset, 1, 64 * 1024 * 1024)
-        m = next(decode_records(r.payload), None) if r.status == PullStatus.FOUND else None
+        m = next(decode_records(r.payload, True, offset, offset + 1), None
+                 ) if r.status == PullStatus.FOUND else None
         if m is None or m.queue_offset != offset:
             raise OnceqError(ErrorCode.INVALID_ARGUMENT,
                              f"no {what} at {topic}[{queue}]@{offset}")
@@ -289,7 +290,7 @@ class RetryService:
                     continue
                 if r.status != PullStatus.FOUND:
                     break
-                records = decode_records(r.payload)
+                records = decode_records(r.payload, True, offset, r.next_offset)
                 while True:
                     try:
                         m = next(records, None)

@@ -1,4 +1,5 @@
-"""The send service: producers' sends (``SEND``, ``SEND_BATCH``), idempotent writers'
+"""The send service: producers' sends (``SEND``, ``SEND_BATCH``, and ``SEND_RECORDS``,
+a record batch stored as sent), idempotent writers'
 sequenced sends (``SEND_SEQUENCED``), consumers' send-backs to the retry topic and resends
 of dead letters (``CONSUMER_SEND_BACK``). Each stores messages, wakes the pulls held on the
 queue and answers once the write is durable (``durable.py``).
@@ -11,17 +12,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..log.sequence import SequenceError, check_writer_id
+from ..log.batch import check_batch
+from ..log.record import RecordError
+from ..log.sequence import SEQUENCED, SequenceError, check_writer_id
 from ..protocol.codes import dlq_topic
 from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.replies import SendBackReply, SendReply, SequencedReply
+from ..storage.errors import MalformedMessage
 from ..storage.store import check_name
 from .fields import client_written_topic, is_system_topic, split_parts, user_topic
-from .idempotent import refuse_sequenced, send_sequenced
+from .idempotent import refuse_sequenced, refuse_sequenced_flag, send_sequenced
 from .writer_ids import WriterIds
 
 if TYPE_CHECKING:
-    from ..protocol.requests import Send, SendBack, SendSequenced
+    from ..protocol.requests import Send, SendBack, SendRecords, SendSequenced
     from ..storage.put import PutResult
     from ..storage.sequences import SequenceStore
     from ..storage.store import MessageStore
@@ -70,6 +74,25 @@ class SendService:
             self.on_put(topic, qid)
         if self.metrics is not None:
             self.metrics.on_send(topic, len(parts), len(req.payload), len(res.duplicates))
+        return self.durable.reply(call, send_reply(qid, res), end=res.end_position)
+
+    def h_send_records(self, call: Call, req: SendRecords) -> SendReply | None:
+        """A record batch: checked whole here, stored as sent (``MessageStore.put_batch``)."""
+        topic = client_written_topic(req.topic)
+        qid = req.queue
+        self.topic_for_write(topic)
+        try:
+            checked = check_batch(req.payload)
+        except RecordError as exc:
+            raise MalformedMessage(f"malformed record batch: {exc}") from None
+        if checked[3] & SEQUENCED:
+            refuse_sequenced_flag()
+        res = self.store.put_batch(topic, qid, req.payload, checked)
+        n = len(checked[0])
+        if len(res.duplicates) < n:
+            self.on_put(topic, qid)
+        if self.metrics is not None:
+            self.metrics.on_send(topic, n, len(req.payload), len(res.duplicates))
         return self.durable.reply(call, send_reply(qid, res), end=res.end_position)
 
     def h_send_sequenced(self, call: Call, req: SendSequenced) -> SequencedReply | None:

@@ -39,7 +39,14 @@ import logging
 import os
 from collections.abc import Callable
 
-from ..log.record import PART_FIXED_SIZE, REC_HEAD_AND_PART, REC_HEADER_SIZE, encode_part
+from ..log.batch import BATCH_RECORD_MAGIC
+from ..log.record import (
+    PART_FIXED_SIZE,
+    REC_HEAD_AND_PART,
+    REC_HEADER_SIZE,
+    decode_records,
+    encode_part,
+)
 from ..protocol.codes import PROP_TRACE_SOURCE, TRACE_SOURCE_BROKER, TRACE_TOPIC
 from ..protocol.errors import OnceqError
 from ..storage.store import MessageStore
@@ -52,19 +59,25 @@ TRACE_QUEUES = 4
 _HEAD = REC_HEADER_SIZE + PART_FIXED_SIZE
 
 
-def delivered_records(payload: bytes | memoryview) -> list[tuple[int, str, int]]:
-    """(queue offset, unique key, reconsume count) of each record of a pull payload,
-    read from the fixed headers only."""
+def delivered_records(payload: bytes | memoryview, first: int = 0, end: int | None = None,
+                      tag_hashes: frozenset[int] | None = None) -> list[tuple[int, str, int]]:
+    """(queue offset, unique key, reconsume count) of each message a pull payload delivers,
+    read from the fixed headers of single records (a batch record's messages are those in
+    [``first``, ``end``) with a tag hash in ``tag_hashes``, as ``decode_records`` keeps)."""
     mv = memoryview(payload)
     out = []
     pos, n = 0, len(mv)
     unpack = REC_HEAD_AND_PART.unpack_from
     while pos + _HEAD <= n:
-        (total, _crc, _m, _r, _q, qoff, _p, _sts, _tl,
+        (total, _crc, magic, _r, _q, qoff, _p, _sts, _tl,
          _born, _fl, recons, ulen, *_rest) = unpack(mv, pos)
         if total < _HEAD:
             break
-        out.append((qoff, str(mv[pos + _HEAD:pos + _HEAD + ulen], "ascii"), recons))
+        if magic == BATCH_RECORD_MAGIC:
+            out += [(m.queue_offset, m.unique_key, m.reconsume_times) for m in
+                    decode_records(mv[pos:pos + total], False, first, end, tag_hashes)]
+        else:
+            out.append((qoff, str(mv[pos + _HEAD:pos + _HEAD + ulen], "ascii"), recons))
         pos += total
     return out
 
@@ -118,7 +131,8 @@ class DeliveryTrace:
 
     # -- records -------------------------------------------------------------------------
     def delivered(self, group: str, client: str, handover: bool, topic: str, queue: int,
-                  payload: bytes | memoryview) -> None:
+                  payload: bytes | memoryview, first: int = 0, end: int | None = None,
+                  tag_hashes: frozenset[int] | None = None) -> None:
         now = int(self.clock() * 1000)
         props = {"kind": "deliver", "group": group, "client": client, "topic": topic,
                  "queue": str(queue), "handover": "1" if handover else "0",
@@ -126,7 +140,7 @@ class DeliveryTrace:
         limit = max(self.store.config.max_body // 2, 1024)  # a body never exceeds max_body
         bodies: list[list[str]] = [[]]
         size = 0
-        for o, k, r in delivered_records(payload):
+        for o, k, r in delivered_records(payload, first, end, tag_hashes):
             item = f'{{"o":{o},"k":{json.dumps(k)},"r":{r}}}'
             if bodies[-1] and size + len(item) > limit:
                 bodies.append([])

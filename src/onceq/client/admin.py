@@ -375,7 +375,7 @@ class Admin(BrokerClient):
         reply: PullReply = await self._call(Pull(topic, 0, offset, n))
         if reply.status != PullStatus.FOUND or not reply.payload:
             return []
-        return list(decode_records(reply.payload))
+        return list(decode_records(reply.payload, True, offset, reply.next))
 
     async def resend_dead_letters(self, group: str, offsets: Iterable[int] | None = None
                                   ) -> list[ResendResult]:

@@ -81,6 +81,7 @@ class Fetcher:
                 continue
             commit = self.offsets.piggyback(pq.mq, pq.commit_offset)
             sent = r.clock()
+            pulled = pq.next_offset
             try:
                 reply: PullReply = await r.call(self._request(pq, tags, commit),
                                                 timeout=cfg.pull_suspend_s + 10)
@@ -100,11 +101,11 @@ class Fetcher:
             if not self.assignment.current(pq, pq.generation):
                 return  # dropped or taken again while the pull was out: not ours to apply
             pq.last_pull = r.clock()
-            if not await self._apply(pq, reply, commit, sent, wanted):
+            if not await self._apply(pq, reply, commit, sent, wanted, pulled):
                 return
 
     async def _apply(self, pq: ProcessQueue, reply: PullReply, commit: int | None,
-                     sent: float, wanted: set[str] | None) -> bool:
+                     sent: float, wanted: set[str] | None, pulled: int) -> bool:
         """Apply one pull's answer to ``pq`` (of the current generation); False when the
         loop must end (the queue was lost)."""
         cfg, r, mq = self.config, self.r, pq.mq
@@ -122,7 +123,8 @@ class Fetcher:
                 self.offsets.carried(mq, commit)
         if status == PullStatus.FOUND:
             try:
-                msgs = list(decode_records(reply.payload)) if reply.payload else []
+                msgs = list(decode_records(reply.payload, first=pulled, end=reply.next)
+                            ) if reply.payload else []
             except RecordError as exc:  # damaged in transit: pull the same range again
                 log.warning("pull %s at %d: %s; pulling again", mq, pq.next_offset, exc)
                 await asyncio.sleep(cfg.locked_backoff_s)

@@ -10,10 +10,11 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..log.batch import encode_batch
 from ..log.record import encode_part
 from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.replies import SendReply, TopicInfo
-from ..protocol.requests import GetTopic, Send, SendBatch
+from ..protocol.requests import GetTopic, Send, SendRecords
 from .base import BrokerClient, Connect
 from .connection import ConnectionLost, call
 from .message import Message, SendResult, UniqueKeyGenerator, encode_message
@@ -108,8 +109,13 @@ class Producer(BrokerClient):
         """Send messages to one queue in one request; one result per message."""
         if not messages:
             return []
-        payload, keys = self._encode(messages)
-        kind = Send if len(messages) == 1 else SendBatch
+        parts, keys = self._encode(messages)
+        if len(parts) == 1:
+            kind: type[Send] = Send
+            payload = b"".join((_U32.pack(len(parts[0])), parts[0]))
+        else:  # one record batch, stored as it is sent
+            kind = SendRecords
+            payload = encode_batch(parts)
         pinned = sharding_key is not None or queue is not None or selector is not None
         deadline = time.monotonic() + self.send_timeout
         attempt = 0
@@ -136,29 +142,29 @@ class Producer(BrokerClient):
                     await asyncio.sleep(min(RETRY_BACKOFF_S * 2 ** (attempt - 1),
                                             max(deadline - time.monotonic(), 0) / 2))
 
-    def _encode(self, messages: Sequence[Message | bytes | str]) -> tuple[bytes, list[str]]:
-        """Batch payload ([u32 length][part] per message) and the messages' unique keys."""
+    def _encode(self, messages: Sequence[Message | bytes | str]
+                ) -> tuple[list[bytes], list[str]]:
+        """The messages' parts and unique keys."""
         now_ms = int(time.time() * 1000)
         keys = self._keys.many(len(messages))
-        chunks: list[bytes] = []
-        add = chunks.append
+        parts: list[bytes] = []
+        add = parts.append
         for i, m in enumerate(messages):
             if type(m) is bytes:
-                part = encode_part(m, keys[i], now_ms)
+                add(encode_part(m, keys[i], now_ms))
             else:
                 msg = _as_message(m)
                 if msg.unique_key:
                     keys[i] = msg.unique_key
-                part = encode_message(msg, keys[i], now_ms)
-            add(_U32.pack(len(part)))
-            add(part)
-        return b"".join(chunks), keys
+                add(encode_message(msg, keys[i], now_ms))
+        return parts, keys
 
     async def send_oneway(self, topic: str, message: Message | bytes | str, *,
                           sharding_key: str | None = None, queue: int | None = None,
                           selector: QueueSelector | None = None) -> None:
         """Fire-and-forget: write the message and do not wait for any reply."""
-        payload, _ = self._encode([message])
+        parts, _ = self._encode([message])
+        payload = b"".join((_U32.pack(len(parts[0])), parts[0]))
         n = await self.queue_count(topic)
         qid = self._pick_queue(topic, n, sharding_key, queue, selector, message)
         conn = await self._connection()

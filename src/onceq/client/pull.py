@@ -74,13 +74,14 @@ class PullConsumer(BrokerClient):
                     suspend_ms=int(suspend * 1000) if suspend > 0 else 0, tags=tag_list,
                     commit=commit_offset)
 
-    def _result(self, reply: PullReply, tag_list: list[str] | None, decode: bool = True
-                ) -> PullResult:
+    def _result(self, reply: PullReply, tag_list: list[str] | None, offset: int,
+                decode: bool = True) -> PullResult:
         if not decode:
             return PullResult(reply.status, [], reply.next, reply.min, reply.max,
                               reply.payload)
         payload = reply.payload
-        msgs = list(decode_records(payload, self.verify)) if payload else []
+        msgs = list(decode_records(payload, self.verify, offset, reply.next)
+                    ) if payload else []
         if tag_list is not None:
             wanted = set(tag_list)
             msgs = [m for m in msgs if m.tags in wanted]
@@ -95,7 +96,8 @@ class PullConsumer(BrokerClient):
         tag_list = parse_tags(tags)
         request = self._pull_request(topic, queue, offset, max_msgs, tag_list, suspend,
                                      commit_offset)
-        return self._result(await self._call(request, timeout=suspend + 10.0), tag_list)
+        return self._result(await self._call(request, timeout=suspend + 10.0), tag_list,
+                            offset)
 
     async def stream(self, topic: str, queue: int, offset: int, max_msgs: int = 32, *,
                      tags: str | None = None, suspend: float = 15.0, commit: bool = True,
@@ -109,7 +111,9 @@ class PullConsumer(BrokerClient):
         ``commit_offset`` when you stop. Empty results (long polling timed out) are yielded
         too, so the caller can stop. Without ``decode`` a result carries the stored records
         undecoded in ``payload`` (for a caller with its own decoder; ``tags`` is then only
-        the broker's hash filter).
+        the broker's hash filter, and a batch record may hold messages outside the pulled
+        offsets: keep those from the pull's offset to ``next_offset``, as
+        ``decode_records`` does).
         """
         tag_list = parse_tags(tags)
         conn = await self._connection()
@@ -123,8 +127,8 @@ class PullConsumer(BrokerClient):
                 fut = conn.submit(self._pull_request(topic, queue, reply.next, max_msgs,
                                                      tag_list, suspend,
                                                      done if commit else None))
-                yield self._result(reply, tag_list, decode)
-                done = reply.next
+                yield self._result(reply, tag_list, offset, decode)
+                offset = done = reply.next
         finally:
             fut.cancel()
 

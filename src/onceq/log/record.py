@@ -1,21 +1,10 @@
-"""Message and commit-log record formats (pure functions, standard library only).
+"""Commit-log record formats (pure functions, standard library and msgpack only).
 
-A *message part* is what a producer encodes and sends; the broker stores it verbatim inside
-a *record*, behind a fixed header that it fills in (queue, offsets, store time, checksum).
-A pull returns stored records verbatim, so the consumer decodes the same format. All field
+A *message part* (``part.py``) is what a producer encodes and sends; the broker stores it
+verbatim inside a *record*, behind a fixed header that it fills in (queue, offsets, store
+time, checksum), or a producer's batch of parts inside one *batch record* (``batch.py``).
+A pull returns stored records verbatim, so the consumer decodes the same formats. All field
 lengths sit in fixed headers, so one ``struct`` call reads a whole record head.
-
-Message part (little endian)::
-
-    i64 born_ts_ms
-    u16 flags
-    u16 reconsume_times
-    u8  unique key length     (ascii)
-    u16 tags length           (utf-8)
-    u16 keys length           (utf-8, space separated)
-    u32 properties length     (msgpack map str -> str)
-    u32 body length
-    ... unique key, tags, keys, properties, body
 
 Record::
 
@@ -36,117 +25,44 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
+from .batch import (
+    BATCH_HEAD,
+    BATCH_HEAD_SIZE,
+    BATCH_RECORD_MAGIC,
+    batch_count,
+    check_batch,
+    part_bounds,
+)
+from .part import (
+    MIN_PART_SIZE,
+    PART_FIXED,
+    PART_FIXED_SIZE,
+    RecordError,
+    TruncatedRecord,
+    check_part,
+    encode_part,
+    part_unique_key_and_tags,
+    tag_hash,
+)
+
+__all__ = [
+    "MIN_PART_SIZE", "PART_FIXED", "PART_FIXED_SIZE", "RecordError", "TruncatedRecord",
+    "check_part", "encode_part", "part_unique_key_and_tags", "tag_hash",
+]
+
 RECORD_MAGIC = 0xA2
+RECORD_MAGICS = (RECORD_MAGIC, BATCH_RECORD_MAGIC)
 REC_HEADER = struct.Struct("<IIBBHqqqB")
 REC_HEADER_SIZE = REC_HEADER.size  # 37
-PART_FIXED = struct.Struct("<qHHBHHII")
-PART_FIXED_SIZE = PART_FIXED.size  # 25
 REC_HEAD_AND_PART = struct.Struct("<IIBBHqqqBqHHBHHII")  # both fixed headers in one read
-MIN_PART_SIZE = PART_FIXED_SIZE
 MAX_RECORD_SIZE = 64 * 1024 * 1024
 _U32 = struct.Struct("<I")
-
-_packb = msgpack.Packer(use_bin_type=True).pack
-
-
-class RecordError(ValueError):
-    """A record or message part that does not decode."""
-
-
-class TruncatedRecord(RecordError):
-    """The buffer ends inside the record: more bytes may complete it."""
-
-
-def tag_hash(tags: str | bytes) -> int:
-    """Hash stored in the consume-queue index for broker-side tag filtering (0: no tag)."""
-    if not tags:
-        return 0
-    if isinstance(tags, str):
-        tags = tags.encode()
-    return zlib.crc32(tags) or 1
-
-
-def encode_part(
-    body: bytes,
-    unique_key: str,
-    born_ts_ms: int,
-    tags: str = "",
-    keys: str = "",
-    properties: Mapping[str, str] | None = None,
-    flags: int = 0,
-    reconsume_times: int = 0,
-) -> bytes:
-    """Encode one message part as a producer sends it."""
-    try:
-        uk = unique_key.encode("ascii")
-    except UnicodeEncodeError:
-        raise RecordError("unique key must be ascii") from None
-    tg = tags.encode() if tags else b""
-    ks = keys.encode() if keys else b""
-    pr = _packb(dict(properties)) if properties else b""
-    if len(uk) > 255:
-        raise RecordError("unique key longer than 255 bytes")
-    if len(tg) > 65535 or len(ks) > 65535:
-        raise RecordError("tags or keys longer than 65535 bytes")
-    head = PART_FIXED.pack(born_ts_ms, flags, reconsume_times, len(uk), len(tg), len(ks),
-                           len(pr), len(body))
-    return b"".join((head, uk, tg, ks, pr, body))
-
-
-def check_part(part: bytes | memoryview) -> tuple[bytes, bytes, int, bytes]:
-    """Validate a message part; return (dedup key, tags, body size, unique key).
-
-    Raises RecordError when the lengths do not add up exactly to the part's size, or when a
-    field would not decode on the consumer side (non-ascii unique key, non-utf-8 tags or
-    keys, properties that are not a msgpack map): a stored part must never poison the
-    pulls of its queue. (A plain tuple: this runs once per stored message.)
-
-    The dedup key is the unique key, suffixed with the reconsume count when it is not 0: a
-    producer retry repeats it, a consumer retry of the same message does not.
-    """
-    n = len(part)
-    if n < PART_FIXED_SIZE:
-        raise RecordError("message part too short")
-    _born, _flags, recons, ulen, tlen, klen, plen, blen = PART_FIXED.unpack_from(part)
-    if PART_FIXED_SIZE + ulen + tlen + klen + plen + blen != n:
-        raise RecordError("message part lengths do not match its size")
-    p = PART_FIXED_SIZE + ulen
-    uk = bytes(part[PART_FIXED_SIZE:p])
-    if not uk.isascii():
-        raise RecordError("unique key is not ascii")
-    tags = b""
-    if tlen or klen or plen:
-        tags = bytes(part[p:p + tlen])
-        p += tlen
-        try:
-            if tlen:
-                tags.decode()
-            if klen:
-                bytes(part[p:p + klen]).decode()
-        except UnicodeDecodeError:
-            raise RecordError("tags or keys are not utf-8") from None
-        p += klen
-        if plen:
-            try:
-                props = msgpack.unpackb(part[p:p + plen], raw=False)
-            except Exception:  # msgpack raises several types
-                raise RecordError("properties are not msgpack") from None
-            if not isinstance(props, dict):
-                raise RecordError("properties are not a map")
-    return (b"%s#%d" % (uk, recons) if recons else uk), tags, blen, uk
-
-
-def part_unique_key_and_tags(part: bytes | memoryview) -> tuple[bytes, bytes, int]:
-    """Validate a message part and return (unique_key, tags, body_size)."""
-    _key, tags, blen, uk = check_part(part)
-    return uk, tags, blen
-
 
 REC_TAIL = struct.Struct("<BBHqqqB")  # the header after total_size and crc32
 _U32x2 = struct.Struct("<II")
@@ -190,6 +106,22 @@ class RecordHead:
     unique_key: bytes
     tags_hash: int
     dedup_key: bytes = b""
+    count: int = 1  # messages in the record (a batch record's, with the lists below)
+    keys: list[bytes] | None = None  # a batch record's dedup keys, one per message
+    tag_hashes: list[int] | None = None  # a batch record's tag hashes, one per message
+
+    def messages(self) -> Iterator[tuple[int, bytes, int]]:
+        """(queue offset, dedup key, tag hash) of each message of the record."""
+        if self.keys is None or self.tag_hashes is None:
+            yield self.queue_offset, self.dedup_key, self.tags_hash
+            return
+        base = self.queue_offset
+        for i, key in enumerate(self.keys):
+            yield base + i, key, self.tag_hashes[i]
+
+    def holds(self, queue_offset: int) -> bool:
+        """Whether the message at ``queue_offset`` is in this record."""
+        return self.queue_offset <= queue_offset < self.queue_offset + self.count
 
 
 def check_record(buf: bytes | memoryview, pos: int, expect_position: int) -> RecordHead:
@@ -201,6 +133,8 @@ def check_record(buf: bytes | memoryview, pos: int, expect_position: int) -> Rec
     if len(buf) - pos < REC_HEADER_SIZE:
         raise TruncatedRecord("truncated record header")
     total, crc, magic, _r, qid, qoff, rpos, sts, tlen = REC_HEADER.unpack_from(buf, pos)
+    if magic == BATCH_RECORD_MAGIC:
+        return _check_batch_record(buf, pos, expect_position)
     if magic != RECORD_MAGIC:
         raise RecordError("bad record magic")
     if total < REC_HEADER_SIZE + tlen + MIN_PART_SIZE or total > MAX_RECORD_SIZE:
@@ -218,6 +152,44 @@ def check_record(buf: bytes | memoryview, pos: int, expect_position: int) -> Rec
     return RecordHead(total, qid, qoff, rpos, sts, topic, uk, tag_hash(tags), key)
 
 
+def _check_batch_record(buf: bytes | memoryview, pos: int, expect_position: int
+                        ) -> RecordHead:
+    total, crc, _m, _r, qid, base, rpos, sts, tlen = REC_HEADER.unpack_from(buf, pos)
+    if (total < REC_HEADER_SIZE + tlen + BATCH_HEAD_SIZE + MIN_PART_SIZE
+            or total > MAX_RECORD_SIZE):
+        raise RecordError("bad record size")
+    if len(buf) - pos < total:
+        raise TruncatedRecord("truncated record")
+    view = memoryview(buf)
+    bstart = pos + REC_HEADER_SIZE + tlen
+    topic_raw = view[pos + REC_HEADER_SIZE:bstart]
+    if zlib.crc32(topic_raw, zlib.crc32(view[pos + 8:pos + REC_HEADER_SIZE])) != crc:
+        raise RecordError("record checksum mismatch")
+    if rpos != expect_position:
+        raise RecordError("record position mismatch")
+    keys, hashes, _max_body, _flags = check_batch(view[bstart:pos + total])
+    topic = bytes(topic_raw).decode("ascii", "replace")
+    return RecordHead(total, qid, base, rpos, sts, topic, keys[0], hashes[0], keys[0],
+                      len(keys), keys, hashes)
+
+
+def _batch_matches(view: memoryview, pos: int, size: int, topic_bytes: bytes,
+                   queue_id: int, queue_offset: int, position: int) -> bool:
+    """``record_matches`` for a batch record: it must hold ``queue_offset``."""
+    total, crc, _m, _r, qid, base, rpos, _ts, tlen = REC_HEADER.unpack_from(view, pos)
+    bstart = pos + REC_HEADER_SIZE + tlen
+    end = pos + size
+    if (total != size or qid != queue_id or rpos != position or tlen != len(topic_bytes)
+            or end - bstart < BATCH_HEAD_SIZE or queue_offset < base
+            or queue_offset >= base + batch_count(view[bstart:end])
+            or view[pos + REC_HEADER_SIZE:bstart] != topic_bytes):
+        return False
+    if zlib.crc32(topic_bytes, zlib.crc32(view[pos + 8:pos + REC_HEADER_SIZE])) != crc:
+        return False
+    bsize, bcrc = _U32x2.unpack_from(view, bstart)
+    return bsize == end - bstart and zlib.crc32(view[bstart + 8:end]) == bcrc
+
+
 def record_matches(buf: bytes | memoryview, pos: int, size: int, topic_bytes: bytes,
                    queue_id: int, queue_offset: int, position: int) -> bool:
     """Whether ``buf[pos:pos+size]`` is the intact record an index entry promises.
@@ -228,6 +200,9 @@ def record_matches(buf: bytes | memoryview, pos: int, size: int, topic_bytes: by
     if size < REC_HEADER_SIZE or len(buf) - pos < size:
         return False
     total, crc, magic, _r, qid, qoff, rpos, _ts, tlen = REC_HEADER.unpack_from(buf, pos)
+    if magic == BATCH_RECORD_MAGIC:
+        return _batch_matches(memoryview(buf), pos, size, topic_bytes, queue_id,
+                              queue_offset, position)
     if (total != size or magic != RECORD_MAGIC or qid != queue_id or qoff != queue_offset
             or rpos != position or tlen != len(topic_bytes)):
         return False
@@ -240,7 +215,8 @@ def record_matches(buf: bytes | memoryview, pos: int, size: int, topic_bytes: by
 def first_mismatch(buf: bytes, picked: list[tuple[int, int, int]], topic_bytes: bytes,
                    queue_id: int) -> int:
     """Index in ``picked`` ((offset, position, size) of consecutive records in ``buf``) of
-    the first record that is not what its index entry promises; -1 when all are."""
+    the first record that is not what its index entry promises; -1 when all are. (A batch
+    record's offset is any offset it holds.)"""
     unpack = REC_HEADER.unpack_from
     crc32 = zlib.crc32
     view = memoryview(buf)
@@ -252,6 +228,11 @@ def first_mismatch(buf: bytes, picked: list[tuple[int, int, int]], topic_bytes: 
         if size < REC_HEADER_SIZE or end > n:
             return i
         total, crc, magic, _r, qid, qoff, rpos, _ts, tl = unpack(buf, p)
+        if magic == BATCH_RECORD_MAGIC:
+            if not _batch_matches(view, p, size, topic_bytes, queue_id, off, pos):
+                return i
+            p = end
+            continue
         if (total != size or magic != RECORD_MAGIC or qid != queue_id or qoff != off
                 or rpos != pos or tl != tlen or buf[end - tlen:end] != topic_bytes
                 or crc32(view[p + 8:end]) != crc):
@@ -284,8 +265,16 @@ class MessageExt:
         return self.keys.split()
 
 
-def decode_records(buf: bytes | memoryview, verify: bool = True) -> Iterator[MessageExt]:
+def decode_records(buf: bytes | memoryview, verify: bool = True, first: int = 0,
+                   end: int | None = None, tag_hashes: frozenset[int] | None = None
+                   ) -> Iterator[MessageExt]:
     """Decode concatenated stored records (a pull payload) into messages.
+
+    A pull answers whole batch records, which may hold messages before the pulled offset,
+    at or after the pull's next offset, or with tags the pull did not ask for: of a batch
+    record's messages, only those with an offset in [``first``, ``end``) and (when
+    ``tag_hashes`` is given) a tag hash in it are decoded. Single records are all decoded
+    (the broker picked each of them).
 
     Raises RecordError (and nothing else) on a record that does not decode.
     """
@@ -300,27 +289,21 @@ def decode_records(buf: bytes | memoryview, verify: bool = True) -> Iterator[Mes
     while pos < n:
         if n - pos < head_size:
             raise RecordError("truncated record header")
+        if mv[pos + 8] == BATCH_RECORD_MAGIC:
+            pos = yield from _decode_batch_record(mv, pos, verify, first, end, tag_hashes)
+            continue
         (total, crc, magic, _r, qid, qoff, rpos, sts, tlen,
          born, flags, recons, ulen, tgl, kl, pl, bl) = unpack(mv, pos)
-        end = pos + total
-        if (magic != RECORD_MAGIC or end > n
+        rec_end = pos + total
+        if (magic != RECORD_MAGIC or rec_end > n
                 or total != head_size + ulen + tgl + kl + pl + bl + tlen):
             raise RecordError("malformed record")
-        if verify and crc32(mv[pos + 8:end]) != crc:
+        if verify and crc32(mv[pos + 8:rec_end]) != crc:
             raise RecordError("record checksum mismatch")
         try:
             p = pos + head_size
-            uk = str(mv[p:p + ulen], "ascii")
-            p += ulen
-            tags = str(mv[p:p + tgl], "utf-8") if tgl else ""
-            p += tgl
-            keys = str(mv[p:p + kl], "utf-8") if kl else ""
-            p += kl
-            props = msgpack.unpackb(mv[p:p + pl], raw=False) if pl else {}
-            p += pl
-            body = bytes(mv[p:p + bl])
-            p += bl
-            raw_topic = mv[p:end]
+            uk, tags, keys, props, body = _fields(mv, p, ulen, tgl, kl, pl, bl)
+            raw_topic = mv[rec_end - tlen:rec_end]
             if raw_topic != topic_raw:
                 topic_raw = bytes(raw_topic)
                 topic = topic_raw.decode("ascii")
@@ -330,4 +313,63 @@ def decode_records(buf: bytes | memoryview, verify: bool = True) -> Iterator[Mes
             raise RecordError("record properties are not a map")
         yield MessageExt(topic, qid, qoff, body, uk, tags, keys, props, born, sts, recons,
                          flags, rpos)
-        pos = end
+        pos = rec_end
+
+
+def _fields(mv: memoryview, p: int, ulen: int, tgl: int, kl: int, pl: int, bl: int
+            ) -> tuple[str, str, str, Any, bytes]:
+    """The variable fields of a message part whose fixed header ends at ``p``."""
+    uk = str(mv[p:p + ulen], "ascii")
+    p += ulen
+    tags = str(mv[p:p + tgl], "utf-8") if tgl else ""
+    p += tgl
+    keys = str(mv[p:p + kl], "utf-8") if kl else ""
+    p += kl
+    props = msgpack.unpackb(mv[p:p + pl], raw=False) if pl else {}
+    p += pl
+    return uk, tags, keys, props, bytes(mv[p:p + bl])
+
+
+def _decode_batch_record(mv: memoryview, pos: int, verify: bool, first: int,
+                         end: int | None, tag_hashes: frozenset[int] | None
+                         ) -> Iterator[MessageExt]:
+    """The selected messages of the batch record at ``mv[pos:]``; returns its end."""
+    total, crc, _m, _r, qid, base, rpos, sts, tlen = REC_HEADER.unpack_from(mv, pos)
+    rec_end = pos + total
+    bstart = pos + REC_HEADER_SIZE + tlen
+    if rec_end > len(mv) or rec_end - bstart < BATCH_HEAD_SIZE:
+        raise RecordError("malformed record")
+    bsize, bcrc, _bm, _attrs, count = BATCH_HEAD.unpack_from(mv, bstart)
+    if bsize != rec_end - bstart:
+        raise RecordError("malformed record batch")
+    crc32 = zlib.crc32
+    if verify and (crc32(mv[bstart + 8:rec_end]) != bcrc or crc32(
+            mv[pos + REC_HEADER_SIZE:bstart], crc32(mv[pos + 8:pos + REC_HEADER_SIZE])) != crc):
+        raise RecordError("record checksum mismatch")
+    lo = max(first - base, 0)
+    hi = count if end is None else min(end - base, count)
+    if lo >= hi:
+        return rec_end
+    try:
+        topic = str(mv[pos + REC_HEADER_SIZE:bstart], "ascii")
+        bounds = part_bounds(mv, bstart + BATCH_HEAD_SIZE, rec_end)
+    except Exception as exc:
+        raise RecordError(f"undecodable record batch: {exc}") from None
+    if len(bounds) != count or bounds[-1][1] != rec_end:
+        raise RecordError("malformed record batch")
+    unpack = PART_FIXED.unpack_from
+    for i in range(lo, hi):
+        p = bounds[i][0]
+        born, flags, recons, ulen, tgl, kl, pl, bl = unpack(mv, p)
+        try:
+            uk, tags, keys, props, body = _fields(mv, p + PART_FIXED_SIZE, ulen, tgl, kl,
+                                                  pl, bl)
+        except Exception as exc:  # a corrupt record read without verification
+            raise RecordError(f"undecodable record: {exc}") from None
+        if type(props) is not dict:
+            raise RecordError("record properties are not a map")
+        if tag_hashes is not None and tag_hash(tags) not in tag_hashes:
+            continue
+        yield MessageExt(topic, qid, base + i, body, uk, tags, keys, props, born, sts,
+                         recons, flags, rpos)
+    return rec_end

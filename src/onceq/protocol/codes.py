@@ -10,6 +10,7 @@ class RequestCode(IntEnum):
     SEND = 10
     SEND_BATCH = 11
     SEND_SEQUENCED = 12  # an idempotent writer's numbered batch (log/sequence.py)
+    SEND_RECORDS = 13  # a producer's record batch, stored as sent (log/batch.py)
     PULL = 20
     QUERY_OFFSETS = 21  # min/max offset of a queue
     SEARCH_OFFSET = 22  # first offset stored at or after a timestamp

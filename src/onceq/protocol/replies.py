@@ -291,6 +291,7 @@ PUSHES: dict[int, type[Message]] = {GroupChanged.CODE: GroupChanged,
 R = RequestCode
 REPLY_OF: dict[int, type[Message]] = {
     R.PING: Pong, R.SEND: SendReply, R.SEND_BATCH: SendReply,
+    R.SEND_RECORDS: SendReply,
     R.SEND_SEQUENCED: SequencedReply, R.CONSUMER_SEND_BACK: SendBackReply,
     R.PULL: PullReply, R.QUERY_OFFSETS: QueueOffsets, R.SEARCH_OFFSET: OffsetReply,
     R.GET_OFFSET: OffsetReply, R.COMMIT_OFFSET: Empty, R.RELEASE_QUEUE: Released,

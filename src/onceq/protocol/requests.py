@@ -133,6 +133,12 @@ class SendBatch(Send):
     """``SEND`` of several messages (the same fields)."""
 
 
+@message(RequestCode.SEND_RECORDS)
+class SendRecords(Send):
+    """Messages for one queue as one record batch (``log/batch.py``): the broker checks
+    the batch and stores its bytes as they are."""
+
+
 @message(RequestCode.SEND_SEQUENCED)
 class SendSequenced(Message):
     """An idempotent writer's numbered batch: messages ``seq``.. of ``writer`` in ``epoch``."""
@@ -410,7 +416,7 @@ class AclList(Message):
 
 REQUESTS: dict[int, type[Message]] = {
     cls.CODE: cls for cls in (
-        Send, SendBatch, SendSequenced, SendBack, Pull, QueryOffsets, SearchOffset,
+        Send, SendBatch, SendRecords, SendSequenced, SendBack, Pull, QueryOffsets, SearchOffset,
         GetOffset, CommitOffset, ReleaseQueue, ResetOffsets, CreateTopic, DeleteTopic,
         ListTopics, GetTopic, TopicStatus, Heartbeat, Unregister, ListGroupMembers,
         ListGroups, QueryAccessLocks, LockQueues, UnlockQueues, Ping, BrokerStatus,

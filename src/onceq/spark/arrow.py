@@ -10,12 +10,14 @@ import numpy as np
 import pyarrow as pa
 
 from ..client.message import MessageExt
+from ..log.batch import BATCH_RECORD_MAGIC
 from ..log.record import (
     PART_FIXED_SIZE,
     REC_HEAD_AND_PART,
     REC_HEADER_SIZE,
     RECORD_MAGIC,
     RecordError,
+    decode_records,
 )
 
 SCHEMA_DDL = (
@@ -63,10 +65,12 @@ def to_record_batch(messages: Sequence[MessageExt]) -> pa.RecordBatch:
     ], schema=ARROW_SCHEMA)
 
 
-def records_to_batch(payload: bytes, verify: bool, end: int) -> pa.RecordBatch:
+def records_to_batch(payload: bytes, verify: bool, end: int, start: int = 0
+                     ) -> pa.RecordBatch:
     """Stored records (a pull's payload, one queue, ascending offsets) straight into one
-    record batch, the rows below offset ``end`` only: the columns are filled while the
-    records are decoded, without a message object per row. Raises RecordError as
+    record batch, the rows in [``start``, ``end``) only: the columns of single records are
+    filled while the records are decoded, without a message object per row (a batch
+    record's messages go through ``decode_records``). Raises RecordError as
     ``decode_records`` does."""
     mv = memoryview(payload)
     n = len(mv)
@@ -84,6 +88,23 @@ def records_to_batch(payload: bytes, verify: bool, end: int) -> pa.RecordBatch:
         (total, crc, magic, _r, qid, qoff, _rpos, sts, tlen,
          bts, _flags, rc, ulen, tgl, kl, pl, bl) = unpack(mv, pos)
         end_pos = pos + total
+        if magic == BATCH_RECORD_MAGIC:
+            if qoff >= end:
+                break
+            for m in decode_records(mv[pos:end_pos], verify, start, end):
+                bodies.append(m.body)
+                keys.append(m.keys)
+                tags.append(m.tags)
+                props.append([(str(k), str(v)) for k, v in m.properties.items()])
+                uks.append(m.unique_key)
+                queues.append(m.queue_id)
+                offsets.append(m.queue_offset)
+                born.append(m.born_ts_ms)
+                stored.append(m.store_ts_ms)
+                recons.append(m.reconsume_times)
+                topic = m.topic
+            pos = end_pos
+            continue
         if (magic != RECORD_MAGIC or end_pos > n
                 or total != head_size + ulen + tgl + kl + pl + bl + tlen):
             raise RecordError("malformed record")

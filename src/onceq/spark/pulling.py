@@ -69,7 +69,8 @@ async def pull_range(r: QueueRange) -> AsyncIterator[pa.RecordBatch]:
                             f"offsets up to {r.end} were planned (was the topic deleted and "
                             "re-created?)")
                     if res.payload:
-                        batch = records_to_batch(res.payload, r.verify_checksums, r.end)
+                        batch = records_to_batch(res.payload, r.verify_checksums, r.end,
+                                                 offset)
                         if batch.num_rows:
                             yield batch
                     offset = res.next_offset

@@ -22,12 +22,13 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ..log.record import (
-    RECORD_MAGIC,
+    RECORD_MAGICS,
     RecordError,
     RecordHead,
     TruncatedRecord,
@@ -35,6 +36,7 @@ from ..log.record import (
 )
 from ..log.segment import (
     FILE_HEADER_SIZE,
+    LOG_FORMAT_VERSION,
     LOG_MAGIC,
     FileHeaderError,
     decode_file_header,
@@ -47,7 +49,7 @@ from .openfiles import OpenFiles, fsync_paths
 log = logging.getLogger("onceq.storage")
 
 READ_CHUNK = 8 * 1024 * 1024
-_MAGIC = bytes([RECORD_MAGIC])
+_MAGIC = re.compile(b"[%s]" % bytes(RECORD_MAGICS))  # byte 8 of either kind of record
 # one fsync sequence of commit-log segments at a time (the flush service's, off the loop,
 # and a sync on the loop): a later segment's records never reach the disk through one
 # sequence while an earlier segment's tail waits in another
@@ -103,12 +105,14 @@ class CommitLog:
         log ends where the lost tail starts, with no gap.
         """
         fs = self.files
+        versions: dict[int, int] = {}
         for name in _segment_names(self.dir, fs):
             path = os.path.join(self.dir, name)
             base = int(name)
             fd = fs.open(path, os.O_RDWR)
             try:
-                decode_file_header(fs.pread(fd, FILE_HEADER_SIZE, 0), LOG_MAGIC, base)
+                versions[base] = decode_file_header(fs.pread(fd, FILE_HEADER_SIZE, 0),
+                                                    LOG_MAGIC, base)
             except FileHeaderError as exc:
                 size = fs.size(fd)
                 (log.error if size > FILE_HEADER_SIZE else log.warning)(
@@ -130,6 +134,11 @@ class CommitLog:
             self._drop_after_lost_tail(tail_from)
         if not self.segments:
             self._new_segment(empty_base)
+        elif versions.get(self.segments[-1].base, LOG_FORMAT_VERSION) < LOG_FORMAT_VERSION:
+            # the active segment of an older release: it may take batch records now
+            active = self.segments[-1]
+            fs.write_all(active.fd, encode_file_header(LOG_MAGIC, active.base), 0)
+            fs.fsync(active.fd)
         gaps: list[tuple[int, int]] = []
         for prev, seg in zip(self.segments, self.segments[1:], strict=False):
             if seg.base > prev.end:
@@ -252,7 +261,8 @@ class CommitLog:
             # no valid record at ``off``: look for the next candidate
             if bad is None:
                 bad = off
-            i = buf.find(_MAGIC, p + 9)  # the magic is byte 8 of a record
+            m = _MAGIC.search(buf, p + 9)  # the magic is byte 8 of a record
+            i = m.start() if m is not None else -1
             if i >= 0:
                 off = buf_start + i - 8
             elif eof:

@@ -263,7 +263,7 @@ class ConsumerOffsets:
             r = self.read(offset, REPLAY_BATCH)
             if r.status == ReadStatus.FOUND:
                 try:
-                    for m in decode_records(r.payload):
+                    for m in decode_records(r.payload, True, offset, r.next_offset):
                         self._apply(m.body, m.position, m.queue_offset)
                 except RecordError as exc:  # checked on read: not expected
                     log.error("offsets: journal record unreadable: %s", exc)

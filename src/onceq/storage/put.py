@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..log.batch import BATCH_HEAD_SIZE, build_batch_record_head, check_batch, part_bounds
 from ..log.record import REC_HEADER_SIZE, RecordError, build_record_parts, check_part, tag_hash
 from ..log.segment import DAMAGED_ENTRY_SIZE, INDEX_ENTRY
 from .errors import MalformedMessage, MessageTooLarge, StorageError, StoreUnavailable
@@ -158,6 +159,73 @@ class Appender:
                             now_ms)
             dedup.expire(now_ms)
         return PutResult(queue_id, offsets, dups, dup_queues, log_.end)
+
+    def put_batch(self, topic: str, queue_id: int, batch: bytes,
+                  checked: tuple[list[bytes], list[int], int, int] | None = None,
+                  dedup: bool = True) -> PutResult:
+        """Store a producer's record batch in one queue as one batch record: the batch is
+        checked whole (``check_batch``) and appended as received, behind the broker's own
+        header; message ``i`` gets offset ``base + i``.
+
+        A batch with a message the dedup window knows, or with one unique key twice, cannot
+        be stored whole (its duplicates are not stored again): its messages then take the
+        single-record path of ``put``, with the same answer. So does a batch too large for
+        one commit-log segment. ``checked``: what ``check_batch`` said of ``batch``, when
+        the caller checked it already."""
+        cq = self.topics.queue(topic, queue_id)
+        self.gate.check_writable(True)
+        if checked is None:
+            try:
+                checked = check_batch(batch)
+            except RecordError as exc:
+                raise MalformedMessage(f"malformed record batch: {exc}") from None
+        keys, hashes, max_body, _flags = checked
+        if max_body > self.max_body:
+            raise MessageTooLarge(
+                f"message body of {max_body} bytes exceeds the limit of {self.max_body} bytes")
+        tb = topic.encode()
+        size = REC_HEADER_SIZE + len(tb) + len(batch)
+        use_dedup = dedup and self.dedup.enabled
+        now_ms = max(int(self.clock() * 1000), self.last_store_ms)
+        window = self.dedup
+        if use_dedup:
+            window.expire(now_ms)
+            found, looked_up = window.find(topic, keys)
+            wanted = [i for i, k in enumerate(keys) if k]
+            if (any(f is not None for f in found) or len({keys[i] for i in wanted})
+                    < len(wanted)):
+                return self._put_split(topic, queue_id, batch, dedup)
+        if size > self.log.segment_size:
+            return self._put_split(topic, queue_id, batch, dedup)
+        log_ = self.log
+        start_pos = log_.end
+        base = cq.max_offset
+        count = len(keys)
+        try:
+            pos = start_pos if size <= log_.room else log_.roll([])
+            head = build_batch_record_head(tb, queue_id, base, pos, now_ms, len(batch))
+            log_.write([head, batch])
+            self.last_store_ms = now_ms
+            pack = INDEX_ENTRY.pack
+            if any(hashes):
+                entries = b"".join([pack(pos, size, th, now_ms) for th in hashes])
+            else:
+                entries = pack(pos, size, 0, now_ms) * count
+            cq.append(entries, count)
+        except OSError as exc:
+            raise self._undo(cq, topic, start_pos, base, exc) from None
+        offsets = list(range(base, base + count))
+        if use_dedup and wanted:
+            window.add_found(topic, looked_up, wanted, queue_id,
+                             offsets if len(wanted) == count else [base + i for i in wanted],
+                             now_ms)
+            window.expire(now_ms)
+        return PutResult(queue_id, offsets, [], [], log_.end)
+
+    def _put_split(self, topic: str, queue_id: int, batch: bytes, dedup: bool) -> PutResult:
+        view = memoryview(batch)
+        parts = [view[a:b] for a, b in part_bounds(view, BATCH_HEAD_SIZE, len(view))]
+        return self.put(topic, queue_id, parts, dedup)
 
     def _still_stored(self, topic: str, queue_id: int, offset: int) -> bool:
         """Whether the record a "duplicate" answer would point at is intact in the log: a

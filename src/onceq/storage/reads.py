@@ -6,7 +6,9 @@ position, topic, checksum) before it is returned; one that is not goes to the in
 (``repair.py``) and is read again, or is skipped as damaged.
 
 A read answers a ``ReadStatus`` (the same names and numbers as the pull statuses of the
-protocol) with the records found.
+protocol) with the records found. A batch record is returned whole once, whatever number of
+its messages the read wants: the reader of the payload keeps the messages from the read's
+offset to its next offset (``decode_records``), with the tags it asked for.
 """
 
 from __future__ import annotations
@@ -96,9 +98,11 @@ class Reader:
         raw = cq.read(offset, max_msgs)
         log_start = self.log.start
         ranges: list[list[int]] = []
-        picked: list[tuple[int, int, int]] = []  # (offset, position, size)
+        picked: list[tuple[int, int, int]] = []  # (offset, position, size) of each record
+        counts: list[int] = []  # messages wanted of each picked record
         total = 0
         scanned = 0
+        last = -1  # position of the last picked record (a batch record: several entries)
         for pos, size, th, _ts in INDEX_ENTRY.iter_unpack(raw):
             if size == DAMAGED_ENTRY_SIZE:
                 if scanned:
@@ -107,12 +111,17 @@ class Reader:
                                  lo, hi)
             if pos < log_start:
                 return GetResult(ReadStatus.OFFSET_MOVED, b"", 0, lo, lo, hi)
-            if picked and total + size > max_bytes:
+            if pos != last and picked and total + size > max_bytes:
                 break
             scanned += 1
             if tag_hashes is not None and th not in tag_hashes:
                 continue
+            if pos == last:  # another message of the batch record picked already
+                counts[-1] += 1
+                continue
+            last = pos
             picked.append((offset + scanned - 1, pos, size))
+            counts.append(1)
             total += size
             if ranges and ranges[-1][0] + ranges[-1][1] == pos:
                 ranges[-1][1] += size
@@ -127,11 +136,11 @@ class Reader:
             if i == 0:
                 return GetResult(ReadStatus.DAMAGED, b"", 0, off + 1, lo, hi)
             good = sum(size for _o, _p, size in picked[:i])
-            return GetResult(ReadStatus.FOUND, payload[:good], i, off, lo, hi)
+            return GetResult(ReadStatus.FOUND, payload[:good], sum(counts[:i]), off, lo, hi)
         nxt = offset + scanned
         if not picked and nxt == hi:
             return GetResult(ReadStatus.NO_NEW_MESSAGE, b"", 0, hi, lo, hi)
-        return GetResult(ReadStatus.FOUND, payload, len(picked), nxt, lo, hi)
+        return GetResult(ReadStatus.FOUND, payload, sum(counts), nxt, lo, hi)
 
     def min_max(self, topic: str, queue_id: int) -> tuple[int, int]:
         cq = self.topics.queue(topic, queue_id)

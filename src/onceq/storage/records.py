@@ -14,12 +14,13 @@ from .consumequeue import ConsumeQueue
 
 
 def first_offset_past(cq: ConsumeQueue, position: int) -> int:
-    """First offset whose record does not end before ``position``."""
+    """First offset whose record does not end before ``position`` (the first message of
+    a batch record that ends after it)."""
     off = cq.first_offset_where(0, position)
     if off > cq.min_offset:
         pos, size, _th, _ts = cq.entry(off - 1)
         if size != DAMAGED_ENTRY_SIZE and pos + size > position:
-            off -= 1
+            off = max(cq.first_offset_where(0, pos), cq.min_offset)
     return off
 
 

@@ -10,7 +10,9 @@ import logging
 import struct
 import zlib
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
+from ..log.batch import BATCH_RECORD_MAGIC
 from ..log.record import (
     MAX_RECORD_SIZE,
     REC_HEAD_AND_PART,
@@ -25,6 +27,9 @@ from .consumequeue import ConsumeQueue
 from .damage import DamageRegistry
 from .dedup import DedupWindow
 from .records import first_offset_past, read_range, read_record
+
+if TYPE_CHECKING:
+    from .topics import TopicConfig
 
 log = logging.getLogger("onceq.storage")
 
@@ -121,19 +126,25 @@ class Recovery:
             t = topics.get(h.topic)
             if t is None or h.queue_id >= t.queues or h.position < t.created_position:
                 return  # a deleted topic's record
-            key = (h.topic, h.queue_id)
             if h.store_ts_ms > max_ts:
                 max_ts = h.store_ts_ms
-            if use_dedup and h.store_ts_ms >= window_start and h.unique_key:
-                add_t(h.topic)
-                add_k(h.dedup_key)
-                add_q(h.queue_id)
-                add_o(h.queue_offset)
-                add_ts(h.store_ts_ms)
-                if len(window_cols[0]) >= 4096:
-                    dedup.add_columns(*window_cols)
-                    for c in window_cols:
-                        c.clear()
+            in_window = use_dedup and h.store_ts_ms >= window_start
+            for off, dedup_key, th in h.messages():
+                if in_window and dedup_key:
+                    add_t(h.topic)
+                    add_k(dedup_key)
+                    add_q(h.queue_id)
+                    add_o(off)
+                    add_ts(h.store_ts_ms)
+                    if len(window_cols[0]) >= 4096:
+                        dedup.add_columns(*window_cols)
+                        for c in window_cols:
+                            c.clear()
+                on_message(h, t, off, th)
+
+        def on_message(h: RecordHead, t: TopicConfig, off: int, th: int) -> None:
+            """The index entry of the message at ``off`` of record ``h``."""
+            key = (h.topic, h.queue_id)
             entries = pending.get(key)
             if entries is None:
                 cq = queues[key]
@@ -141,7 +152,6 @@ class Recovery:
                 base[key] = cq.max_offset
             first = base[key]
             expect = first + len(entries)
-            off = h.queue_offset
             if off < expect:
                 # a repeated offset: an earlier write that failed after reaching the log
                 log.warning("store: record at %d repeats offset %d of %s; the later record "
@@ -149,7 +159,7 @@ class Recovery:
                 if off < first:  # its entry is trusted, below the checkpoint: replace it
                     cq = queues[key]
                     if off >= cq.min_offset:
-                        cq.write_entry(off, INDEX_ENTRY.pack(h.position, h.size, h.tags_hash,
+                        cq.write_entry(off, INDEX_ENTRY.pack(h.position, h.size, th,
                                                              h.store_ts_ms))
                     return
                 del entries[off - first:]
@@ -168,9 +178,7 @@ class Recovery:
                 else:
                     self.mark_damaged(key, expect, off, "records missing from the log")
                     entries.extend([damaged_entry(h.position, h.store_ts_ms)] * (off - expect))
-            entries.append(
-                INDEX_ENTRY.pack(h.position, h.size, h.tags_hash, h.store_ts_ms)
-            )
+            entries.append(INDEX_ENTRY.pack(h.position, h.size, th, h.store_ts_ms))
 
         end = log_.scan_tail(scan_from, on_record, on_damage)
         dedup.add_columns(*window_cols)
@@ -294,6 +302,27 @@ def window_keys(log_: CommitLog, seg: Segment, start_off: int, stop_off: int, si
         pos0 = base + off
         while p < lim:
             total, crc, magic, qid, qoff, rpos, sts, tlen, recons, ulen = unpack(buf, p)
+            if magic == BATCH_RECORD_MAGIC and rpos - p == pos0 and total <= MAX_RECORD_SIZE:
+                q = p + total
+                if q > n:
+                    break
+                try:
+                    h = check_record(view[:q], p, rpos)
+                except RecordError:
+                    bad = True
+                    break
+                t = topics.get(h.topic)
+                if (sts >= since and t is not None and qid < t.queues
+                        and rpos >= t.created_position):
+                    for o, k, _th in h.messages():
+                        if k:
+                            add_t(t.name)
+                            add_k(k)
+                            add_q(qid)
+                            add_o(o)
+                            add_ts(sts)
+                p = q
+                continue
             if (magic != RECORD_MAGIC or rpos - p != pos0 or total > MAX_RECORD_SIZE
                     or total < fixed + ulen + tlen):
                 bad = True
@@ -330,9 +359,11 @@ def window_keys(log_: CommitLog, seg: Segment, start_off: int, stop_off: int, si
         return
     for h in log_.scan_segment(seg, off, stop_off):
         if (not isinstance(h, RecordHead) or h.position >= base + stop_off
-                or h.store_ts_ms < since or not h.unique_key):
+                or h.store_ts_ms < since):
             continue
         t = topics.get(h.topic)
         if t is None or h.queue_id >= t.queues or h.position < t.created_position:
             continue
-        yield [h.topic], [h.dedup_key], [h.queue_id], [h.queue_offset], [h.store_ts_ms]
+        msgs = [(o, k) for o, k, _th in h.messages() if k]
+        yield ([h.topic] * len(msgs), [k for _o, k in msgs], [h.queue_id] * len(msgs),
+               [o for o, _k in msgs], [h.store_ts_ms] * len(msgs))

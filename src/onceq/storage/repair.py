@@ -19,6 +19,7 @@ from .records import read_record
 
 if TYPE_CHECKING:
     from .commitlog import CommitLog
+    from .consumequeue import ConsumeQueue
     from .failures import RateLimitedLog
     from .topics import Topics
 
@@ -71,12 +72,18 @@ class IndexRepair:
         ts = 0
         for k in range(offset - 1, max(cq.min_offset, offset - REPAIR_NEIGHBOURS) - 1, -1):
             pos, size, _th, ets = cq.entry(k)
-            if size != DAMAGED_ENTRY_SIZE and read_record(self.log, topic, qid, k, pos, size):
+            h = self._neighbour(topic, qid, k, pos, size)
+            if h is not None:
+                if self._same_batch(cq, h, topic, qid, offset):
+                    return True
                 lo_pos, ts = pos + size, ets
                 break
         for k in range(offset + 1, min(cq.max_offset, offset + REPAIR_NEIGHBOURS + 1)):
             pos, size, _th, _ets = cq.entry(k)
-            if size != DAMAGED_ENTRY_SIZE and read_record(self.log, topic, qid, k, pos, size):
+            h = self._neighbour(topic, qid, k, pos, size)
+            if h is not None:
+                if self._same_batch(cq, h, topic, qid, offset):
+                    return True
                 hi_pos = pos
                 break
         if lo_pos is None:
@@ -90,9 +97,11 @@ class IndexRepair:
                 continue
             for ev in log_.scan_segment(seg, max(0, lo_pos - seg.base), hi_pos - seg.base):
                 if (isinstance(ev, RecordHead) and ev.topic == topic and ev.queue_id == qid
-                        and ev.queue_offset == offset and ev.position >= t.created_position):
-                    cq.write_entry(offset, INDEX_ENTRY.pack(ev.position, ev.size,
-                                                            ev.tags_hash, ev.store_ts_ms))
+                        and ev.holds(offset) and ev.position >= t.created_position):
+                    th = (ev.tags_hash if ev.tag_hashes is None
+                          else ev.tag_hashes[offset - ev.queue_offset])
+                    cq.write_entry(offset, INDEX_ENTRY.pack(ev.position, ev.size, th,
+                                                            ev.store_ts_ms))
                     log.error("store: index entry of %s queue %d offset %d pointed at the "
                               "wrong bytes; repaired from the log", topic, qid, offset)
                     return True
@@ -101,6 +110,26 @@ class IndexRepair:
         if self.dirty:
             self.save()
         return False
+
+    def _neighbour(self, topic: str, qid: int, offset: int, pos: int, size: int
+                   ) -> RecordHead | None:
+        """The intact record the entry of ``offset`` points at, if any."""
+        if size == DAMAGED_ENTRY_SIZE:
+            return None
+        h = read_record(self.log, topic, qid, offset, pos, size, decode=True)
+        return h if isinstance(h, RecordHead) else None
+
+    def _same_batch(self, cq: ConsumeQueue, h: RecordHead, topic: str, qid: int,
+                    offset: int) -> bool:
+        """A neighbour's batch record holds ``offset`` too: its entry is written from it."""
+        if not h.holds(offset) or h.tag_hashes is None:
+            return False
+        cq.write_entry(offset, INDEX_ENTRY.pack(h.position, h.size,
+                                                h.tag_hashes[offset - h.queue_offset],
+                                                h.store_ts_ms))
+        log.error("store: index entry of %s queue %d offset %d pointed at the wrong bytes; "
+                  "repaired from its batch record", topic, qid, offset)
+        return True
 
     def save(self) -> None:
         """Save the damage registry; on a full disk a read still succeeds (the markers are

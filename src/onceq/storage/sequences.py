@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import msgpack
 
+from ..log.batch import BATCH_RECORD_MAGIC
 from ..log.record import (
     MAX_RECORD_SIZE,
     PART_FIXED_SIZE,
@@ -162,6 +163,12 @@ def _scan_segment(store: MessageStore, seg: Segment, off: int) -> Iterator[Found
         while n - p >= _HEAD:
             (total, crc, magic, _r, qid, _qoff, rpos, sts, tlen,
              _born, flags, _rc, ulen, tgl, kl, pl, bl) = unpack(buf, p)
+            if (magic == BATCH_RECORD_MAGIC and rpos == seg.base + off + p
+                    and _HEAD <= total <= MAX_RECORD_SIZE):
+                if p + total > n:
+                    break
+                p += total  # a record batch never carries the flag (refused at its send)
+                continue
             if (magic != RECORD_MAGIC or rpos != seg.base + off + p or total > MAX_RECORD_SIZE
                     or total != _HEAD + ulen + tgl + kl + pl + bl + tlen):
                 yield from _resync(store, seg, off + p)  # damaged bytes: the careful way

@@ -180,6 +180,12 @@ class MessageStore:
         """Store message parts in one queue; all or nothing (see ``Appender.put``)."""
         return self.appender.put(topic, queue_id, parts, dedup, space)
 
+    def put_batch(self, topic: str, queue_id: int, batch: bytes,
+                  checked: tuple[list[bytes], list[int], int, int] | None = None
+                  ) -> PutResult:
+        """Store a producer's record batch as one batch record (``Appender.put_batch``)."""
+        return self.appender.put_batch(topic, queue_id, batch, checked)
+
     def get(self, topic: str, queue_id: int, offset: int, max_msgs: int, max_bytes: int,
             tag_hashes: frozenset[int] | None = None) -> GetResult:
         """Up to ``max_msgs`` records from ``offset`` (see ``Reader.get``)."""

@@ -119,18 +119,22 @@ class _QueueCheck:
         else:
             qs.append(QueueDamage(self.topic, self.qid, off, off, reason))
 
-    def record(self, h: RecordHead | None, log_end: int, checkpoint: int = 0) -> None:
-        """Check index entries up to record ``h`` (None: the end of the log).
+    def record(self, h: RecordHead | None, log_end: int, checkpoint: int = 0,
+               offset: int | None = None) -> None:
+        """Check index entries up to the message at ``offset`` (by default the first) of
+        record ``h`` (None: the end of the log).
 
         A record below ``checkpoint`` must have an entry; after it, entries may still be
         missing after a crash (a start indexes them)."""
+        if h is not None and offset is None:
+            offset = h.queue_offset
         while True:
-            if self.current is None or (h is not None and self.current[0] > h.queue_offset):
-                if h is not None and h.position < checkpoint:
-                    self._bad(h.queue_offset, "no index entry (rebuilt at start)")
+            if self.current is None or (offset is not None and self.current[0] > offset):
+                if h is not None and offset is not None and h.position < checkpoint:
+                    self._bad(offset, "no index entry (rebuilt at start)")
                 return
             off, (pos, size, _th, _ts) = self.current
-            if h is not None and off == h.queue_offset:
+            if h is not None and off == offset:
                 if size == DAMAGED_ENTRY_SIZE:
                     self._bad(off, "marked damaged, yet its record is intact")
                 elif (pos, size) != (h.position, h.size):
@@ -179,7 +183,8 @@ def verify_store(data_dir: str, files: FileOps = OS_FILES) -> VerifyReport:
                     continue  # a deleted topic's record
                 check = checks.get((ev.topic, ev.queue_id))
                 if check is not None:
-                    check.record(ev, end, checkpoint or 0)
+                    for off in range(ev.queue_offset, ev.queue_offset + ev.count):
+                        check.record(ev, end, checkpoint or 0, off)
         for check in checks.values():
             check.record(None, end)
     finally:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from ...protocol.codes import RequestCode
 from ...protocol.frame import PREFIX, PREFIX_SIZE, REQUEST, RESPONSE
 
-_SENDS = (RequestCode.SEND, RequestCode.SEND_BATCH)
+_SENDS = (RequestCode.SEND, RequestCode.SEND_BATCH, RequestCode.SEND_RECORDS)
 
 
 def free_port() -> int:

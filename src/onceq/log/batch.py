@@ -1,0 +1,154 @@
+"""Record batches: a producer's batch of message parts, sent and stored as one unit
+(pure functions, standard library only).
+
+A producer sends a batch; the broker checks it once (its checksum, then the fixed header
+of each part, as it checks a single message) and appends the bytes it received behind a
+header of its own, the *batch record*. A pull returns stored batch records as they are;
+message ``i`` of a batch record has queue offset ``base_offset + i``. One consume-queue
+entry per message still points at its batch record, so offsets, tag filters, store-time
+searches and retention work as for single records.
+
+Batch (little endian; what the producer sends, stored as received)::
+
+    u32 size          size of the whole batch, this field included
+    u32 crc32         zlib.crc32 of bytes [8:size]
+    u8  BATCH_MAGIC
+    u8  attributes    0 (reserved for compression; other values are refused)
+    u16 count         messages in the batch, 1..65535
+    ... count message parts (``part.py``), back to back
+
+Batch record (the commit log's record for a batch)::
+
+    u32 total_size    size of the whole record, this field included
+    u32 crc32         zlib.crc32 of bytes [8:37] and the topic (the batch has its own)
+    u8  BATCH_RECORD_MAGIC
+    u8  reserved
+    u16 queue_id
+    i64 base_offset   queue offset of the batch's first message
+    i64 position      commit-log position of this record
+    i64 store_ts_ms
+    u8  topic length  (ascii)
+    ... topic
+    ... batch
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Sequence
+
+from .part import PART_FIXED, PART_FIXED_SIZE, RecordError, check_part, tag_hash
+
+BATCH_MAGIC = 0xB1
+BATCH_RECORD_MAGIC = 0xA3
+BATCH_HEAD = struct.Struct("<IIBBH")  # size, crc32, magic, attributes, count
+BATCH_HEAD_SIZE = BATCH_HEAD.size  # 12
+MAX_BATCH_COUNT = 65535
+BATCH_REC_TAIL = struct.Struct("<BBHqqqB")  # the record header after total_size and crc32
+BATCH_REC_HEADER_SIZE = 8 + BATCH_REC_TAIL.size  # 37, as a single record's header
+_BATCH_TAIL = struct.Struct("<BBH")
+_U32x2 = struct.Struct("<II")
+
+
+def encode_batch(parts: Sequence[bytes]) -> bytes:
+    """The batch of message parts ``parts`` (``encode_part``), as a producer sends it."""
+    if not 0 < len(parts) <= MAX_BATCH_COUNT:
+        raise RecordError(f"a record batch holds 1..{MAX_BATCH_COUNT} messages")
+    body = b"".join(parts)
+    tail = _BATCH_TAIL.pack(BATCH_MAGIC, 0, len(parts))
+    crc = zlib.crc32(body, zlib.crc32(tail))
+    return b"".join((_U32x2.pack(BATCH_HEAD_SIZE + len(body), crc), tail, body))
+
+
+def batch_count(batch: bytes | memoryview) -> int:
+    """The message count a batch's header claims (not checked)."""
+    return BATCH_HEAD.unpack_from(batch)[4]
+
+
+def check_batch(batch: bytes | memoryview) -> tuple[list[bytes], list[int], int, int]:
+    """Check a batch whole; return its messages' (dedup keys, tag hashes), the largest
+    body size and the OR of their flags.
+
+    Raises RecordError when the header, the checksum or any part does not check: the size
+    and count must match the parts exactly, and every part must decode on the consumer
+    side (``check_part``'s rules), so a stored batch never poisons the pulls of its queue.
+    A dedup key is the unique key, suffixed with the reconsume count when it is not 0.
+    """
+    n = len(batch)
+    if n < BATCH_HEAD_SIZE:
+        raise RecordError("record batch too short")
+    size, crc, magic, attrs, count = BATCH_HEAD.unpack_from(batch)
+    if magic != BATCH_MAGIC:
+        raise RecordError("bad record batch magic")
+    if size != n:
+        raise RecordError("record batch size does not match its length")
+    if attrs:
+        raise RecordError(f"record batch attributes {attrs:#x} are not supported")
+    if zlib.crc32(memoryview(batch)[8:]) != crc:
+        raise RecordError("record batch checksum mismatch")
+    return _scan_parts(batch if type(batch) is bytes else bytes(batch), count)
+
+
+def _scan_parts(buf: bytes, count: int) -> tuple[list[bytes], list[int], int, int]:
+    n = len(buf)
+    unpack = PART_FIXED.unpack_from
+    keys: list[bytes] = []
+    hashes: list[int] = []
+    add_key = keys.append
+    add_hash = hashes.append
+    seen_tags: dict[bytes, int] = {}
+    max_body = 0
+    all_flags = 0
+    p = BATCH_HEAD_SIZE
+    while p < n:
+        if n - p < PART_FIXED_SIZE:
+            raise RecordError("message part too short")
+        _born, flags, recons, ulen, tlen, klen, plen, blen = unpack(buf, p)
+        q = p + PART_FIXED_SIZE + ulen
+        end = q + tlen + klen + plen + blen
+        if end > n:
+            raise RecordError("message part lengths exceed the batch")
+        if tlen or klen or plen or recons:  # the rare fields: the full single-part check
+            key, tags, _blen, _uk = check_part(memoryview(buf)[p:end])
+            th = seen_tags.get(tags)
+            if th is None:
+                th = seen_tags[tags] = tag_hash(tags)
+            add_hash(th)
+        else:
+            key = buf[p + PART_FIXED_SIZE:q]
+            if not key.isascii():
+                raise RecordError("unique key is not ascii")
+            add_hash(0)
+        add_key(key)
+        if blen > max_body:
+            max_body = blen
+        all_flags |= flags
+        p = end
+    if len(keys) != count or not count:
+        raise RecordError(f"record batch claims {count} messages and holds {len(keys)}")
+    return keys, hashes, max_body, all_flags
+
+
+def part_bounds(buf: bytes | memoryview, start: int, end: int) -> list[tuple[int, int]]:
+    """(start, end) of each part of the batch whose parts span ``buf[start:end]``; the
+    lengths are trusted (the batch was checked when it was stored or read)."""
+    unpack = PART_FIXED.unpack_from
+    out = []
+    p = start
+    while p < end:
+        _b, _f, _r, ulen, tlen, klen, plen, blen = unpack(buf, p)
+        q = p + PART_FIXED_SIZE + ulen + tlen + klen + plen + blen
+        out.append((p, q))
+        p = q
+    return out
+
+
+def build_batch_record_head(topic_bytes: bytes, queue_id: int, base_offset: int,
+                            position: int, store_ts_ms: int, batch_size: int) -> bytes:
+    """The header and topic that the broker writes before a checked batch."""
+    tail = BATCH_REC_TAIL.pack(BATCH_RECORD_MAGIC, 0, queue_id, base_offset, position,
+                               store_ts_ms, len(topic_bytes))
+    crc = zlib.crc32(topic_bytes, zlib.crc32(tail))
+    total = BATCH_REC_HEADER_SIZE + len(topic_bytes) + batch_size
+    return b"".join((_U32x2.pack(total, crc), tail, topic_bytes))
