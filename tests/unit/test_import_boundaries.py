@@ -20,9 +20,13 @@ from the top package (``from onceq import Admin``) resolved to the module it com
   ``onceq.broker``, ``onceq.spark`` or ``onceq.cli``.
 * ``onceq.spark`` (the PySpark data source) is a client too: never ``onceq.storage``,
   ``onceq.broker`` or ``onceq.cli``.
+* ``onceq.console`` (the web console) is a client too: never ``onceq.storage``,
+  ``onceq.broker`` or ``onceq.cli``.
 * ``onceq.cli`` may import anything.
 * Only ``onceq.spark`` imports ``pyspark``, ``pyarrow`` and ``numpy`` (the ``spark`` extra):
   every other module works without them.
+* Only ``onceq.console`` imports ``starlette``, ``jinja2``, ``markupsafe``, ``uvicorn`` and
+  ``multipart`` (the ``console`` extra).
 * No import cycle runs through files of two different packages.
 
 A violation fails with the file, the line and the import.
@@ -49,6 +53,7 @@ class Rule:
     allowed_third_party: frozenset[str] | None = None  # None: any
     forbidden_third_party: frozenset[str] = frozenset()
     exempt: frozenset[str] = frozenset()  # subpackages of ``package`` the rule skips
+    owner: str = "onceq.spark"  # the package that alone imports ``forbidden_third_party``
 
     def applies_to(self, module: str) -> bool:
         if module != self.package and not module.startswith(self.package + "."):
@@ -68,7 +73,7 @@ class Rule:
                 return f"{self.package} may import from onceq only {allowed}"
             return None
         if parts[0] in self.forbidden_third_party:
-            return f"only onceq.spark may import {parts[0]}"
+            return f"only {self.owner} may import {parts[0]}"
         if (self.allowed_third_party is not None and parts[0] not in STDLIB
                 and parts[0] not in self.allowed_third_party):
             allowed = ", ".join(sorted(self.allowed_third_party)) or "nothing"
@@ -78,6 +83,7 @@ class Rule:
 
 
 SPARK_ONLY = frozenset({"pyspark", "pyarrow", "numpy"})
+CONSOLE_ONLY = frozenset({"starlette", "jinja2", "markupsafe", "uvicorn", "multipart"})
 
 CLIENT_SIDE = frozenset({"storage", "broker", "cli"})
 
@@ -91,7 +97,10 @@ RULES = [
     Rule("onceq.client", forbidden_onceq=CLIENT_SIDE | {"idempotency", "spark"}),
     Rule("onceq.idempotency", forbidden_onceq=CLIENT_SIDE | {"spark"}),
     Rule("onceq.spark", forbidden_onceq=CLIENT_SIDE),
+    Rule("onceq.console", forbidden_onceq=CLIENT_SIDE),
     Rule("onceq", forbidden_third_party=SPARK_ONLY, exempt=frozenset({"spark"})),
+    Rule("onceq", forbidden_third_party=CONSOLE_ONLY, exempt=frozenset({"console"}),
+         owner="onceq.console"),
 ]
 
 
@@ -251,6 +260,20 @@ def test_pyspark_outside_the_spark_package_is_reported():
     assert _check("onceq.spark.reader", "from ..broker.broker import Broker\n") == [
         "src/onceq/spark/reader.py:1: imports onceq.broker.broker "
         "(onceq.spark must not import onceq.broker)"]
+
+
+def test_the_console_reaching_into_the_broker_or_web_libraries_elsewhere_are_reported():
+    assert _check("onceq.console.groups", "from ..broker.groups import Members\n"
+                  "from ..client.admin import Admin\nfrom starlette.routing import Route\n"
+                  "from ..cli.common import fail\n") == [
+        "src/onceq/console/groups.py:1: imports onceq.broker.groups "
+        "(onceq.console must not import onceq.broker)",
+        "src/onceq/console/groups.py:4: imports onceq.cli.common "
+        "(onceq.console must not import onceq.cli)"]
+    assert _check("onceq.client.admin", "import jinja2\n") == [
+        "src/onceq/client/admin.py:1: imports jinja2 (only onceq.console may import jinja2)"]
+    assert _check("onceq.console.app", "import pyspark\n") == [
+        "src/onceq/console/app.py:1: imports pyspark (only onceq.spark may import pyspark)"]
 
 
 def test_allowed_imports_pass():
