@@ -37,7 +37,6 @@ from .batch import (
     BATCH_RECORD_MAGIC,
     batch_count,
     check_batch,
-    part_bounds,
 )
 from .part import (
     MIN_PART_SIZE,
@@ -350,20 +349,32 @@ def _decode_batch_record(mv: memoryview, pos: int, verify: bool, first: int,
     hi = count if end is None else min(end - base, count)
     if lo >= hi:
         return rec_end
+    data = bytes(mv[pos:rec_end])  # slices of bytes: no view per field
     try:
-        topic = str(mv[pos + REC_HEADER_SIZE:bstart], "ascii")
-        bounds = part_bounds(mv, bstart + BATCH_HEAD_SIZE, rec_end)
-    except Exception as exc:
-        raise RecordError(f"undecodable record batch: {exc}") from None
-    if len(bounds) != count or bounds[-1][1] != rec_end:
-        raise RecordError("malformed record batch")
+        topic = data[REC_HEADER_SIZE:bstart - pos].decode("ascii")
+    except UnicodeDecodeError:
+        raise RecordError("undecodable record batch topic") from None
     unpack = PART_FIXED.unpack_from
-    for i in range(lo, hi):
-        p = bounds[i][0]
-        born, flags, recons, ulen, tgl, kl, pl, bl = unpack(mv, p)
+    n = len(data)
+    p = bstart - pos + BATCH_HEAD_SIZE
+    i = 0
+    for i in range(count):
+        if n - p < PART_FIXED_SIZE:
+            raise RecordError("malformed record batch")
+        born, flags, recons, ulen, tgl, kl, pl, bl = unpack(data, p)
+        q = p + PART_FIXED_SIZE
+        p = q + ulen + tgl + kl + pl + bl
+        if i < lo or i >= hi:
+            continue
         try:
-            uk, tags, keys, props, body = _fields(mv, p + PART_FIXED_SIZE, ulen, tgl, kl,
-                                                  pl, bl)
+            if tgl or kl or pl:
+                uk, tags, keys, props, body = _fields(memoryview(data), q, ulen, tgl, kl,
+                                                      pl, bl)
+            else:
+                uk = data[q:q + ulen].decode("ascii")
+                body = data[q + ulen:p]
+                tags = keys = ""
+                props = {}
         except Exception as exc:  # a corrupt record read without verification
             raise RecordError(f"undecodable record: {exc}") from None
         if type(props) is not dict:
@@ -372,4 +383,6 @@ def _decode_batch_record(mv: memoryview, pos: int, verify: bool, first: int,
             continue
         yield MessageExt(topic, qid, base + i, body, uk, tags, keys, props, born, sts,
                          recons, flags, rpos)
+    if p != n:
+        raise RecordError("malformed record batch")
     return rec_end
