@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
+import zlib
 from typing import Any
 
 import msgpack
@@ -14,7 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from onceq import Admin, ErrorCode, Message, OnceqError, Producer, PullConsumer, PullStatus
+from onceq.log.batch import encode_batch
 from onceq.log.record import encode_part
+from onceq.log.sequence import SEQUENCED
 from onceq.protocol.codes import RequestCode
 from onceq.protocol.frame import (
     PREFIX,
@@ -670,3 +673,49 @@ async def test_system_topics_are_not_created_on_first_use(tmp_path):
         assert code == 0, hdr
         await raw.close()
         assert "%DLQ%x" not in b.store.topics and "auto" in b.store.topics
+
+
+async def test_malformed_record_batches_store_nothing(broker, addr, seeded):
+    """SEND_RECORDS: a batch whose checksum, header or any part does not check is refused
+    whole, with the code a single message would get."""
+    good = part(b"good", uk="R1")
+    broken = bytearray(part(b"broken", uk="R2"))
+    broken[-7] ^= 0xFF
+    ok = encode_batch([good, part(b"two", uk="R3")])
+    flipped = bytearray(ok)
+    flipped[-1] ^= 1  # the checksum no longer matches
+    recount = bytearray(ok)
+    recount[10] = 3  # claims 3 messages, with a fresh checksum
+    recount[4:8] = _U32.pack(zlib.crc32(bytes(recount[8:])))
+    attrs = bytearray(ok)
+    attrs[9] = 0x80  # unknown attribute bit, with a fresh checksum
+    attrs[4:8] = _U32.pack(zlib.crc32(bytes(attrs[8:])))
+    junk_zstd = bytearray(ok)
+    junk_zstd[9] = 1  # says zstd, holds plain parts
+    junk_zstd[4:8] = _U32.pack(zlib.crc32(bytes(junk_zstd[8:])))
+    bad_payloads = [
+        b"", b"\x00" * 11, bytes(flipped), bytes(recount), bytes(attrs), bytes(junk_zstd),
+        ok + b"\x00", ok[:-1], encode_batch([good, bytes(broken)]),
+        encode_batch([good, part(uk="R4")[:10]]),
+        *(encode_batch([good, bad]) for bad in _poison_parts()),
+    ]
+    raw = await Raw.open(broker.port)
+    for i, payload in enumerate(bad_payloads, 1):
+        code, hdr, _ = await raw.request(RequestCode.SEND_RECORDS, {"topic": KEEP, "queue": 0},
+                                         payload, corr=i)
+        assert code == ErrorCode.BAD_REQUEST, (i, hdr)
+        assert "record batch" in hdr["message"], hdr
+    max_body = broker.config.store.max_body
+    code, hdr, _ = await raw.request(
+        RequestCode.SEND_RECORDS, {"topic": KEEP, "queue": 0},
+        encode_batch([good, part(b"b" * (max_body + 1), uk="R5")]), corr=100)
+    assert code == ErrorCode.MESSAGE_TOO_LARGE and str(max_body) in hdr["message"]
+    code, hdr, _ = await raw.request(
+        RequestCode.SEND_RECORDS, {"topic": KEEP, "queue": 0},
+        encode_batch([good, part(b"s", uk="R6", flags=SEQUENCED)]), corr=101)
+    assert code == ErrorCode.INVALID_SEQUENCE, hdr
+    await raw.close()
+    await assert_healthy(addr, seeded)
+    async with Producer(addr) as p:  # nothing of the refused batches reached the window
+        r = await p.send(KEEP, Message(b"good", unique_key="R1"), queue=0)
+    assert not r.duplicate and r.offset == 5

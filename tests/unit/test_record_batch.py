@@ -181,3 +181,38 @@ def test_a_truncated_batch_record_may_be_completed() -> None:
     rec = _record(encode_batch([encode_part(b"x", "K", 1)]))
     with pytest.raises(TruncatedRecord):
         check_record(rec[:REC_HEADER_SIZE + 3], 0, 0)
+
+
+@pytest.mark.parametrize("compression", ["zstd", "lz4"])
+@given(msgs=batch_st)
+@settings(max_examples=40, deadline=None)
+def test_compressed_batches_round_trip_and_are_checked(compression: str,
+                                                       msgs: list[dict]) -> None:
+    parts = _parts(msgs)
+    batch = encode_batch(parts, compression)
+    assert batch[9] == {"zstd": 1, "lz4": 2}[compression]
+    assert check_batch(batch)[:2] == check_batch(encode_batch(parts))[:2]
+    rec = _record(batch)
+    assert check_record(rec, 0, 0).count == len(msgs)
+    assert [m.body for m in decode_records(rec, True, 11)] == [m["body"] for m in msgs[1:]]
+
+
+def test_a_compressed_batch_that_lies_about_its_size_is_refused() -> None:
+    import zlib
+
+    import zstandard
+
+    plain = b"".join(_parts([{"body": b"x" * 100, "key": "K", "tags": "", "keys": "",
+                             "props": None, "recons": 0}] * 3))
+    for frame, why in (
+            (zstandard.ZstdCompressor(write_content_size=False).compress(plain), "state"),
+            (b"not a frame at all", "decompress"),
+            (zstandard.ZstdCompressor().compress(plain + b"extra"), "part too short")):
+        tail = bytes([0xB1, 1, 3, 0])
+        body = tail + frame
+        batch = (len(body) + 8).to_bytes(4, "little") + zlib.crc32(body).to_bytes(
+            4, "little") + body
+        with pytest.raises(RecordError, match=why):
+            check_batch(batch)
+    with pytest.raises(RecordError, match="unknown compression"):
+        encode_batch([plain], "gzip")

@@ -1,12 +1,12 @@
 """The data directory a fixed scenario leaves is the same, byte for byte, release to release.
 
 The scenario runs against ``MessageStore`` directly with a fake clock: topics created, sends
-(duplicates caught by the dedup window among them, record batches among them), offset commits, a checkpoint, a close
-and a reopen, a topic deleted and created again, a retention run, a close. The SHA-256 over
-every file's relative path and bytes must match the constant recorded when the on-disk
-formats were last changed on purpose. Nothing in the scenario depends on the wall clock,
-the process or chance: the dedup window's digest secret (drawn at random per window) is
-drawn from a fixed source here.
+(duplicates caught by the dedup window among them, record batches among them), offset
+commits, a checkpoint, a close and a reopen, a topic deleted and created again, a retention
+run, a close. The SHA-256 over every file's relative path and bytes must match the constant
+recorded when the on-disk formats were last changed on purpose. Nothing in the scenario
+depends on the wall clock, the process or chance: the dedup window's digest secret (drawn
+at random per window) is drawn from a fixed source here.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def run_scenario(path: Path) -> None:
     # record batches, stored as sent: one alone, one with a retried key (split)
     batch = [_part(5000 + k, _hex_key(5000 + k)) for k in range(6)]
     assert store.put_batch("orders", 3, encode_batch(batch)).offsets[0] > 0
-    assert store.put_batch("orders", 2, encode_batch(batch[4:] + [_part(5006, "b-6")])
+    assert store.put_batch("orders", 2, encode_batch([*batch[4:], _part(5006, "b-6")])
                            ).duplicates == [0, 1]
     store.commit_offset("g1", "orders", 0, 3)
     store.commit_offset("g1", "orders", 1, 5)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import struct
 from collections.abc import Callable
 
 from ..log.batch import BATCH_RECORD_MAGIC
@@ -57,6 +58,7 @@ log = logging.getLogger("onceq.broker")
 TRACE_FILE = "trace_groups.json"
 TRACE_QUEUES = 4
 _HEAD = REC_HEADER_SIZE + PART_FIXED_SIZE
+_U32 = struct.Struct("<I")
 
 
 def delivered_records(payload: bytes | memoryview, first: int = 0, end: int | None = None,
@@ -68,15 +70,16 @@ def delivered_records(payload: bytes | memoryview, first: int = 0, end: int | No
     out = []
     pos, n = 0, len(mv)
     unpack = REC_HEAD_AND_PART.unpack_from
-    while pos + _HEAD <= n:
-        (total, _crc, magic, _r, _q, qoff, _p, _sts, _tl,
-         _born, _fl, recons, ulen, *_rest) = unpack(mv, pos)
-        if total < _HEAD:
+    while pos + REC_HEADER_SIZE <= n:
+        total = _U32.unpack_from(mv, pos)[0]
+        if total <= REC_HEADER_SIZE:
             break
-        if magic == BATCH_RECORD_MAGIC:
+        if mv[pos + 8] == BATCH_RECORD_MAGIC:
             out += [(m.queue_offset, m.unique_key, m.reconsume_times) for m in
                     decode_records(mv[pos:pos + total], False, first, end, tag_hashes)]
-        else:
+        elif pos + _HEAD <= n:
+            (_t, _crc, _m, _r, _q, qoff, _p, _sts, _tl,
+             _born, _fl, recons, ulen, *_rest) = unpack(mv, pos)
             out.append((qoff, str(mv[pos + _HEAD:pos + _HEAD + ulen], "ascii"), recons))
         pos += total
     return out

@@ -13,9 +13,11 @@ Batch (little endian; what the producer sends, stored as received)::
     u32 size          size of the whole batch, this field included
     u32 crc32         zlib.crc32 of bytes [8:size]
     u8  BATCH_MAGIC
-    u8  attributes    0 (reserved for compression; other values are refused)
+    u8  attributes    bits 0-1: the compression of the parts (0 none, 1 zstd, 2 lz4
+                      frame); other bits 0
     u16 count         messages in the batch, 1..65535
-    ... count message parts (``part.py``), back to back
+    ... count message parts (``part.py``), back to back; compressed as one frame (that
+        states its decompressed size) when the attributes say so
 
 Batch record (the commit log's record for a batch)::
 
@@ -37,6 +39,7 @@ from __future__ import annotations
 import struct
 import zlib
 from collections.abc import Sequence
+from typing import Any
 
 from .part import PART_FIXED, PART_FIXED_SIZE, RecordError, check_part, tag_hash
 
@@ -49,14 +52,68 @@ BATCH_REC_TAIL = struct.Struct("<BBHqqqB")  # the record header after total_size
 BATCH_REC_HEADER_SIZE = 8 + BATCH_REC_TAIL.size  # 37, as a single record's header
 _BATCH_TAIL = struct.Struct("<BBH")
 _U32x2 = struct.Struct("<II")
+COMPRESSIONS = {"none": 0, "zstd": 1, "lz4": 2}  # name -> the attributes' codec bits
+_CODEC_BITS = 0x03
+MAX_PLAIN_SIZE = 64 * 1024 * 1024  # the parts of one batch, decompressed
 
 
-def encode_batch(parts: Sequence[bytes]) -> bytes:
-    """The batch of message parts ``parts`` (``encode_part``), as a producer sends it."""
+def _codec(codec: int) -> Any:
+    """The module of a compression codec (an optional dependency: the ``compression``
+    extra); RecordError when it is unknown or not installed."""
+    try:
+        if codec == 1:
+            import zstandard
+            return zstandard
+        if codec == 2:
+            import lz4.frame
+            return lz4.frame
+    except ImportError:
+        name = {1: "zstd", 2: "lz4"}[codec]
+        raise RecordError(f"{name} compression needs the {'zstandard' if codec == 1 else 'lz4'}"
+                          " package (pip install 'onceq[compression]')") from None
+    raise RecordError(f"unknown record batch compression {codec}")
+
+
+def compress(codec: int, plain: bytes) -> bytes:
+    mod = _codec(codec)
+    return mod.ZstdCompressor(level=3).compress(plain) if codec == 1 else mod.compress(plain)
+
+
+def decompress(codec: int, data: bytes | memoryview, limit: int = MAX_PLAIN_SIZE) -> bytes:
+    """The parts of a compressed batch; RecordError when they do not decompress, or their
+    frame does not state a size up to ``limit`` (nothing larger is ever inflated)."""
+    mod = _codec(codec)
+    try:
+        if codec == 1:
+            size = mod.frame_content_size(data)
+            if 0 <= size <= limit:
+                plain = mod.ZstdDecompressor().decompress(data, max_output_size=limit)
+        else:
+            size = mod.get_frame_info(data).get("content_size") or -1
+            if 0 <= size <= limit:
+                plain = mod.decompress(data)
+    except Exception as exc:  # each codec raises its own errors
+        raise RecordError(f"record batch does not decompress: {exc}") from None
+    if not 0 <= size <= limit:
+        raise RecordError(f"compressed record batch must state its size, up to {limit} bytes")
+    if len(plain) != size:
+        raise RecordError("record batch decompressed to another size than it states")
+    return plain
+
+
+def encode_batch(parts: Sequence[bytes], compression: str = "none") -> bytes:
+    """The batch of message parts ``parts`` (``encode_part``), as a producer sends it,
+    its parts compressed with ``compression`` (``COMPRESSIONS``)."""
     if not 0 < len(parts) <= MAX_BATCH_COUNT:
         raise RecordError(f"a record batch holds 1..{MAX_BATCH_COUNT} messages")
+    codec = COMPRESSIONS.get(compression)
+    if codec is None:
+        raise RecordError(f"unknown compression {compression!r} (one of "
+                          f"{', '.join(COMPRESSIONS)})")
     body = b"".join(parts)
-    tail = _BATCH_TAIL.pack(BATCH_MAGIC, 0, len(parts))
+    if codec:
+        body = compress(codec, body)
+    tail = _BATCH_TAIL.pack(BATCH_MAGIC, codec, len(parts))
     crc = zlib.crc32(body, zlib.crc32(tail))
     return b"".join((_U32x2.pack(BATCH_HEAD_SIZE + len(body), crc), tail, body))
 
@@ -83,11 +140,21 @@ def check_batch(batch: bytes | memoryview) -> tuple[list[bytes], list[int], int,
         raise RecordError("bad record batch magic")
     if size != n:
         raise RecordError("record batch size does not match its length")
-    if attrs:
+    if attrs & ~_CODEC_BITS:
         raise RecordError(f"record batch attributes {attrs:#x} are not supported")
     if zlib.crc32(memoryview(batch)[8:]) != crc:
         raise RecordError("record batch checksum mismatch")
-    return _scan_parts(batch if type(batch) is bytes else bytes(batch), count)
+    return _scan_parts(plain_batch(batch), count)
+
+
+def plain_batch(batch: bytes | memoryview) -> bytes:
+    """The batch with its parts decompressed (its header as it is)."""
+    attrs = batch[9]
+    if not attrs & _CODEC_BITS:
+        return batch if type(batch) is bytes else bytes(batch)
+    view = memoryview(batch)
+    return bytes(view[:BATCH_HEAD_SIZE]) + decompress(attrs & _CODEC_BITS,
+                                                      view[BATCH_HEAD_SIZE:])
 
 
 def _scan_parts(buf: bytes, count: int) -> tuple[list[bytes], list[int], int, int]:
@@ -131,8 +198,8 @@ def _scan_parts(buf: bytes, count: int) -> tuple[list[bytes], list[int], int, in
 
 
 def part_bounds(buf: bytes | memoryview, start: int, end: int) -> list[tuple[int, int]]:
-    """(start, end) of each part of the batch whose parts span ``buf[start:end]``; the
-    lengths are trusted (the batch was checked when it was stored or read)."""
+    """(start, end) of each part of the batch whose (decompressed) parts span
+    ``buf[start:end]``; the lengths are trusted (the batch was checked)."""
     unpack = PART_FIXED.unpack_from
     out = []
     p = start

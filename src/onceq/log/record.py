@@ -37,6 +37,7 @@ from .batch import (
     BATCH_RECORD_MAGIC,
     batch_count,
     check_batch,
+    plain_batch,
 )
 from .part import (
     MIN_PART_SIZE,
@@ -154,8 +155,7 @@ def check_record(buf: bytes | memoryview, pos: int, expect_position: int) -> Rec
 def _check_batch_record(buf: bytes | memoryview, pos: int, expect_position: int
                         ) -> RecordHead:
     total, crc, _m, _r, qid, base, rpos, sts, tlen = REC_HEADER.unpack_from(buf, pos)
-    if (total < REC_HEADER_SIZE + tlen + BATCH_HEAD_SIZE + MIN_PART_SIZE
-            or total > MAX_RECORD_SIZE):
+    if total <= REC_HEADER_SIZE + tlen + BATCH_HEAD_SIZE or total > MAX_RECORD_SIZE:
         raise RecordError("bad record size")
     if len(buf) - pos < total:
         raise TruncatedRecord("truncated record")
@@ -286,11 +286,13 @@ def decode_records(buf: bytes | memoryview, verify: bool = True, first: int = 0,
     topic_raw = b""
     topic = ""
     while pos < n:
-        if n - pos < head_size:
+        if n - pos < REC_HEADER_SIZE:
             raise RecordError("truncated record header")
         if mv[pos + 8] == BATCH_RECORD_MAGIC:
             pos = yield from _decode_batch_record(mv, pos, verify, first, end, tag_hashes)
             continue
+        if n - pos < head_size:
+            raise RecordError("truncated record header")
         (total, crc, magic, _r, qid, qoff, rpos, sts, tlen,
          born, flags, recons, ulen, tgl, kl, pl, bl) = unpack(mv, pos)
         rec_end = pos + total
@@ -350,6 +352,9 @@ def _decode_batch_record(mv: memoryview, pos: int, verify: bool, first: int,
     if lo >= hi:
         return rec_end
     data = bytes(mv[pos:rec_end])  # slices of bytes: no view per field
+    if data[bstart - pos + 9]:  # compressed parts
+        head = bstart - pos + BATCH_HEAD_SIZE
+        data = data[:head] + plain_batch(data[bstart - pos:])[BATCH_HEAD_SIZE:]
     try:
         topic = data[REC_HEADER_SIZE:bstart - pos].decode("ascii")
     except UnicodeDecodeError:

@@ -164,7 +164,7 @@ def _scan_segment(store: MessageStore, seg: Segment, off: int) -> Iterator[Found
             (total, crc, magic, _r, qid, _qoff, rpos, sts, tlen,
              _born, flags, _rc, ulen, tgl, kl, pl, bl) = unpack(buf, p)
             if (magic == BATCH_RECORD_MAGIC and rpos == seg.base + off + p
-                    and _HEAD <= total <= MAX_RECORD_SIZE):
+                    and REC_HEADER_SIZE < total <= MAX_RECORD_SIZE):
                 if p + total > n:
                     break
                 p += total  # a record batch never carries the flag (refused at its send)
