@@ -13,6 +13,7 @@ from onceq import Admin, ClientSecurity, ErrorCode, OnceqError
 from onceq.broker.acl import required
 from onceq.broker.users import UserStore
 from onceq.client.connection import BrokerConnection, call
+from onceq.log.batch import encode_batch
 from onceq.log.record import encode_part
 from onceq.protocol import requests as rq
 from onceq.protocol.codes import RequestCode
@@ -27,6 +28,7 @@ PART = encode_part(b"v", "UK", 1)
 # one well-formed request of every type (a new request type must be added here)
 SAMPLES: dict[type, rq.Message] = {s.__class__: s for s in (
     rq.Ping(), rq.Send("T", 0, batch(PART)), rq.SendBatch("T", 0, batch(PART, PART)),
+    rq.SendRecords("T", 0, encode_batch([PART, encode_part(b"w", "UK2", 1)])),
     rq.SendSequenced("T", 0, "w-1", 0, 0, batch(PART)),
     rq.SendBack("G", "T", 0, 0), rq.Pull("T", 0, 0, group="G", client="c-m"),
     rq.QueryOffsets("T", 0), rq.SearchOffset("T", 0, 0), rq.GetOffset("G", "T", 0),
