@@ -16,6 +16,7 @@ from onceq.log.batch import (
     encode_batch,
     part_bounds,
 )
+from onceq.log.part import encode_bodies
 from onceq.log.record import (
     REC_HEADER_SIZE,
     RecordError,
@@ -216,3 +217,15 @@ def test_a_compressed_batch_that_lies_about_its_size_is_refused() -> None:
             check_batch(batch)
     with pytest.raises(RecordError, match="unknown compression"):
         encode_batch([plain], "gzip")
+
+
+@given(st.lists(st.tuples(st.binary(max_size=200), keys_st), max_size=30),
+       st.integers(-2**63, 2**63 - 1))
+def test_encode_bodies_is_encode_part_of_each(items: list[tuple[bytes, str]], born: int) -> None:
+    bodies = [b for b, _k in items]
+    keys = [k for _b, k in items]
+    assert encode_bodies(bodies, keys, born) == [encode_part(b, k, born) for b, k in items]
+    with pytest.raises(RecordError):
+        encode_bodies([b"x"], ["é"], born)
+    with pytest.raises(RecordError):
+        encode_bodies([b"x"], ["K" * 256], born)

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..log.batch import COMPRESSIONS, encode_batch
+from ..log.part import encode_bodies
 from ..log.record import encode_part
 from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.replies import SendReply, TopicInfo
@@ -155,6 +156,8 @@ class Producer(BrokerClient):
         """The messages' parts and unique keys."""
         now_ms = int(time.time() * 1000)
         keys = self._keys.many(len(messages))
+        if all(type(m) is bytes for m in messages):  # bodies only: encoded at once
+            return encode_bodies(messages, keys, now_ms), keys  # type: ignore[arg-type]
         parts: list[bytes] = []
         add = parts.append
         for i, m in enumerate(messages):
