@@ -23,7 +23,7 @@ from onceq.storage.config import StoreConfig
 from onceq.storage.store import MessageStore
 from tests.clock import FakeClock
 
-GOLDEN_SHA256 = "5813a3bbcf5b2f7f3d577a7c73657002ba23f94da9e35e9f6070b9afc68622f3"
+GOLDEN_SHA256 = "bd61668a5d8bcfefdfb8a1019d3d1f98c1b0fff333c8719aa4408799a50f4cf2"
 
 T0 = 1_700_000_000.0
 
@@ -109,6 +109,9 @@ def run_scenario(path: Path) -> None:
     store.commit_offset("g2", "events", 1, 2)
     store.write_checkpoint()
     store.run_retention()
+    # a record batch in the data kept, with tags and properties
+    late = [_part(6000 + k, _hex_key(6000 + k)) for k in range(5)]
+    assert store.put_batch("events", 1, encode_batch(late)).offsets
     store.close()
 
 

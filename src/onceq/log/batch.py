@@ -1,23 +1,34 @@
 """Record batches: a producer's batch of message parts, sent and stored as one unit
 (pure functions, standard library only).
 
-A producer sends a batch; the broker checks it once (its checksum, then the fixed header
-of each part, as it checks a single message) and appends the bytes it received behind a
+A producer sends a batch; the broker checks it once (its checksum, then the lengths of
+every message, as it checks a single message) and appends the bytes it received behind a
 header of its own, the *batch record*. A pull returns stored batch records as they are;
 message ``i`` of a batch record has queue offset ``base_offset + i``. One consume-queue
 entry per message still points at its batch record, so offsets, tag filters, store-time
 searches and retention work as for single records.
+
+A batch keeps its messages in columns: the fixed headers of all its message parts
+(``part.py``, 25 bytes each), their unique keys, then their other variable fields, message
+after message. The fixed headers are read with one ``struct`` call for the whole batch,
+the keys (of one length, as a producer makes them) with another, and the lengths add up
+(or not) without a step per message.
 
 Batch (little endian; what the producer sends, stored as received)::
 
     u32 size          size of the whole batch, this field included
     u32 crc32         zlib.crc32 of bytes [8:size]
     u8  BATCH_MAGIC
-    u8  attributes    bits 0-1: the compression of the parts (0 none, 1 zstd, 2 lz4
+    u8  attributes    bits 0-1: the compression of the columns (0 none, 1 zstd, 2 lz4
                       frame); other bits 0
     u16 count         messages in the batch, 1..65535
-    ... count message parts (``part.py``), back to back; compressed as one frame (that
-        states its decompressed size) when the attributes say so
+    ... count fixed headers of message parts (i64 born_ts_ms, u16 flags, u16
+        reconsume_times, u8 unique key length, u16 tags length, u16 keys length,
+        u32 properties length, u32 body length)
+    ... the unique keys (ascii), back to back
+    ... per message: tags, keys, properties, body
+    (the columns compressed as one frame, that states its decompressed size, when the
+    attributes say so)
 
 Batch record (the commit log's record for a batch)::
 
@@ -39,6 +50,7 @@ from __future__ import annotations
 import struct
 import zlib
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import Any
 
 from .part import PART_FIXED, PART_FIXED_SIZE, RecordError, check_part, tag_hash
@@ -110,7 +122,12 @@ def encode_batch(parts: Sequence[bytes], compression: str = "none") -> bytes:
     if codec is None:
         raise RecordError(f"unknown compression {compression!r} (one of "
                           f"{', '.join(COMPRESSIONS)})")
-    body = b"".join(parts)
+    if min(map(len, parts)) < PART_FIXED_SIZE:
+        raise RecordError("message part too short")
+    key_ends = [PART_FIXED_SIZE + p[12] for p in parts]  # byte 12: the unique key's length
+    body = b"".join([p[:PART_FIXED_SIZE] for p in parts]
+                    + [p[PART_FIXED_SIZE:e] for p, e in zip(parts, key_ends, strict=True)]
+                    + [p[e:] for p, e in zip(parts, key_ends, strict=True)])
     if codec:
         body = compress(codec, body)
     tail = _BATCH_TAIL.pack(BATCH_MAGIC, codec, len(parts))
@@ -144,7 +161,7 @@ def check_batch(batch: bytes | memoryview) -> tuple[list[bytes], list[int], int,
         raise RecordError(f"record batch attributes {attrs:#x} are not supported")
     if zlib.crc32(memoryview(batch)[8:]) != crc:
         raise RecordError("record batch checksum mismatch")
-    return _scan_parts(plain_batch(batch), count)
+    return _scan_columns(plain_batch(batch), count)
 
 
 def plain_batch(batch: bytes | memoryview) -> bytes:
@@ -157,58 +174,80 @@ def plain_batch(batch: bytes | memoryview) -> bytes:
                                                       view[BATCH_HEAD_SIZE:])
 
 
-def _scan_parts(buf: bytes, count: int) -> tuple[list[bytes], list[int], int, int]:
-    n = len(buf)
-    unpack = PART_FIXED.unpack_from
-    keys: list[bytes] = []
-    hashes: list[int] = []
-    add_key = keys.append
-    add_hash = hashes.append
-    seen_tags: dict[bytes, int] = {}
-    max_body = 0
+_KEY_SPLITS: dict[tuple[int, int], struct.Struct] = {}  # (key length, n) -> n keys
+
+
+def columns(plain: bytes, count: int
+            ) -> tuple[tuple[tuple[int, ...], ...], list[bytes], list[int]]:
+    """A batch (decompressed) cut into its columns: the fixed-header fields (born, flags,
+    reconsume times, and the lengths of unique key, tags, keys, properties, body) as
+    tuples, the unique keys, and where each message's other variable fields start (with
+    the end of the last as a final entry). Raises RecordError unless the lengths add up to
+    the batch exactly."""
+    fixed_end = BATCH_HEAD_SIZE + PART_FIXED_SIZE * count
+    if not count or len(plain) < fixed_end:
+        raise RecordError(f"record batch too short for {count} messages")
+    cols = tuple(zip(*PART_FIXED.iter_unpack(memoryview(plain)[BATCH_HEAD_SIZE:fixed_end]),
+                     strict=True))
+    _born, _flags, _recons, ulens, tlens, klens, plens, blens = cols
+    keys_end = fixed_end + sum(ulens)
+    if keys_end > len(plain):
+        raise RecordError(f"record batch claims {count} messages whose lengths do not add "
+                          "up to its size")
+    u = ulens[0]
+    if ulens.count(u) == count:  # keys of one length (a producer's own): one call
+        st = _KEY_SPLITS.get((u, count))
+        if st is None:
+            if len(_KEY_SPLITS) > 512:
+                _KEY_SPLITS.clear()
+            st = _KEY_SPLITS[(u, count)] = struct.Struct(f"{u}s" * count)
+        keys = list(st.unpack_from(plain, fixed_end))
+    else:
+        at = list(accumulate(ulens, initial=fixed_end))
+        keys = [plain[at[i]:at[i + 1]] for i in range(count)]
+    sizes = (map(sum, zip(tlens, klens, plens, blens, strict=True))
+             if any(tlens) or any(klens) or any(plens) else blens)
+    starts = list(accumulate(sizes, initial=keys_end))
+    if starts[-1] != len(plain):
+        raise RecordError(f"record batch claims {count} messages whose lengths do not add "
+                          "up to its size")
+    return cols, keys, starts  # type: ignore[return-value]
+
+
+def _row_part(plain: bytes, keys: list[bytes], starts: list[int], i: int) -> bytes:
+    """Message ``i`` of a batch (decompressed) as a single message part."""
+    f = BATCH_HEAD_SIZE + PART_FIXED_SIZE * i
+    return b"".join((plain[f:f + PART_FIXED_SIZE], keys[i], plain[starts[i]:starts[i + 1]]))
+
+
+def _scan_columns(plain: bytes, count: int) -> tuple[list[bytes], list[int], int, int]:
+    cols, keys, starts = columns(plain, count)
+    _born, flags, recons, _ulens, tlens, klens, plens, blens = cols
+    if not b"".join(keys).isascii():
+        raise RecordError("unique key is not ascii")
+    hashes = [0] * count
+    if any(tlens) or any(klens) or any(plens) or any(recons):
+        keys = list(keys)
+        seen_tags: dict[bytes, int] = {}
+        for i in range(count):  # the rare fields: the full single-part check
+            if tlens[i] or klens[i] or plens[i] or recons[i]:
+                keys[i], tags, _blen, _uk = check_part(_row_part(plain, keys, starts, i))
+                th = seen_tags.get(tags)
+                if th is None:
+                    th = seen_tags[tags] = tag_hash(tags)
+                hashes[i] = th
     all_flags = 0
-    p = BATCH_HEAD_SIZE
-    while p < n:
-        if n - p < PART_FIXED_SIZE:
-            raise RecordError("message part too short")
-        _born, flags, recons, ulen, tlen, klen, plen, blen = unpack(buf, p)
-        q = p + PART_FIXED_SIZE + ulen
-        end = q + tlen + klen + plen + blen
-        if end > n:
-            raise RecordError("message part lengths exceed the batch")
-        if tlen or klen or plen or recons:  # the rare fields: the full single-part check
-            key, tags, _blen, _uk = check_part(memoryview(buf)[p:end])
-            th = seen_tags.get(tags)
-            if th is None:
-                th = seen_tags[tags] = tag_hash(tags)
-            add_hash(th)
-        else:
-            key = buf[p + PART_FIXED_SIZE:q]
-            if not key.isascii():
-                raise RecordError("unique key is not ascii")
-            add_hash(0)
-        add_key(key)
-        if blen > max_body:
-            max_body = blen
-        all_flags |= flags
-        p = end
-    if len(keys) != count or not count:
-        raise RecordError(f"record batch claims {count} messages and holds {len(keys)}")
-    return keys, hashes, max_body, all_flags
+    for f in set(flags):
+        all_flags |= f
+    return keys, hashes, max(blens), all_flags
 
 
-def part_bounds(buf: bytes | memoryview, start: int, end: int) -> list[tuple[int, int]]:
-    """(start, end) of each part of the batch whose (decompressed) parts span
-    ``buf[start:end]``; the lengths are trusted (the batch was checked)."""
-    unpack = PART_FIXED.unpack_from
-    out = []
-    p = start
-    while p < end:
-        _b, _f, _r, ulen, tlen, klen, plen, blen = unpack(buf, p)
-        q = p + PART_FIXED_SIZE + ulen + tlen + klen + plen + blen
-        out.append((p, q))
-        p = q
-    return out
+def batch_parts(batch: bytes | memoryview) -> list[bytes]:
+    """The messages of a checked batch as single message parts."""
+    plain = plain_batch(batch)
+    count = batch_count(plain)
+    _cols, keys, starts = columns(plain, count)
+    return [_row_part(plain, keys, starts, i) for i in range(count)]
 
 
 def build_batch_record_head(topic_bytes: bytes, queue_id: int, base_offset: int,

@@ -37,6 +37,7 @@ from .batch import (
     BATCH_RECORD_MAGIC,
     batch_count,
     check_batch,
+    columns,
     plain_batch,
 )
 from .part import (
@@ -351,33 +352,22 @@ def _decode_batch_record(mv: memoryview, pos: int, verify: bool, first: int,
     hi = count if end is None else min(end - base, count)
     if lo >= hi:
         return rec_end
-    data = bytes(mv[pos:rec_end])  # slices of bytes: no view per field
-    if data[bstart - pos + 9]:  # compressed parts
-        head = bstart - pos + BATCH_HEAD_SIZE
-        data = data[:head] + plain_batch(data[bstart - pos:])[BATCH_HEAD_SIZE:]
+    plain = plain_batch(bytes(mv[bstart:rec_end]))  # slices of bytes: no view per field
     try:
-        topic = data[REC_HEADER_SIZE:bstart - pos].decode("ascii")
+        topic = str(mv[pos + REC_HEADER_SIZE:bstart], "ascii")
     except UnicodeDecodeError:
         raise RecordError("undecodable record batch topic") from None
-    unpack = PART_FIXED.unpack_from
-    n = len(data)
-    p = bstart - pos + BATCH_HEAD_SIZE
-    i = 0
-    for i in range(count):
-        if n - p < PART_FIXED_SIZE:
-            raise RecordError("malformed record batch")
-        born, flags, recons, ulen, tgl, kl, pl, bl = unpack(data, p)
-        q = p + PART_FIXED_SIZE
-        p = q + ulen + tgl + kl + pl + bl
-        if i < lo or i >= hi:
-            continue
+    (born, flags, recons, _uls, tgls, kls, pls, _bls), uks, starts = columns(plain, count)
+    for i in range(lo, hi):
+        q = starts[i]
+        tgl, kl, pl = tgls[i], kls[i], pls[i]
         try:
+            uk = uks[i].decode("ascii")
             if tgl or kl or pl:
-                uk, tags, keys, props, body = _fields(memoryview(data), q, ulen, tgl, kl,
-                                                      pl, bl)
+                _u, tags, keys, props, body = _fields(memoryview(plain), q, 0, tgl, kl, pl,
+                                                      starts[i + 1] - q - tgl - kl - pl)
             else:
-                uk = data[q:q + ulen].decode("ascii")
-                body = data[q + ulen:p]
+                body = plain[q:starts[i + 1]]
                 tags = keys = ""
                 props = {}
         except Exception as exc:  # a corrupt record read without verification
@@ -386,8 +376,6 @@ def _decode_batch_record(mv: memoryview, pos: int, verify: bool, first: int,
             raise RecordError("record properties are not a map")
         if tag_hashes is not None and tag_hash(tags) not in tag_hashes:
             continue
-        yield MessageExt(topic, qid, base + i, body, uk, tags, keys, props, born, sts,
-                         recons, flags, rpos)
-    if p != n:
-        raise RecordError("malformed record batch")
+        yield MessageExt(topic, qid, base + i, body, uk, tags, keys, props, born[i], sts,
+                         recons[i], flags[i], rpos)
     return rec_end

@@ -16,13 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..log.batch import (
-    BATCH_HEAD_SIZE,
-    build_batch_record_head,
-    check_batch,
-    part_bounds,
-    plain_batch,
-)
+from ..log.batch import batch_parts, build_batch_record_head, check_batch
 from ..log.record import REC_HEADER_SIZE, RecordError, build_record_parts, check_part, tag_hash
 from ..log.segment import DAMAGED_ENTRY_SIZE, INDEX_ENTRY
 from .errors import MalformedMessage, MessageTooLarge, StorageError, StoreUnavailable
@@ -229,9 +223,7 @@ class Appender:
         return PutResult(queue_id, offsets, [], [], log_.end)
 
     def _put_split(self, topic: str, queue_id: int, batch: bytes, dedup: bool) -> PutResult:
-        view = memoryview(plain_batch(batch))
-        parts = [view[a:b] for a, b in part_bounds(view, BATCH_HEAD_SIZE, len(view))]
-        return self.put(topic, queue_id, parts, dedup)
+        return self.put(topic, queue_id, batch_parts(batch), dedup)
 
     def _still_stored(self, topic: str, queue_id: int, offset: int) -> bool:
         """Whether the record a "duplicate" answer would point at is intact in the log: a
