@@ -7,7 +7,8 @@ from the top package (``from onceq import Admin``) resolved to the module it com
 * ``onceq.protocol`` (wire codec, codes, errors) imports from onceq only ``onceq.protocol``,
   and besides the standard library only ``msgpack``.
 * ``onceq.log`` (record and index formats) imports from onceq only ``onceq.log``, and
-  besides the standard library only ``msgpack``.
+  besides the standard library only ``msgpack`` and the record batches' compression codecs
+  (``zstandard``, ``lz4``: optional, imported when a batch is compressed).
 * ``onceq.storage`` imports from onceq only ``onceq.storage`` and ``onceq.log``: it raises
   errors of its own (``storage/errors.py``), which the broker maps to wire codes.
 * ``onceq.broker`` never imports ``onceq.client``, ``onceq.idempotency``, ``onceq.spark``
@@ -91,7 +92,7 @@ RULES = [
     Rule("onceq.protocol", allowed_onceq=frozenset({"protocol"}),
          allowed_third_party=frozenset({"msgpack"})),
     Rule("onceq.log", allowed_onceq=frozenset({"log"}),
-         allowed_third_party=frozenset({"msgpack"})),
+         allowed_third_party=frozenset({"msgpack", "zstandard", "lz4"})),
     Rule("onceq.storage", allowed_onceq=frozenset({"storage", "log"})),
     Rule("onceq.broker", forbidden_onceq=frozenset({"client", "idempotency", "spark", "cli"})),
     Rule("onceq.client", forbidden_onceq=CLIENT_SIDE | {"idempotency", "spark"}),
