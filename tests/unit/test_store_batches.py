@@ -188,3 +188,26 @@ def test_a_data_directory_written_before_batch_records_opens_reads_and_takes_the
     assert read(store, "orders", 0)[-1] == (31, b"body-200")
     store.close()
     assert not verify_store(str(data)).damaged
+
+
+def test_an_entry_pointing_at_the_batch_before_its_own_is_repaired(tmp_path: Path) -> None:
+    """Offset 5 is the first message of the second batch; its entry claims the first batch
+    (which holds 0-4 only): the read must not take it for one of that batch's messages."""
+    store = open_store(tmp_path)
+    store.create_topic("T", 1)
+    store.put_batch("T", 0, encode_batch([msg(i) for i in range(5)]))
+    store.put_batch("T", 0, encode_batch([msg(i) for i in range(5, 10)]))
+    cq = store.topics.queue("T", 0)
+    right = cq.entry(5)
+    pos, size, th, ts = cq.entry(0)
+    cq.write_entry(5, INDEX_ENTRY.pack(pos, size, th, ts))
+    want = [(i, b"body-%d" % i) for i in range(10)]
+    assert read(store, "T", 0, 0) == want
+    assert cq.entry(5) == right
+    # every entry of the second batch claims the first: found in the log, repaired at once
+    for k in range(5, 10):
+        cq.write_entry(k, INDEX_ENTRY.pack(pos, size, th, ts))
+    assert read(store, "T", 0, 0) == want
+    assert cq.entry(5) == right
+    store.close()
+    assert not verify_store(str(tmp_path)).damaged

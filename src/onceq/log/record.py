@@ -174,20 +174,30 @@ def _check_batch_record(buf: bytes | memoryview, pos: int, expect_position: int
 
 
 def _batch_matches(view: memoryview, pos: int, size: int, topic_bytes: bytes,
-                   queue_id: int, queue_offset: int, position: int) -> bool:
-    """``record_matches`` for a batch record: it must hold ``queue_offset``."""
+                   queue_id: int, queue_offset: int, position: int,
+                   last_offset: int | None = None) -> bool:
+    """``record_matches`` for a batch record: it must hold ``queue_offset`` (and
+    ``last_offset``, when index entries up to it point at the record)."""
     total, crc, _m, _r, qid, base, rpos, _ts, tlen = REC_HEADER.unpack_from(view, pos)
     bstart = pos + REC_HEADER_SIZE + tlen
     end = pos + size
     if (total != size or qid != queue_id or rpos != position or tlen != len(topic_bytes)
             or end - bstart < BATCH_HEAD_SIZE or queue_offset < base
-            or queue_offset >= base + batch_count(view[bstart:end])
+            or max(queue_offset, last_offset or 0) >= base + batch_count(view[bstart:end])
             or view[pos + REC_HEADER_SIZE:bstart] != topic_bytes):
         return False
     if zlib.crc32(topic_bytes, zlib.crc32(view[pos + 8:pos + REC_HEADER_SIZE])) != crc:
         return False
     bsize, bcrc = _U32x2.unpack_from(view, bstart)
     return bsize == end - bstart and zlib.crc32(view[bstart + 8:end]) == bcrc
+
+
+def record_end_offset(buf: bytes | memoryview, pos: int) -> int:
+    """The queue offset after the last message of the (checked) record at ``buf[pos:]``."""
+    _t, _c, magic, _r, _q, qoff, _p, _ts, tlen = REC_HEADER.unpack_from(buf, pos)
+    if magic != BATCH_RECORD_MAGIC:
+        return qoff + 1
+    return qoff + batch_count(memoryview(buf)[pos + REC_HEADER_SIZE + tlen:])
 
 
 def record_matches(buf: bytes | memoryview, pos: int, size: int, topic_bytes: bytes,
@@ -213,10 +223,11 @@ def record_matches(buf: bytes | memoryview, pos: int, size: int, topic_bytes: by
 
 
 def first_mismatch(buf: bytes, picked: list[tuple[int, int, int]], topic_bytes: bytes,
-                   queue_id: int) -> int:
+                   queue_id: int, lasts: list[int] | None = None) -> int:
     """Index in ``picked`` ((offset, position, size) of consecutive records in ``buf``) of
     the first record that is not what its index entry promises; -1 when all are. (A batch
-    record's offset is any offset it holds.)"""
+    record's offset is any offset it holds; ``lasts``: the last offset whose index entry
+    points at each record, which a batch record must hold too.)"""
     unpack = REC_HEADER.unpack_from
     crc32 = zlib.crc32
     view = memoryview(buf)
@@ -229,7 +240,8 @@ def first_mismatch(buf: bytes, picked: list[tuple[int, int, int]], topic_bytes: 
             return i
         total, crc, magic, _r, qid, qoff, rpos, _ts, tl = unpack(buf, p)
         if magic == BATCH_RECORD_MAGIC:
-            if not _batch_matches(view, p, size, topic_bytes, queue_id, off, pos):
+            if not _batch_matches(view, p, size, topic_bytes, queue_id, off, pos,
+                                  lasts[i] if lasts is not None else None):
                 return i
             p = end
             continue

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
-from ..log.record import first_mismatch
+from ..log.record import first_mismatch, record_end_offset, record_matches
 from ..log.segment import DAMAGED_ENTRY_SIZE, INDEX_ENTRY
 from .consumequeue import ConsumeQueue
 from .errors import StoreUnavailable
@@ -100,6 +100,7 @@ class Reader:
         ranges: list[list[int]] = []
         picked: list[tuple[int, int, int]] = []  # (offset, position, size) of each record
         counts: list[int] = []  # messages wanted of each picked record
+        lasts: list[int] = []  # the last offset wanted of each picked record
         total = 0
         scanned = 0
         last = -1  # position of the last picked record (a batch record: several entries)
@@ -118,19 +119,31 @@ class Reader:
                 continue
             if pos == last:  # another message of the batch record picked already
                 counts[-1] += 1
+                lasts[-1] = offset + scanned - 1
                 continue
             last = pos
             picked.append((offset + scanned - 1, pos, size))
             counts.append(1)
+            lasts.append(offset + scanned - 1)
             total += size
             if ranges and ranges[-1][0] + ranges[-1][1] == pos:
                 ranges[-1][1] += size
             else:
                 ranges.append([pos, size])
         payload = b"".join(read_range(self.log, p, s) for p, s in ranges)
-        i = first_mismatch(payload, picked, topic.encode(), queue_id)
+        i = first_mismatch(payload, picked, topic.encode(), queue_id, lasts)
         if i >= 0:
-            off = picked[i][0]
+            off, pos, size = picked[i]
+            at = sum(s for _o, _p, s in picked[:i])
+            if record_matches(payload, at, size, topic.encode(), queue_id, off, pos):
+                # an intact batch record, and a later entry pointing at it that is not one
+                # of its messages: that entry is repaired (or marked damaged), the record
+                # is served up to it
+                bad = record_end_offset(payload, at)
+                if self.repair.repair_entry(topic, queue_id, bad):
+                    return None
+                return GetResult(ReadStatus.FOUND, payload[:at + size],
+                                 sum(counts[:i]) + min(counts[i], bad - off), bad, lo, hi)
             if self.repair.repair_entry(topic, queue_id, off):
                 return None  # read again through the repaired entry
             if i == 0:

@@ -98,10 +98,7 @@ class IndexRepair:
             for ev in log_.scan_segment(seg, max(0, lo_pos - seg.base), hi_pos - seg.base):
                 if (isinstance(ev, RecordHead) and ev.topic == topic and ev.queue_id == qid
                         and ev.holds(offset) and ev.position >= t.created_position):
-                    th = (ev.tags_hash if ev.tag_hashes is None
-                          else ev.tag_hashes[offset - ev.queue_offset])
-                    cq.write_entry(offset, INDEX_ENTRY.pack(ev.position, ev.size, th,
-                                                            ev.store_ts_ms))
+                    _write_entries(cq, ev)
                     log.error("store: index entry of %s queue %d offset %d pointed at the "
                               "wrong bytes; repaired from the log", topic, qid, offset)
                     return True
@@ -124,9 +121,7 @@ class IndexRepair:
         """A neighbour's batch record holds ``offset`` too: its entry is written from it."""
         if not h.holds(offset) or h.tag_hashes is None:
             return False
-        cq.write_entry(offset, INDEX_ENTRY.pack(h.position, h.size,
-                                                h.tag_hashes[offset - h.queue_offset],
-                                                h.store_ts_ms))
+        _write_entries(cq, h)
         log.error("store: index entry of %s queue %d offset %d pointed at the wrong bytes; "
                   "repaired from its batch record", topic, qid, offset)
         return True
@@ -181,3 +176,14 @@ class IndexRepair:
             self.dirty = True
         log.error("store: %s queue %d offsets %d..%d are damaged (%s); they are skipped",
                   key[0], key[1], lo, hi - 1, why)
+
+
+def _write_entries(cq: ConsumeQueue, h: RecordHead) -> None:
+    """The index entries of every message of record ``h`` that the queue still has and
+    that do not point at it (a batch record's messages are repaired together)."""
+    lo, hi = max(cq.min_offset, h.queue_offset), min(cq.max_offset, h.queue_offset + h.count)
+    for off, _key, th in h.messages():
+        if lo <= off < hi:
+            entry = INDEX_ENTRY.pack(h.position, h.size, th, h.store_ts_ms)
+            if cq.read(off, 1) != entry:
+                cq.write_entry(off, entry)
