@@ -165,7 +165,7 @@ def reopen(root: str, flush: str, acked: dict, cut_at: float) -> dict:
         while off < hi:
             r = store.get("T", q, off, 256, 8 << 20)
             if r.status == PullStatus.FOUND:
-                for m in decode_records(r.payload):
+                for m in decode_records(r.payload, True, off, r.next_offset):
                     found[m.queue_offset] = m.unique_key
             off = max(r.next_offset, off + 1)
         # below the recovered end: nothing missing (damaged), nothing replaced
