@@ -1,5 +1,6 @@
 """Property: random byte flips and zeroed ranges in older segments lose only the records
-they overlap; every other acknowledged message is readable at its offset after restart.
+they overlap (a record batch: all its messages); every other acknowledged message is
+readable at its offset after restart.
 
 Older segments are the ones a restart does not scan (below the checkpoint after a clean
 shutdown) or scans as the tail (after a crash): both are drawn. The offline verifier must
@@ -14,6 +15,7 @@ import tempfile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from onceq.log.batch import encode_batch
 from onceq.log.record import REC_HEADER_SIZE, encode_part
 from onceq.log.segment import FILE_HEADER_SIZE
 from onceq.storage.verify import verify_store
@@ -22,8 +24,10 @@ from tests.fault.test_integrity import crash, open_store, read_queue, segments
 TOPICS = {"A": 3, "B": 2}
 
 
-def _workload(root: str, seed: int, crashed: bool):
-    """Send until four segments hold records; return {(topic, q, offset): (uk, pos, end)}."""
+def _workload(root: str, seed: int, crashed: bool, batches: bool = False):
+    """Send until four segments hold records; return {(topic, q, offset): (uk, pos, end)},
+    where [pos, end) is the record that holds the message. ``batches``: producers' record
+    batches of 1 to 7 messages (a damaged byte costs the whole batch)."""
     store = open_store(root)
     for t, n in TOPICS.items():
         store.create_topic(t, n)
@@ -32,12 +36,20 @@ def _workload(root: str, seed: int, crashed: bool):
     while len(store.log.segments) < 4 or store.log.segments[-1].size < 2000:
         topic = "AB"[(i * 7 + seed) % 2]
         q = (i * 5 + seed) % TOPICS[topic]
-        uk = f"U{i:06d}"
-        part = encode_part(bytes([i % 251]) * (200 + (i * 37 + seed) % 500), uk, 1)
-        r = store.put(topic, q, [part])
-        size = REC_HEADER_SIZE + len(topic) + len(part)
-        acked[(topic, q, r.offsets[0])] = (uk, r.end_position - size, r.end_position)
-        i += 1
+        k = 1 + (i + seed) % 7 if batches else 1
+        uks = [f"U{i + j:06d}" for j in range(k)]
+        parts = [encode_part(bytes([(i + j) % 251]) * (200 + ((i + j) * 37 + seed) % 500),
+                             uk, 1) for j, uk in enumerate(uks)]
+        if batches:
+            batch = encode_batch(parts)
+            r = store.put_batch(topic, q, batch)
+            size = REC_HEADER_SIZE + len(topic) + len(batch)
+        else:
+            r = store.put(topic, q, parts)
+            size = REC_HEADER_SIZE + len(topic) + len(parts[0])
+        for uk, off in zip(uks, r.offsets, strict=True):
+            acked[(topic, q, off)] = (uk, r.end_position - size, r.end_position)
+        i += k
         if crashed and i == 150 + seed % 200:
             store.write_checkpoint()
     if crashed:
@@ -54,10 +66,12 @@ damage_st = st.lists(
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 1000), crashed=st.booleans(), damages=damage_st)
-def test_damage_in_older_segments_costs_only_the_records_it_overlaps(seed, crashed, damages):
+@given(seed=st.integers(0, 1000), crashed=st.booleans(), damages=damage_st,
+       batches=st.booleans())
+def test_damage_in_older_segments_costs_only_the_records_it_overlaps(seed, crashed, damages,
+                                                                     batches):
     with tempfile.TemporaryDirectory() as root:
-        acked = _workload(root, seed, crashed)
+        acked = _workload(root, seed, crashed, batches)
         segs = segments(root)
         original = {}
         for path in segs[:3]:

@@ -67,7 +67,7 @@ def read_queue(store: MessageStore, topic: str, qid: int) -> tuple[dict, list[in
             bad.extend(range(off, r.next_offset))
         else:
             assert r.status == PullStatus.FOUND, r
-            for m in decode_records(r.payload):
+            for m in decode_records(r.payload, True, off, r.next_offset):
                 got[m.queue_offset] = m
         assert r.next_offset > off
         off = r.next_offset
