@@ -286,3 +286,18 @@ async def test_no_page_open_no_connection_to_the_broker(web, world):
     await asyncio.sleep(1.0)
     assert await connections() == 0
     assert len(asyncio.all_tasks()) == tasks
+
+
+async def test_overview_lists_the_brokers_recent_warnings(web, world):
+    host, port = world.addr.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"\xff" * 64)  # not a frame: the broker warns and closes the connection
+    await writer.drain()
+    assert await reader.read() is not None
+    writer.close()
+    async with Admin(world.addr) as admin:
+        errors = (await admin.broker_status())["recent_errors"]
+    assert any(e["level"] == "WARNING" and "closing connection" in e["message"]
+               and e["logger"] == "onceq.broker" for e in errors), errors
+    t = text_of((await web.get("/")).text)
+    assert "Recent errors" in t and "closing connection" in t

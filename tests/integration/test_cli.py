@@ -245,6 +245,12 @@ def test_dedup_max_keys_flag_and_status(tmp_path):
         dd = st["dedup"]
         assert dd["keys"] == 5 and dd["max_keys"] == 5 and dd["window_s"] == 600
         assert 0 <= dd["effective_window_s"] < 60
+        # the warning is among the broker's recent ones, in the JSON and the text
+        assert [e["level"] for e in st["recent_errors"]
+                if "holds its maximum of 5 keys" in e["message"]] == ["WARNING"]
+        out = ok(run("broker", "status", "-b", addr))
+        assert "warning(s) and error(s) since the broker started, the newest:" in out
+        assert "dedup window holds its maximum of 5 keys" in out.split("the newest:")[1]
     finally:
         proc.terminate()
         proc.wait(10)

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from .config import BrokerConfig
     from .fields import Handler
     from .ownership_service import OwnershipService
+    from .recent_errors import RecentErrors
     from .retry import RetryService
     from .trace import DeliveryTrace
 
@@ -81,13 +82,15 @@ class AdminOps:
 
     def __init__(self, config: BrokerConfig, store: MessageStore, clock: Callable[[], float],
                  *, owners: OwnershipService, trace: DeliveryTrace,
-                 closing: Callable[[], bool]) -> None:
+                 closing: Callable[[], bool], recent_errors: RecentErrors | None = None
+                 ) -> None:
         self.config = config
         self.store = store
         self.clock = clock
         self.owners = owners
         self.trace = trace
         self.closing = closing
+        self.recent_errors = recent_errors
         self.retry: RetryService | None = None
         self._scans: set[asyncio.Task[None]] = set()
         self.max_scans = MAX_SCANS
@@ -102,13 +105,16 @@ class AdminOps:
     def h_broker_status(self, call: Call, req: BrokerStatus) -> StatusReply:
         """Store health: log range, flush policy, damaged positions and offsets, whether
         writes are accepted, the dedup window; the retry delay levels (seconds), which
-        consumers need to size their dedup retention."""
+        consumers need to size their dedup retention; the broker's recent warnings and
+        errors (``recent_errors.py``)."""
         store = self.store
         return StatusReply(log_start=store.log.start, log_end=store.log.end,
                            flush=self.config.store.flush, damaged=store.repair.damaged(),
                            writes=store.gate.write_state(),
                            dedup=store.dedup.status(int(store.clock() * 1000)),
-                           delay_levels=list(self.retry.levels))
+                           delay_levels=list(self.retry.levels),
+                           recent_errors=(self.recent_errors.recent()
+                                          if self.recent_errors is not None else []))
 
     def h_query_access_locks(self, call: Call, req: QueryAccessLocks) -> AccessLocks:
         """A group's access-lock holders and orderly queue locks."""

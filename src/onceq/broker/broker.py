@@ -69,6 +69,7 @@ from .limits import ConnectionGuard
 from .metrics import BrokerMetrics, start_metrics
 from .ownership_service import OwnershipService
 from .pull import PullService
+from .recent_errors import RecentErrors
 from .retry import RetryService, parse_delay_levels
 from .security import Security
 from .send import SendService
@@ -117,8 +118,10 @@ class Broker:
                             forget_topic=self._forget_topic, off_loop=self._off_loop,
                             log_durable=self._log_durable)
         self.security = Security(config, clock)  # users, grants, the audit log
+        self.recent_errors = RecentErrors()  # for BROKER_STATUS, while the broker runs
         self.admin = AdminOps(config, self.store, clock, owners=self.owners, trace=self.trace,
-                              closing=lambda: self._closing)
+                              closing=lambda: self._closing,
+                              recent_errors=self.recent_errors)
         self._locks_dirty: asyncio.Event | None = None
         self._hold_timer: asyncio.TimerHandle | None = None
         self.flusher: Flusher | None = None
@@ -165,6 +168,7 @@ class Broker:
     # ================================================================ lifecycle
     async def start(self) -> None:
         self.config.check_exposure()  # no listening beyond loopback without ACLs
+        self.recent_errors.install()
         t0 = time.perf_counter()
         self.store.open()
         log.info("store opened in %.2fs (%d records)", time.perf_counter() - t0,
@@ -353,6 +357,7 @@ class Broker:
         if self._closing:
             return
         self._closing = True
+        self.recent_errors.remove()
         if self._server is not None:
             self._server.close()
         if self.metrics is not None:

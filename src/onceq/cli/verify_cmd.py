@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from datetime import UTC, datetime
 
 import click
 from rich.console import Console
@@ -60,7 +61,8 @@ def verify(data_dir: str, as_json: bool) -> None:
 @broker_option
 @async_command
 async def status(as_json: bool, broker: str) -> None:
-    """Store health of a running broker: log range, damaged ranges, dedup window."""
+    """Store health of a running broker: log range, damaged ranges, dedup window, recent
+    warnings and errors."""
     async with Admin(broker) as admin:
         st = await admin.broker_status()
     if as_json:
@@ -85,3 +87,9 @@ async def status(as_json: bool, broker: str) -> None:
                 click.echo(f"damaged {topic}[{qid}] offsets {lo}..{hi - 1}")
     if not damaged.get("log") and not damaged.get("queues"):
         click.echo("no damage recorded")
+    errors = st.get("recent_errors") or []
+    click.echo(f"{len(errors)} warning(s) and error(s) since the broker started"
+               + (", the newest:" if errors else ""))
+    for e in errors[-5:]:
+        when = datetime.fromtimestamp(e["ts_ms"] / 1000, UTC).strftime("%H:%M:%S")
+        click.echo(f"  {when} {e['level']} {e['logger']}: {e['message']}")

@@ -339,8 +339,10 @@ class Admin(BrokerClient):
         """Store health: ``log_start``, ``log_end``, ``flush``, ``damaged`` (the commit-log
         positions and, per topic and queue, the offsets lost to disk damage), ``writes``,
         ``dedup`` (``window_s``, ``effective_window_s``: shorter while the key cap forgets
-        keys younger than the window, ``keys``, ``max_keys``) and ``delay_levels`` (the
-        retry delays in seconds, level 1 first)."""
+        keys younger than the window, ``keys``, ``max_keys``), ``delay_levels`` (the
+        retry delays in seconds, level 1 first) and ``recent_errors`` (the broker's last
+        warnings and errors since it started, oldest first: ``ts_ms``, ``level``,
+        ``logger``, ``message``)."""
         return _fields(await self._call(BrokerStatus()))
 
     async def dead_letter_offsets(self, group: str) -> tuple[int, int] | None:

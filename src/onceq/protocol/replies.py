@@ -222,6 +222,7 @@ class StatusReply(Message):
     writes: Any
     dedup: Any
     delay_levels: list[Any]
+    recent_errors: list[Any] = field(factory=list)  # {ts_ms, level, logger, message}
 
 
 @message()
