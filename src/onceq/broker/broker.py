@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .._net import is_loopback
 from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.frame import REQUEST, decode_header, max_frame_for_body
 from ..protocol.replies import GroupChanged, Pong
@@ -58,7 +59,7 @@ from ..storage.sequences import SequenceStore
 from ..storage.store import MessageStore
 from .admin_ops import AdminOps
 from .client_ids import CLAIMING, ClientIds
-from .config import BrokerConfig, is_loopback
+from .config import BrokerConfig
 from .connection import Connection
 from .consumer_group import ConsumerGroupService
 from .durable import DurableReplies

@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass, field
 
+from .._net import is_loopback
 from ..protocol.frame import HEADER_ALLOWANCE, max_frame_for_body
 from ..storage.config import StoreConfig
 from .retry import DEFAULT_DELAY_LEVELS, parse_delay_levels
 
 WRITE_HIGH_WATER = 8 * 1024 * 1024  # a client's requests wait while this much output is unsent
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def min_output_bytes(max_pull_bytes: int) -> int:

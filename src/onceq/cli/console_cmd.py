@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import click
 
+from .._net import is_loopback
 from ..client.security import ClientSecurity, CredentialsError
 from .common import broker_option, fail
 
@@ -40,18 +41,17 @@ def console(host: str, port: int, allow_remote: bool, metrics_url: str | None,
     ONCEQ_CREDENTIALS_FILE; ONCEQ_TLS...), and reads the broker only while a page is open."""
     try:
         from ..console import ConsoleConfig, serve
-        from ..console.web import loopback
     except ImportError as exc:
         raise click.ClickException(f"onceq console needs the console extra "
                                    f"(pip install 'onceq[console]'): {exc}") from None
-    if not loopback(host) and not allow_remote:
+    if not is_loopback(host) and not allow_remote:
         raise click.UsageError(f"--host {host} is reachable from other machines: add "
                                "--allow-remote to serve the console there")
     try:
         security = ClientSecurity.from_env()
     except CredentialsError as exc:
         fail(str(exc))
-    where = "loopback only" if loopback(host) else "reachable from the network"
+    where = "loopback only" if is_loopback(host) else "reachable from the network"
     click.echo(f"onceq console on http://{host}:{port}/ ({where}) for the broker at {broker}"
                f"{' as ' + security.user if security.user else ''}", err=True)
     serve(ConsoleConfig(broker=broker, host=host, port=port, metrics_url=metrics_url,

@@ -4,7 +4,6 @@ and the checks a form that changes the broker goes through."""
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse
 from starlette.templating import Jinja2Templates
 
+from .._net import is_loopback
 from ..client.security import ClientSecurity
 from .access import ConsoleAdmin, Problem, describe
 from .forms import iso_ms
@@ -37,15 +37,6 @@ class ConsoleConfig:
     refresh_ms: int = 2000  # how often an open page refreshes its live parts
     max_trace_records: int = 5000  # trace messages read per queue of %TRACE% (the newest)
     audit_window_s: int = 60
-
-
-def loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _num(n: Any) -> str:
@@ -83,7 +74,7 @@ class Console:
     def header(self) -> dict[str, Any]:
         c = self.config
         return {"broker": c.broker, "bind": f"{c.host}:{c.port}",
-                "loopback": loopback(c.host), "user": self.security.user,
+                "loopback": is_loopback(c.host), "user": self.security.user,
                 "tls": self.security.tls, "read_only": c.read_only,
                 "metrics_url": c.metrics_url, "token": self.token,
                 "refresh_ms": c.refresh_ms}
