@@ -191,3 +191,15 @@ def test_a_reply_with_its_own_decoder_refuses_junk_clearly(cls, header):
         cls.decode(header)
     except OnceqError as exc:
         assert exc.code == ErrorCode.INVALID_ARGUMENT
+
+
+def test_unique_keys_count_on_across_batches_and_wrap_at_32_bits():
+    from onceq.client.message import UniqueKeyGenerator
+
+    g = UniqueKeyGenerator()
+    keys = g.many(5) + g.many(1) + [g.next()] + g.many(100)
+    assert len(set(keys)) == len(keys) == 107
+    assert all(len(k) == 40 and k == k.upper() for k in keys)
+    assert [int(k[32:], 16) for k in keys] == list(range(107))
+    g._next = 0xFFFFFFFE
+    assert [int(k[32:], 16) for k in g.many(4)] == [0xFFFFFFFE, 0xFFFFFFFF, 0, 1]

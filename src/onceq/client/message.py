@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import itertools
 import os
 import socket
 import struct
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -54,7 +54,8 @@ class UniqueKeyGenerator:
     def __init__(self) -> None:
         prefix = _local_ip() + struct.pack(">I", os.getpid() & 0xFFFFFFFF) + os.urandom(2)
         self._prefix = prefix.hex().upper()
-        self._counter = itertools.count()
+        self._next = 0  # the counter of the next key
+        self._lock = threading.Lock()  # a producer may be shared by threads
 
     def next(self) -> str:
         return self.many(1)[0]
@@ -62,8 +63,13 @@ class UniqueKeyGenerator:
     def many(self, n: int) -> list[str]:
         """``n`` keys sharing one time stamp (cheaper than ``n`` calls of ``next``)."""
         head = f"{self._prefix}{int(time.time() * 1000) & 0xFFFFFFFFFFFF:012X}"
-        c = self._counter
-        return [f"{head}{next(c) & 0xFFFFFFFF:08X}" for _ in range(n)]
+        with self._lock:
+            first = self._next
+            self._next = first + n
+        first &= 0xFFFFFFFF
+        if first + n <= 0x100000000:  # the counters formatted in one call
+            return [head + c for c in ("%08X " * n % tuple(range(first, first + n))).split()]
+        return [f"{head}{(first + i) & 0xFFFFFFFF:08X}" for i in range(n)]
 
 
 def encode_message(msg: Message, unique_key: str, now_ms: int) -> bytes:
