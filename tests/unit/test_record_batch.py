@@ -15,8 +15,8 @@ from onceq.log.batch import (
     build_batch_record_head,
     check_batch,
     encode_batch,
+    encode_bodies_batch,
 )
-from onceq.log.part import encode_bodies
 from onceq.log.record import (
     REC_HEADER_SIZE,
     RecordError,
@@ -220,13 +220,15 @@ def test_a_compressed_batch_that_lies_about_its_size_is_refused() -> None:
         encode_batch([plain], "gzip")
 
 
-@given(st.lists(st.tuples(st.binary(max_size=200), keys_st), max_size=30),
-       st.integers(-2**63, 2**63 - 1))
-def test_encode_bodies_is_encode_part_of_each(items: list[tuple[bytes, str]], born: int) -> None:
+@given(st.lists(st.tuples(st.binary(max_size=200), keys_st), min_size=1, max_size=30),
+       st.integers(-2**63, 2**63 - 1), st.sampled_from(["none", "zstd"]))
+def test_a_batch_of_bodies_is_the_batch_of_their_parts(items: list[tuple[bytes, str]],
+                                                       born: int, compression: str) -> None:
     bodies = [b for b, _k in items]
     keys = [k for _b, k in items]
-    assert encode_bodies(bodies, keys, born) == [encode_part(b, k, born) for b, k in items]
+    assert encode_bodies_batch(bodies, keys, born, compression) == encode_batch(
+        [encode_part(b, k, born) for b, k in items], compression)
     with pytest.raises(RecordError):
-        encode_bodies([b"x"], ["é"], born)
+        encode_bodies_batch([b"x"], ["é"], born)
     with pytest.raises(RecordError):
-        encode_bodies([b"x"], ["K" * 256], born)
+        encode_bodies_batch([b"x"], ["K" * 256], born)

@@ -10,8 +10,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..log.batch import COMPRESSIONS, encode_batch
-from ..log.part import encode_bodies
+from ..log.batch import COMPRESSIONS, encode_batch, encode_bodies_batch
 from ..log.record import encode_part
 from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.replies import SendReply, TopicInfo
@@ -118,13 +117,7 @@ class Producer(BrokerClient):
         """Send messages to one queue in one request; one result per message."""
         if not messages:
             return []
-        parts, keys = self._encode(messages)
-        if len(parts) == 1:
-            kind: type[Send] = Send
-            payload = b"".join((_U32.pack(len(parts[0])), parts[0]))
-        else:  # one record batch, stored as it is sent
-            kind = SendRecords
-            payload = encode_batch(parts, self.compression)
+        kind, payload, keys = self._encode(messages)
         pinned = sharding_key is not None or queue is not None or selector is not None
         deadline = time.monotonic() + self.send_timeout
         attempt = 0
@@ -152,12 +145,16 @@ class Producer(BrokerClient):
                                             max(deadline - time.monotonic(), 0) / 2))
 
     def _encode(self, messages: Sequence[Message | bytes | str]
-                ) -> tuple[list[bytes], list[str]]:
-        """The messages' parts and unique keys."""
+                ) -> tuple[type[Send], bytes, list[str]]:
+        """The request type and payload of a send of ``messages``, and their unique keys:
+        ``SEND`` of one message, else one record batch (``SEND_RECORDS``), stored as it is
+        sent."""
         now_ms = int(time.time() * 1000)
-        keys = self._keys.many(len(messages))
-        if all(type(m) is bytes for m in messages):  # bodies only: encoded at once
-            return encode_bodies(messages, keys, now_ms), keys  # type: ignore[arg-type]
+        n = len(messages)
+        keys = self._keys.many(n)
+        if n > 1 and all(type(m) is bytes for m in messages):  # bodies only: by columns
+            return SendRecords, encode_bodies_batch(messages, keys, now_ms,  # type: ignore[arg-type]
+                                                    self.compression), keys
         parts: list[bytes] = []
         add = parts.append
         for i, m in enumerate(messages):
@@ -168,14 +165,15 @@ class Producer(BrokerClient):
                 if msg.unique_key:
                     keys[i] = msg.unique_key
                 add(encode_message(msg, keys[i], now_ms))
-        return parts, keys
+        if n == 1:
+            return Send, b"".join((_U32.pack(len(parts[0])), parts[0])), keys
+        return SendRecords, encode_batch(parts, self.compression), keys
 
     async def send_oneway(self, topic: str, message: Message | bytes | str, *,
                           sharding_key: str | None = None, queue: int | None = None,
                           selector: QueueSelector | None = None) -> None:
         """Fire-and-forget: write the message and do not wait for any reply."""
-        parts, _ = self._encode([message])
-        payload = b"".join((_U32.pack(len(parts[0])), parts[0]))
+        _kind, payload, _keys = self._encode([message])
         n = await self.queue_count(topic)
         qid = self._pick_queue(topic, n, sharding_key, queue, selector, message)
         conn = await self._connection()

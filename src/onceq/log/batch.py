@@ -116,21 +116,54 @@ def decompress(codec: int, data: bytes | memoryview, limit: int = MAX_PLAIN_SIZE
 def encode_batch(parts: Sequence[bytes], compression: str = "none") -> bytes:
     """The batch of message parts ``parts`` (``encode_part``), as a producer sends it,
     its parts compressed with ``compression`` (``COMPRESSIONS``)."""
-    if not 0 < len(parts) <= MAX_BATCH_COUNT:
-        raise RecordError(f"a record batch holds 1..{MAX_BATCH_COUNT} messages")
-    codec = COMPRESSIONS.get(compression)
-    if codec is None:
-        raise RecordError(f"unknown compression {compression!r} (one of "
-                          f"{', '.join(COMPRESSIONS)})")
+    codec = _batch_codec(len(parts), compression)
     if min(map(len, parts)) < PART_FIXED_SIZE:
         raise RecordError("message part too short")
     key_ends = [PART_FIXED_SIZE + p[12] for p in parts]  # byte 12: the unique key's length
     body = b"".join([p[:PART_FIXED_SIZE] for p in parts]
                     + [p[PART_FIXED_SIZE:e] for p, e in zip(parts, key_ends, strict=True)]
                     + [p[e:] for p, e in zip(parts, key_ends, strict=True)])
+    return _framed(body, codec, len(parts))
+
+
+def encode_bodies_batch(bodies: Sequence[bytes], unique_keys: Sequence[str], born_ts_ms: int,
+                        compression: str = "none") -> bytes:
+    """``encode_batch`` of ``encode_part(body, key, born_ts_ms)`` for each body and key (no
+    tags, keys or properties), built column by column: a producer's usual batch."""
+    n = len(bodies)
+    codec = _batch_codec(n, compression)
+    try:
+        keys = "".join(unique_keys).encode("ascii")
+    except UnicodeEncodeError:
+        raise RecordError("unique key must be ascii") from None
+    ulens = list(map(len, unique_keys))
+    blens = list(map(len, bodies))
+    if len(ulens) != n or max(ulens) > 255:
+        raise RecordError("one unique key per body, at most 255 bytes long")
+    pack = PART_FIXED.pack
+    if ulens.count(ulens[0]) == n and blens.count(blens[0]) == n:  # one fixed header
+        fixed = pack(born_ts_ms, 0, 0, ulens[0], 0, 0, 0, blens[0]) * n
+    else:
+        fixed = b"".join([pack(born_ts_ms, 0, 0, u, 0, 0, 0, b)
+                          for u, b in zip(ulens, blens, strict=True)])
+    return _framed(b"".join((fixed, keys, *bodies)), codec, n)
+
+
+def _batch_codec(count: int, compression: str) -> int:
+    if not 0 < count <= MAX_BATCH_COUNT:
+        raise RecordError(f"a record batch holds 1..{MAX_BATCH_COUNT} messages")
+    codec = COMPRESSIONS.get(compression)
+    if codec is None:
+        raise RecordError(f"unknown compression {compression!r} (one of "
+                          f"{', '.join(COMPRESSIONS)})")
+    return codec
+
+
+def _framed(body: bytes, codec: int, count: int) -> bytes:
+    """A batch of ``count`` messages whose columns are ``body`` (compressed here)."""
     if codec:
         body = compress(codec, body)
-    tail = _BATCH_TAIL.pack(BATCH_MAGIC, codec, len(parts))
+    tail = _BATCH_TAIL.pack(BATCH_MAGIC, codec, count)
     crc = zlib.crc32(body, zlib.crc32(tail))
     return b"".join((_U32x2.pack(BATCH_HEAD_SIZE + len(body), crc), tail, body))
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import msgpack
 
@@ -120,18 +120,3 @@ def part_unique_key_and_tags(part: bytes | memoryview) -> tuple[bytes, bytes, in
     """Validate a message part and return (unique_key, tags, body_size)."""
     _key, tags, blen, uk = check_part(part)
     return uk, tags, blen
-
-
-def encode_bodies(bodies: Sequence[bytes], unique_keys: Sequence[str], born_ts_ms: int
-                  ) -> list[bytes]:
-    """``encode_part(body, unique_key, born_ts_ms)`` of each body and its key (no tags,
-    keys or properties), the common batch of a producer, without a call per message."""
-    pack = PART_FIXED.pack
-    try:
-        keys = [uk.encode("ascii") for uk in unique_keys]
-    except UnicodeEncodeError:
-        raise RecordError("unique key must be ascii") from None
-    if max(map(len, keys), default=0) > 255:
-        raise RecordError("unique key longer than 255 bytes")
-    return [pack(born_ts_ms, 0, 0, len(k), 0, 0, 0, len(b)) + k + b
-            for k, b in zip(keys, bodies, strict=True)]
