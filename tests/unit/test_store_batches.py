@@ -211,3 +211,21 @@ def test_an_entry_pointing_at_the_batch_before_its_own_is_repaired(tmp_path: Pat
     assert cq.entry(5) == right
     store.close()
     assert not verify_store(str(tmp_path)).damaged
+
+
+def test_a_pull_answers_a_batch_record_to_its_end_whatever_its_max(tmp_path: Path) -> None:
+    """A batch record is sent whole: the read covers all its messages (past max_msgs), so
+    that a large batch is not sent again by every pull that takes a slice of it."""
+    store = open_store(tmp_path)
+    store.create_topic("T", 1)
+    store.put_batch("T", 0, encode_batch([msg(i, "a" if i % 2 else "") for i in range(500)]))
+    store.put("T", 0, [msg(500)])
+    r = store.get("T", 0, 10, 32, 1 << 20)
+    assert (r.count, r.next_offset) == (490, 500)
+    assert [m.queue_offset for m in decode_records(r.payload, True, 10, r.next_offset)] == (
+        list(range(10, 500)))
+    hashes = frozenset([tag_hash("a")])
+    r = store.get("T", 0, 0, 8, 1 << 20, hashes)
+    assert (r.count, r.next_offset) == (250, 500)
+    assert read(store, "T", 0, 0, 1) == [(i, b"body-%d" % i) for i in range(501)]
+    store.close()

@@ -192,6 +192,11 @@ def _batch_matches(view: memoryview, pos: int, size: int, topic_bytes: bytes,
     return bsize == end - bstart and zlib.crc32(view[bstart + 8:end]) == bcrc
 
 
+def record_first_offset(buf: bytes | memoryview, pos: int) -> int:
+    """The queue offset of the first message of the record at ``buf[pos:]``."""
+    return REC_HEADER.unpack_from(buf, pos)[5]
+
+
 def record_end_offset(buf: bytes | memoryview, pos: int) -> int:
     """The queue offset after the last message of the (checked) record at ``buf[pos:]``."""
     _t, _c, magic, _r, _q, qoff, _p, _ts, tlen = REC_HEADER.unpack_from(buf, pos)

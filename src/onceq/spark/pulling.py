@@ -69,8 +69,8 @@ async def pull_range(r: QueueRange) -> AsyncIterator[pa.RecordBatch]:
                             f"offsets up to {r.end} were planned (was the topic deleted and "
                             "re-created?)")
                     if res.payload:
-                        batch = records_to_batch(res.payload, r.verify_checksums, r.end,
-                                                 offset)
+                        batch = records_to_batch(res.payload, r.verify_checksums,
+                                                 min(r.end, res.next_offset), offset)
                         if batch.num_rows:
                             yield batch
                     offset = res.next_offset

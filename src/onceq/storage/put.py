@@ -17,7 +17,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..log.batch import batch_parts, build_batch_record_head, check_batch
-from ..log.record import REC_HEADER_SIZE, RecordError, build_record_parts, check_part, tag_hash
+from ..log.record import (
+    REC_HEADER_SIZE,
+    RecordError,
+    build_record_parts,
+    check_part,
+    record_end_offset,
+    record_first_offset,
+    tag_hash,
+)
 from ..log.segment import DAMAGED_ENTRY_SIZE, INDEX_ENTRY
 from .errors import MalformedMessage, MessageTooLarge, StorageError, StoreUnavailable
 from .failures import storage_error
@@ -113,12 +121,15 @@ class Appender:
         if use_dedup:  # every key looked up at once
             found, looked_up = dedup.find(topic, [m[0] for m in metas])
         batch_idx: list[int] = []  # the indexes of the keys in batch_keys
+        # (queue, position, size) -> the offsets of the intact record there (None: not one)
+        checked: dict[tuple[int, int, int], range | None] = {}
         try:  # a failed write (log, roll, index) leaves no trace: it is rolled back
             for i, part in enumerate(parts):
                 key, tags = metas[i]
                 if use_dedup and key:
                     prev = found[i]
-                    if prev is not None and self._still_stored(topic, prev[0], prev[1]):
+                    if prev is not None and self._still_stored(topic, prev[0], prev[1],
+                                                               checked):
                         dups.append(i)
                         dup_queues.append(prev[0])
                         offsets.append(prev[1])
@@ -225,16 +236,26 @@ class Appender:
     def _put_split(self, topic: str, queue_id: int, batch: bytes, dedup: bool) -> PutResult:
         return self.put(topic, queue_id, batch_parts(batch), dedup)
 
-    def _still_stored(self, topic: str, queue_id: int, offset: int) -> bool:
+    def _still_stored(self, topic: str, queue_id: int, offset: int,
+                      checked: dict[tuple[int, int, int], range | None]) -> bool:
         """Whether the record a "duplicate" answer would point at is intact in the log: a
-        retry must be stored again rather than stand for a copy lost to disk damage."""
+        retry must be stored again rather than stand for a copy lost to disk damage.
+        ``checked``: the records read so far by this put (a retried batch's duplicates all
+        point at one batch record, read once)."""
         cq = self.topics.queues.get((topic, queue_id))
         if cq is None or not cq.min_offset <= offset < cq.max_offset:
             return False
         try:
             pos, size, _th, _ts = cq.entry(offset)
-            return size != DAMAGED_ENTRY_SIZE and read_record(
-                self.log, topic, queue_id, offset, pos, size) is not None
+            if size == DAMAGED_ENTRY_SIZE:
+                return False
+            where = (queue_id, pos, size)
+            if where not in checked:
+                raw = read_record(self.log, topic, queue_id, offset, pos, size)
+                checked[where] = None if raw is None else range(
+                    record_first_offset(raw, 0), record_end_offset(raw, 0))
+            held = checked[where]
+            return held is not None and offset in held
         except OSError:
             return False
 

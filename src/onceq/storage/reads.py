@@ -58,6 +58,24 @@ def _damaged_run_end(cq: ConsumeQueue, offset: int) -> int:
     return offset
 
 
+def _rest_of_record(cq: ConsumeQueue, offset: int, hi: int, pos: int, size: int,
+                    tag_hashes: frozenset[int] | None) -> tuple[int, int, int | None]:
+    """From ``offset``, the entries that point at the record at (``pos``, ``size``): how
+    many, how many of them the tag filter keeps, and the last kept offset."""
+    n = wanted = 0
+    last = None
+    while offset + n < hi:
+        chunk = cq.read(offset + n, min(1024, hi - offset - n))
+        for p, s, th, _ts in INDEX_ENTRY.iter_unpack(chunk):
+            if p != pos or s != size:
+                return n, wanted, last
+            if tag_hashes is None or th in tag_hashes:
+                wanted += 1
+                last = offset + n
+            n += 1
+    return n, wanted, last
+
+
 class Reader:
     """Reads of the queues of ``topics`` from the log, checked against their index
     entries; a record that does not check goes to ``repair``."""
@@ -130,6 +148,16 @@ class Reader:
                 ranges[-1][1] += size
             else:
                 ranges.append([pos, size])
+        if picked and offset + scanned < hi:
+            # a batch record is answered whole: the read covers its messages to its end,
+            # past max_msgs (else each pull of a large batch would send all of it again)
+            _o, pos, size = picked[-1]
+            more, wanted, last_wanted = _rest_of_record(cq, offset + scanned, hi, pos, size,
+                                                        tag_hashes)
+            scanned += more
+            counts[-1] += wanted
+            if last_wanted is not None:
+                lasts[-1] = last_wanted
         payload = b"".join(read_range(self.log, p, s) for p, s in ranges)
         i = first_mismatch(payload, picked, topic.encode(), queue_id, lasts)
         if i >= 0:
