@@ -229,3 +229,23 @@ def test_a_pull_answers_a_batch_record_to_its_end_whatever_its_max(tmp_path: Pat
     assert (r.count, r.next_offset) == (250, 500)
     assert read(store, "T", 0, 0, 1) == [(i, b"body-%d" % i) for i in range(501)]
     store.close()
+
+
+def test_a_damaged_batch_record_is_marked_damaged_whole_in_one_read(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    store.create_topic("T", 1)
+    store.put_batch("T", 0, encode_batch([msg(i) for i in range(300)]))
+    store.put_batch("T", 0, encode_batch([msg(i) for i in range(300, 310)]))
+    pos, size, _th, _ts = store.topics.queue("T", 0).entry(0)
+    store.close()
+    seg = sorted((tmp_path / "commitlog").iterdir())[0]
+    raw = bytearray(seg.read_bytes())
+    raw[FILE_HEADER.size + pos + size // 2] ^= 0xFF  # one byte inside the first batch
+    seg.write_bytes(bytes(raw))
+    store = open_store(tmp_path)
+    r = store.get("T", 0, 0, 32, 1 << 20)
+    assert (r.status, r.next_offset) == (PullStatus.DAMAGED, 300)
+    assert read(store, "T", 0, 300) == [(i, b"body-%d" % i) for i in range(300, 310)]
+    store.close()
+    report = verify_store(str(tmp_path))
+    assert [(d.first, d.last) for d in report.queues] == [(0, 299)]

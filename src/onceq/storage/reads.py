@@ -174,8 +174,9 @@ class Reader:
                                  sum(counts[:i]) + min(counts[i], bad - off), bad, lo, hi)
             if self.repair.repair_entry(topic, queue_id, off):
                 return None  # read again through the repaired entry
-            if i == 0:
-                return GetResult(ReadStatus.DAMAGED, b"", 0, off + 1, lo, hi)
+            if i == 0:  # marked damaged, with the other messages of its batch record
+                return GetResult(ReadStatus.DAMAGED, b"", 0, _damaged_run_end(cq, off), lo,
+                                 hi)
             good = sum(size for _o, _p, size in picked[:i])
             return GetResult(ReadStatus.FOUND, payload[:good], sum(counts[:i]), off, lo, hi)
         nxt = offset + scanned

@@ -48,7 +48,9 @@ class IndexRepair:
         The record lies between the ends of the nearest earlier and later entries that
         check out, so only that stretch (at most ``REPAIR_SCAN_BYTES``) is scanned.
         Returns True when the entry was repaired (or a run of entries into a lost segment
-        file was marked): read again; False when the offset is now marked damaged.
+        file was marked): read again; False when the offset is now marked damaged, with
+        every entry next to it that points at the same bytes (the messages of one batch
+        record).
         """
         cq = self.topics.queues[(topic, qid)]
         log_ = self.log
@@ -68,9 +70,12 @@ class IndexRepair:
             self.mark_damaged((topic, qid), offset, last + 1, "its segment file is lost")
             self.save()
             return True
+        # the entries that point where this one does (a batch record's messages) are
+        # repaired or marked together; the neighbours are looked for around them
+        run_lo, run_hi = _same_entry_run(cq, offset, pos, size)
         lo_pos = hi_pos = None
         ts = 0
-        for k in range(offset - 1, max(cq.min_offset, offset - REPAIR_NEIGHBOURS) - 1, -1):
+        for k in range(run_lo - 1, max(cq.min_offset, run_lo - REPAIR_NEIGHBOURS) - 1, -1):
             pos, size, _th, ets = cq.entry(k)
             h = self._neighbour(topic, qid, k, pos, size)
             if h is not None:
@@ -78,7 +83,7 @@ class IndexRepair:
                     return True
                 lo_pos, ts = pos + size, ets
                 break
-        for k in range(offset + 1, min(cq.max_offset, offset + REPAIR_NEIGHBOURS + 1)):
+        for k in range(run_hi, min(cq.max_offset, run_hi + REPAIR_NEIGHBOURS)):
             pos, size, _th, _ets = cq.entry(k)
             h = self._neighbour(topic, qid, k, pos, size)
             if h is not None:
@@ -102,8 +107,9 @@ class IndexRepair:
                     log.error("store: index entry of %s queue %d offset %d pointed at the "
                               "wrong bytes; repaired from the log", topic, qid, offset)
                     return True
-        cq.write_entry(offset, damaged_entry(lo_pos, ts))
-        self.mark_damaged((topic, qid), offset, offset + 1, "record unreadable")
+        for k in range(run_lo, run_hi):
+            cq.write_entry(k, damaged_entry(lo_pos, ts))
+        self.mark_damaged((topic, qid), run_lo, run_hi, "record unreadable")
         if self.dirty:
             self.save()
         return False
@@ -187,3 +193,32 @@ def _write_entries(cq: ConsumeQueue, h: RecordHead) -> None:
             entry = INDEX_ENTRY.pack(h.position, h.size, th, h.store_ts_ms)
             if cq.read(off, 1) != entry:
                 cq.write_entry(off, entry)
+
+
+def _same_entry_run(cq: ConsumeQueue, offset: int, pos: int, size: int) -> tuple[int, int]:
+    """[first, end) of the offsets around ``offset`` whose entries point at (``pos``,
+    ``size``), as ``offset``'s does (one message, or the messages of a batch record)."""
+    if size == DAMAGED_ENTRY_SIZE:
+        return offset, offset + 1
+    lo = offset
+    while lo > cq.min_offset:
+        n = min(1024, lo - cq.min_offset)
+        entries = list(INDEX_ENTRY.iter_unpack(cq.read(lo - n, n)))
+        k = n
+        while k and entries[k - 1][0] == pos and entries[k - 1][1] == size:
+            k -= 1
+        lo -= n - k
+        if k:
+            break
+    hi = offset + 1
+    while hi < cq.max_offset:
+        n = min(1024, cq.max_offset - hi)
+        k = 0
+        for p, s, _th, _ts in INDEX_ENTRY.iter_unpack(cq.read(hi, n)):
+            if p != pos or s != size:
+                break
+            k += 1
+        hi += k
+        if k < n:
+            break
+    return lo, hi
