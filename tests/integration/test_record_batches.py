@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from onceq import Admin, Message, Producer, PullConsumer, PushConsumer
-from onceq.protocol.codes import TRACE_TOPIC
+from onceq import Admin, ErrorCode, Message, OnceqError, Producer, PullConsumer, PushConsumer
+from onceq.protocol.codes import TRACE_TOPIC, RequestCode
 from tests.helpers import running_broker, wait_until
 
 
@@ -96,3 +96,32 @@ async def test_a_push_consumer_with_a_tag_subscription_and_the_trace_see_each_me
                            if m.properties.get("kind") == "deliver"
                            for d in json.loads(m.body))
         assert delivered == [(q, o) for q, o, _t in want]
+
+
+async def test_a_producer_falls_back_to_send_batch_with_a_broker_without_record_batches(
+        tmp_path):
+    async with running_broker(str(tmp_path / "data")) as b:
+        del b.handlers[RequestCode.SEND_RECORDS]  # as a broker of the release before
+        addr = f"127.0.0.1:{b.port}"
+        async with Admin(addr) as admin:
+            await admin.create_topic("old", 1)
+        async with Producer(addr) as p:
+            first = await p.send_batch("old", [b"a", b"b", b"c"], queue=0)
+            again = await p.send_batch("old", [Message(b"a", unique_key=first[0].unique_key),
+                                               b"d"], queue=0)
+        assert [r.offset for r in first] == [0, 1, 2]
+        assert [(r.offset, r.duplicate) for r in again] == [(0, True), (3, False)]
+        assert b.store.topics.queue("old", 0).entry(0)[0] != b.store.topics.queue(
+            "old", 0).entry(1)[0]  # single records
+        async with PullConsumer(addr, "g") as c:
+            r = await c.pull("old", 0, 0, 10)
+        assert [m.body for m in r.messages] == [b"a", b"b", b"c", b"d"]
+
+
+async def test_a_send_of_more_messages_than_a_batch_holds_is_refused_clearly(tmp_path):
+    async with running_broker(str(tmp_path / "data")) as b, \
+            Producer(f"127.0.0.1:{b.port}") as p:
+        with pytest.raises(OnceqError) as err:
+            await p.send_batch("big", [b"x"] * 65536, queue=0)
+        assert err.value.code == ErrorCode.INVALID_ARGUMENT
+        assert "at most 65535 messages" in err.value.message

@@ -10,11 +10,11 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..log.batch import COMPRESSIONS, encode_batch, encode_bodies_batch
+from ..log.batch import COMPRESSIONS, MAX_BATCH_COUNT, encode_batch, encode_bodies_batch
 from ..log.record import encode_part
 from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.replies import SendReply, TopicInfo
-from ..protocol.requests import GetTopic, Send, SendRecords
+from ..protocol.requests import GetTopic, Send, SendBatch, SendRecords
 from .base import BrokerClient, Connect
 from .connection import ConnectionLost, call
 from .message import Message, SendResult, UniqueKeyGenerator, encode_message
@@ -72,6 +72,7 @@ class Producer(BrokerClient):
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}")
         self.compression = compression  # of a batch's parts (the ``compression`` extra)
+        self._records = True  # False once the broker says it takes no record batch
         self.retries = retries
         self.send_timeout = send_timeout
         self._queues: dict[str, int] = {}
@@ -133,6 +134,15 @@ class Producer(BrokerClient):
                 reply = await call(conn, kind(topic, qid, payload), left)
                 return _results(topic, reply, keys)
             except OnceqError as exc:
+                if kind is SendRecords and exc.code == ErrorCode.UNKNOWN_REQUEST:
+                    # a broker older than record batches: SEND_BATCH from now on, with
+                    # the same unique keys (nothing was stored)
+                    log.info("the broker at %s takes no record batch: sending SEND_BATCH",
+                             self.address)
+                    self._records = False
+                    kind, payload, keys = self._encode(messages, keys)
+                    attempt -= 1
+                    continue
                 retriable = exc.retriable or (exc.code in _REFRESH_ON and not pinned)
                 if not retriable or attempt > self.retries or time.monotonic() >= deadline:
                     raise
@@ -144,15 +154,19 @@ class Producer(BrokerClient):
                     await asyncio.sleep(min(RETRY_BACKOFF_S * 2 ** (attempt - 1),
                                             max(deadline - time.monotonic(), 0) / 2))
 
-    def _encode(self, messages: Sequence[Message | bytes | str]
-                ) -> tuple[type[Send], bytes, list[str]]:
-        """The request type and payload of a send of ``messages``, and their unique keys:
-        ``SEND`` of one message, else one record batch (``SEND_RECORDS``), stored as it is
-        sent."""
+    def _encode(self, messages: Sequence[Message | bytes | str],
+                keys: list[str] | None = None) -> tuple[type[Send], bytes, list[str]]:
+        """The request type and payload of a send of ``messages``, and their unique keys
+        (new ones unless given): ``SEND`` of one message, else one record batch
+        (``SEND_RECORDS``), stored as it is sent (``SEND_BATCH`` to an older broker)."""
         now_ms = int(time.time() * 1000)
         n = len(messages)
-        keys = self._keys.many(n)
-        if n > 1 and all(type(m) is bytes for m in messages):  # bodies only: by columns
+        if n > MAX_BATCH_COUNT:
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT, f"a send holds at most "
+                             f"{MAX_BATCH_COUNT} messages (got {n}): send them in several "
+                             "batches")
+        keys = self._keys.many(n) if keys is None else list(keys)
+        if n > 1 and self._records and all(type(m) is bytes for m in messages):
             return SendRecords, encode_bodies_batch(messages, keys, now_ms,  # type: ignore[arg-type]
                                                     self.compression), keys
         parts: list[bytes] = []
@@ -165,8 +179,9 @@ class Producer(BrokerClient):
                 if msg.unique_key:
                     keys[i] = msg.unique_key
                 add(encode_message(msg, keys[i], now_ms))
-        if n == 1:
-            return Send, b"".join((_U32.pack(len(parts[0])), parts[0])), keys
+        if n == 1 or not self._records:
+            return (Send if n == 1 else SendBatch), b"".join(
+                b"".join((_U32.pack(len(p)), p)) for p in parts), keys
         return SendRecords, encode_batch(parts, self.compression), keys
 
     async def send_oneway(self, topic: str, message: Message | bytes | str, *,
