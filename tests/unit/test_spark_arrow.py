@@ -41,3 +41,18 @@ def test_a_damaged_record_raises():
     payload[60] ^= 0xFF
     with pytest.raises(RecordError):
         records_to_batch(bytes(payload), True, 1 << 62)
+
+
+def test_batch_records_give_only_the_pulled_rows_and_a_bad_size_is_an_error():
+    from onceq.log.batch import build_batch_record_head, encode_batch
+    from onceq.log.record import REC_HEADER
+
+    batch = encode_batch([encode_part(b"b%d" % i, f"K{i}", 1) for i in range(10)])
+    rec = build_batch_record_head(b"t", 0, 100, 0, 5, len(batch)) + batch
+    rows = records_to_batch(rec, True, 107, 103).to_pydict()
+    assert rows["offset"] == [103, 104, 105, 106]
+    assert rows["body"] == [b"b3", b"b4", b"b5", b"b6"] and rows["topic"] == ["t"] * 4
+    bad = bytearray(rec)
+    REC_HEADER.pack_into(bad, 0, 0, *REC_HEADER.unpack_from(rec)[1:])  # total_size 0
+    with pytest.raises(RecordError):
+        records_to_batch(bytes(bad), False, 200, 0)

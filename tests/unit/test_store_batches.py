@@ -13,8 +13,10 @@ from pathlib import Path
 from onceq.log.batch import encode_batch
 from onceq.log.record import decode_records, encode_part, tag_hash
 from onceq.log.segment import FILE_HEADER, INDEX_ENTRY, LOG_MAGIC
+from onceq.log.sequence import SEQUENCED
 from onceq.protocol.codes import PullStatus
 from onceq.storage.config import StoreConfig
+from onceq.storage.sequences import scan_sequenced
 from onceq.storage.store import MessageStore
 from onceq.storage.verify import verify_store
 from tests.clock import FakeClock
@@ -249,3 +251,27 @@ def test_a_damaged_batch_record_is_marked_damaged_whole_in_one_read(tmp_path: Pa
     store.close()
     report = verify_store(str(tmp_path))
     assert [(d.first, d.last) for d in report.queues] == [(0, 299)]
+
+
+def test_the_writers_scan_steps_over_a_batch_record_only_when_its_frame_checks(
+        tmp_path: Path) -> None:
+    """The scan for sequenced records skips batch records (they never carry the flag); a
+    damaged size field of one must not make it skip the record after it."""
+    store = open_store(tmp_path)
+    store.create_topic("T", 1)
+    store.put_batch("T", 0, encode_batch([msg(i) for i in range(3)]))
+    store.put("T", 0, [encode_part(b"s", "S1", 1, flags=SEQUENCED, properties={"w": "1"})])
+    store.put("T", 0, [msg(50)])
+    cq = store.topics.queue("T", 0)
+    bpos, bsize, _th, _ts = cq.entry(0)
+    spos, ssize, _th, _ts = cq.entry(3)
+    assert [f[3] for f in scan_sequenced(store, 0)] == [spos]
+    store.close()
+    seg = next((tmp_path / "commitlog").iterdir())
+    raw = bytearray(seg.read_bytes())
+    raw[FILE_HEADER.size + bpos:FILE_HEADER.size + bpos + 4] = (bsize + ssize).to_bytes(
+        4, "little")
+    seg.write_bytes(bytes(raw))
+    store = open_store(tmp_path)
+    assert [f[3] for f in scan_sequenced(store, 0)] == [spos]
+    store.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from ..log.batch import CodecUnavailable
 from ..log.record import MessageExt, RecordError, decode_records
 from ..protocol.codes import PullStatus
 from ..protocol.errors import ErrorCode, OnceqError
@@ -29,6 +30,7 @@ from .push_config import PushConsumerConfig
 from .requester import Requester
 
 log = logging.getLogger("onceq.consumer")
+CODEC_BACKOFF_S = 5.0  # a batch compressed with a codec not installed here: pulled again
 
 
 class Fetcher:
@@ -125,6 +127,11 @@ class Fetcher:
             try:
                 msgs = list(decode_records(reply.payload, first=pulled, end=reply.next)
                             ) if reply.payload else []
+            except CodecUnavailable as exc:  # nothing to retry for: say so, loudly
+                log.error("pull %s at %d: %s; this queue waits until it is installed",
+                          mq, pq.next_offset, exc)
+                await asyncio.sleep(CODEC_BACKOFF_S)
+                return True
             except RecordError as exc:  # damaged in transit: pull the same range again
                 log.warning("pull %s at %d: %s; pulling again", mq, pq.next_offset, exc)
                 await asyncio.sleep(cfg.locked_backoff_s)

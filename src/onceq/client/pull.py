@@ -32,6 +32,7 @@ class PullResult:
     min_offset: int
     max_offset: int
     payload: bytes = b""  # the stored records undecoded (``decode=False``)
+    offset: int = 0  # the offset pulled (the first one of ``payload`` to keep)
 
 
 _default_ids: Counter[str] = Counter()
@@ -78,19 +79,21 @@ class PullConsumer(BrokerClient):
                 decode: bool = True) -> PullResult:
         if not decode:
             return PullResult(reply.status, [], reply.next, reply.min, reply.max,
-                              reply.payload)
+                              reply.payload, offset)
         payload = reply.payload
         msgs = list(decode_records(payload, self.verify, offset, reply.next)
                     ) if payload else []
         if tag_list is not None:
             wanted = set(tag_list)
             msgs = [m for m in msgs if m.tags in wanted]
-        return PullResult(reply.status, msgs, reply.next, reply.min, reply.max)
+        return PullResult(reply.status, msgs, reply.next, reply.min, reply.max,
+                          offset=offset)
 
     async def pull(self, topic: str, queue: int, offset: int, max_msgs: int = 32, *,
                    tags: str | None = None, suspend: float = 0.0,
                    commit_offset: int | None = None) -> PullResult:
-        """Pull up to ``max_msgs`` from ``offset``. With ``suspend`` > 0 the broker holds an
+        """Pull up to ``max_msgs`` from ``offset`` (more when a batch record the pull
+        reaches holds more: it is answered to its end). With ``suspend`` > 0 the broker holds an
         empty pull up to that many seconds (long polling) and answers when a message comes.
         ``commit_offset`` piggy-backs an offset commit for the group on the pull."""
         tag_list = parse_tags(tags)
@@ -112,8 +115,9 @@ class PullConsumer(BrokerClient):
         too, so the caller can stop. Without ``decode`` a result carries the stored records
         undecoded in ``payload`` (for a caller with its own decoder; ``tags`` is then only
         the broker's hash filter, and a batch record may hold messages outside the pulled
-        offsets: keep those from the pull's offset to ``next_offset``, as
-        ``decode_records`` does).
+        offsets: keep those from the pull's ``offset`` to its ``next_offset``, as
+        ``decode_records`` does). A pull answers a batch record to its end: it may hold
+        more than ``max_msgs`` messages.
         """
         tag_list = parse_tags(tags)
         conn = await self._connection()

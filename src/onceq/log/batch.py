@@ -69,9 +69,14 @@ _CODEC_BITS = 0x03
 MAX_PLAIN_SIZE = 64 * 1024 * 1024  # the parts of one batch, decompressed
 
 
+class CodecUnavailable(RecordError):
+    """A batch compressed with a codec that is not installed here: nothing is wrong with
+    the batch, and reading it again will not help until the package is installed."""
+
+
 def _codec(codec: int) -> Any:
     """The module of a compression codec (an optional dependency: the ``compression``
-    extra); RecordError when it is unknown or not installed."""
+    extra); RecordError when it is unknown, CodecUnavailable when it is not installed."""
     try:
         if codec == 1:
             import zstandard
@@ -81,8 +86,9 @@ def _codec(codec: int) -> Any:
             return lz4.frame
     except ImportError:
         name = {1: "zstd", 2: "lz4"}[codec]
-        raise RecordError(f"{name} compression needs the {'zstandard' if codec == 1 else 'lz4'}"
-                          " package (pip install 'onceq[compression]')") from None
+        raise CodecUnavailable(f"{name} compression needs the "
+                               f"{'zstandard' if codec == 1 else 'lz4'} package (pip install "
+                               "'onceq[compression]')") from None
     raise RecordError(f"unknown record batch compression {codec}")
 
 
@@ -99,11 +105,14 @@ def decompress(codec: int, data: bytes | memoryview, limit: int = MAX_PLAIN_SIZE
         if codec == 1:
             size = mod.frame_content_size(data)
             if 0 <= size <= limit:
-                plain = mod.ZstdDecompressor().decompress(data, max_output_size=limit)
+                plain = mod.ZstdDecompressor().decompress(data, max_output_size=limit,
+                                                          allow_extra_data=False)
         else:
             size = mod.get_frame_info(data).get("content_size") or -1
             if 0 <= size <= limit:
-                plain = mod.decompress(data)
+                plain, used = mod.decompress(data, return_bytes_read=True)
+                if used != len(data):
+                    raise RecordError("bytes after the compressed frame")
     except Exception as exc:  # each codec raises its own errors
         raise RecordError(f"record batch does not decompress: {exc}") from None
     if not 0 <= size <= limit:
@@ -208,6 +217,8 @@ def plain_batch(batch: bytes | memoryview) -> bytes:
 
 
 _KEY_SPLITS: dict[tuple[int, int], struct.Struct] = {}  # (key length, n) -> n keys
+_SPLIT_MAX_COUNT = 1024  # larger batches slice their keys (a layout is ~30 bytes a key)
+_SPLITS_KEPT = 64
 
 
 def columns(plain: bytes, count: int
@@ -228,10 +239,10 @@ def columns(plain: bytes, count: int
         raise RecordError(f"record batch claims {count} messages whose lengths do not add "
                           "up to its size")
     u = ulens[0]
-    if ulens.count(u) == count:  # keys of one length (a producer's own): one call
+    if count <= _SPLIT_MAX_COUNT and ulens.count(u) == count:  # a producer's keys: one call
         st = _KEY_SPLITS.get((u, count))
         if st is None:
-            if len(_KEY_SPLITS) > 512:
+            if len(_KEY_SPLITS) >= _SPLITS_KEPT:
                 _KEY_SPLITS.clear()
             st = _KEY_SPLITS[(u, count)] = struct.Struct(f"{u}s" * count)
         keys = list(st.unpack_from(plain, fixed_end))

@@ -173,6 +173,20 @@ def _check_batch_record(buf: bytes | memoryview, pos: int, expect_position: int
                       len(keys), keys, hashes)
 
 
+def batch_record_frame_ok(buf: bytes | memoryview, pos: int, total: int) -> bool:
+    """Whether the batch record of ``total`` bytes at ``buf[pos:]`` has an intact header
+    (its checksum, with the topic) and a batch that fills it exactly: enough to step over
+    it without reading its messages."""
+    view = memoryview(buf)
+    _t, crc, _m, _r, _q, _b, _p, _ts, tlen = REC_HEADER.unpack_from(view, pos)
+    bstart = pos + REC_HEADER_SIZE + tlen
+    end = pos + total
+    if end - bstart < BATCH_HEAD_SIZE or _U32.unpack_from(view, bstart)[0] != end - bstart:
+        return False
+    return zlib.crc32(view[pos + REC_HEADER_SIZE:bstart],
+                      zlib.crc32(view[pos + 8:pos + REC_HEADER_SIZE])) == crc
+
+
 def _batch_matches(view: memoryview, pos: int, size: int, topic_bytes: bytes,
                    queue_id: int, queue_offset: int, position: int,
                    last_offset: int | None = None) -> bool:

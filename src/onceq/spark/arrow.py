@@ -89,6 +89,8 @@ def records_to_batch(payload: bytes, verify: bool, end: int, start: int = 0
          bts, _flags, rc, ulen, tgl, kl, pl, bl) = unpack(mv, pos)
         end_pos = pos + total
         if magic == BATCH_RECORD_MAGIC:
+            if total <= REC_HEADER_SIZE or end_pos > n:
+                raise RecordError("malformed record")
             if qoff >= end:
                 break
             for m in decode_records(mv[pos:end_pos], verify, start, end):

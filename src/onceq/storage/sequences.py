@@ -30,6 +30,7 @@ from ..log.record import (
     REC_HEADER_SIZE,
     RECORD_MAGIC,
     RecordError,
+    batch_record_frame_ok,
     decode_records,
 )
 from ..log.sequence import (
@@ -163,10 +164,15 @@ def _scan_segment(store: MessageStore, seg: Segment, off: int) -> Iterator[Found
         while n - p >= _HEAD:
             (total, crc, magic, _r, qid, _qoff, rpos, sts, tlen,
              _born, flags, _rc, ulen, tgl, kl, pl, bl) = unpack(buf, p)
-            if (magic == BATCH_RECORD_MAGIC and rpos == seg.base + off + p
-                    and REC_HEADER_SIZE < total <= MAX_RECORD_SIZE):
+            if magic == BATCH_RECORD_MAGIC:
+                if rpos != seg.base + off + p or not REC_HEADER_SIZE < total <= MAX_RECORD_SIZE:
+                    yield from _resync(store, seg, off + p)  # damaged bytes: the careful way
+                    return
                 if p + total > n:
                     break
+                if not batch_record_frame_ok(buf, p, total):
+                    yield from _resync(store, seg, off + p)
+                    return
                 p += total  # a record batch never carries the flag (refused at its send)
                 continue
             if (magic != RECORD_MAGIC or rpos != seg.base + off + p or total > MAX_RECORD_SIZE
