@@ -67,6 +67,9 @@ _U32x2 = struct.Struct("<II")
 COMPRESSIONS = {"none": 0, "zstd": 1, "lz4": 2}  # name -> the attributes' codec bits
 _CODEC_BITS = 0x03
 MAX_PLAIN_SIZE = 64 * 1024 * 1024  # the parts of one batch, decompressed
+# what checking a batch tells: its messages' dedup keys and tag hashes, its largest body
+# size, the OR of its messages' flags
+CheckedBatch = tuple[list[bytes], list[int], int, int]
 
 
 class CodecUnavailable(RecordError):
@@ -182,7 +185,7 @@ def batch_count(batch: bytes | memoryview) -> int:
     return BATCH_HEAD.unpack_from(batch)[4]
 
 
-def check_batch(batch: bytes | memoryview) -> tuple[list[bytes], list[int], int, int]:
+def check_batch(batch: bytes | memoryview) -> CheckedBatch:
     """Check a batch whole; return its messages' (dedup keys, tag hashes), the largest
     body size and the OR of their flags.
 
@@ -264,7 +267,7 @@ def _row_part(plain: bytes, keys: list[bytes], starts: list[int], i: int) -> byt
     return b"".join((plain[f:f + PART_FIXED_SIZE], keys[i], plain[starts[i]:starts[i + 1]]))
 
 
-def _scan_columns(plain: bytes, count: int) -> tuple[list[bytes], list[int], int, int]:
+def _scan_columns(plain: bytes, count: int) -> CheckedBatch:
     cols, keys, starts = columns(plain, count)
     _born, flags, recons, _ulens, tlens, klens, plens, blens = cols
     if not b"".join(keys).isascii():

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..log.batch import batch_parts, build_batch_record_head, check_batch
+from ..log.batch import CheckedBatch, batch_parts, build_batch_record_head, check_batch
 from ..log.record import (
     REC_HEADER_SIZE,
     RecordError,
@@ -172,7 +172,7 @@ class Appender:
         return PutResult(queue_id, offsets, dups, dup_queues, log_.end)
 
     def put_batch(self, topic: str, queue_id: int, batch: bytes,
-                  checked: tuple[list[bytes], list[int], int, int] | None = None,
+                  checked: CheckedBatch | None = None,
                   dedup: bool = True) -> PutResult:
         """Store a producer's record batch in one queue as one batch record: the batch is
         checked whole (``check_batch``) and appended as received, behind the broker's own

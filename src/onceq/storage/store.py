@@ -48,6 +48,7 @@ from .repair import IndexRepair
 from .topics import TopicConfig, Topics, check_name
 
 if TYPE_CHECKING:
+    from ..log.batch import CheckedBatch
     from .consumequeue import ConsumeQueue
 
 # the types of MessageStore's answers, and the name check its callers share
@@ -181,7 +182,7 @@ class MessageStore:
         return self.appender.put(topic, queue_id, parts, dedup, space)
 
     def put_batch(self, topic: str, queue_id: int, batch: bytes,
-                  checked: tuple[list[bytes], list[int], int, int] | None = None
+                  checked: CheckedBatch | None = None
                   ) -> PutResult:
         """Store a producer's record batch as one batch record (``Appender.put_batch``)."""
         return self.appender.put_batch(topic, queue_id, batch, checked)
