@@ -4,7 +4,8 @@ dedup and with each dedup store, listener batches of 1 and 32.
 A broker in its own process (async flush), a topic of 8 queues and N messages of 100 bytes
 produced first; then, in this process, one push consumer drains them (pull batch 32) with
 the no-op handler bare or wrapped by ``idempotent(..., store=URL)``. Throughput is N / (time
-from start to the last message handled). Each configuration runs on a fresh topic and a
+from start to the last message handled); the CPU time of this process over the same span,
+per message, is reported too. Each configuration runs on a fresh topic and a
 fresh dedup table (or key prefix). ``--runs R`` repeats every configuration R times, in
 rounds; rates are medians, and ratios the median of each round's ratio to that round's
 "none" (on a shared machine the rates move between rounds; compare within a round).
@@ -13,7 +14,7 @@ rounds; rates are medians, and ratios the median of each round's ratio to that r
 to see what the layer costs next to a handler that does something.
 
 Usage: python benchmarks/idempotency.py [--n 20000] [--runs 1] [--stores none,sqlite,...]
-       [--handler-us 0]
+       [--handler-us 0] [--batches 1,32]
 (stores: none, sqlite, sqlite_normal (synchronous=NORMAL), redis, mysql, postgresql,
 tx_sqlite, tx_postgresql: the transactional mode with a handler that writes nothing)
 Prints one JSON document.
@@ -61,7 +62,7 @@ def work(seconds: float) -> None:
 
 
 async def run_once(addr: str, store_kind: str, batch: int, n: int, tmp: str,
-                   handler_s: float = 0.0) -> float:
+                   handler_s: float = 0.0) -> tuple[float, float]:
     topic = f"bench_{store_kind}_{batch}_{uuid.uuid4().hex[:6]}"
     async with Admin(addr) as admin:
         await admin.create_topic(topic, QUEUES)
@@ -115,9 +116,11 @@ async def run_once(addr: str, store_kind: str, batch: int, n: int, tmp: str,
 
     reporter = asyncio.get_running_loop().create_task(report())
     t0 = time.perf_counter()
+    c0 = time.process_time()
     await consumer.start()
     await asyncio.wait_for(done.wait(), 600)
     elapsed = time.perf_counter() - t0
+    cpu = time.process_time() - c0  # this process: the consumer and the layer's threads
     reporter.cancel()
     progress.add(count - progress.n)
     progress.done()
@@ -131,24 +134,26 @@ async def run_once(addr: str, store_kind: str, batch: int, n: int, tmp: str,
         elif hasattr(store, "drop_all"):
             await store.drop_all()
         await store.close()
-    return n / elapsed
+    return n / elapsed, cpu / n * 1e6
 
 
 async def main_async(a: argparse.Namespace) -> dict:
     stores = a.stores.split(",")
     runs: dict[str, dict[str, list[float]]] = {}
+    cpu: dict[str, dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory(prefix="onceq-idem-bench-") as d:
         broker, addr = start_broker(os.path.join(d, "data"), "async")
         try:
-            steps = Steps(a.runs * 2 * len(stores))
+            steps = Steps(a.runs * len(a.batches) * len(stores))
             for r in range(a.runs):  # rounds: every configuration once per round
-                for batch in (1, 32):
+                for batch in a.batches:
                     for kind in stores:
                         n = a.n if batch == 32 else max(1000, a.n // 4)
                         steps.next(f"store {kind}, listener batch {batch}, n={n}, "
                                    f"round {r + 1}/{a.runs}")
-                        rate = await run_once(addr, kind, batch, n, d, a.handler_us / 1e6)
+                        rate, us = await run_once(addr, kind, batch, n, d, a.handler_us / 1e6)
                         runs.setdefault(f"batch_{batch}", {}).setdefault(kind, []).append(rate)
+                        cpu.setdefault(f"batch_{batch}", {}).setdefault(kind, []).append(us)
         finally:
             broker.terminate()
             broker.wait(60)
@@ -165,6 +170,10 @@ async def main_async(a: argparse.Namespace) -> dict:
                      if a.handler_us else "no-op"},
         "msg_per_s": res,
         "vs_no_dedup": ratios,
+        # CPU time of the consuming process per message (a database server's own time is
+        # not in it): steadier than the rates on a shared machine
+        "consumer_cpu_us_per_msg": {b: {k: round(statistics.median(v), 1)
+                                        for k, v in r.items()} for b, r in cpu.items()},
         "goal": "batch 32: SQLite and Redis dedup cost <= 15% (ratio >= 0.85), "
                 "transactional SQLite <= 30% (ratio >= 0.7)",
     }
@@ -181,6 +190,8 @@ def main() -> None:
                     help="rounds of every configuration; medians are reported")
     ap.add_argument("--handler-us", type=float, default=0.0,
                     help="CPU work of the handler per message, in microseconds")
+    ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")],
+                    default=[1, 32], help="listener batch sizes (default 1,32)")
     ap.add_argument("--stores", default="none,sqlite,sqlite_normal,redis,mysql,postgresql,"
                                         "tx_sqlite,tx_postgresql")
     print(json.dumps(asyncio.run(main_async(ap.parse_args())), indent=2))

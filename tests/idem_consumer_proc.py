@@ -8,7 +8,9 @@ effects and their ``CONSUMED`` records but before the offset commit. With
 ``--hang-after-effect`` the handler never returns after its effect (a crash between the
 effect and ``CONSUMED``). With ``--transactional TABLE`` the effects are rows of TABLE in
 the ``--store`` database, written in the dedup rows' transaction (``--hang-after-effect``
-then hangs before the commit, after printing ``HANGING``). Prints ``READY <client id>``.
+then hangs before the commit, after printing ``HANGING``). With ``--crash-in-completion``
+the process dies in the first store call that carries a batch's completion with other
+batches' claims, before that call commits. Prints ``READY <client id>``.
 """
 
 from __future__ import annotations
@@ -49,6 +51,50 @@ class Effects:
                                       (key,)).fetchone()[0] > 0
 
 
+def crash_in_completion() -> None:
+    """The process dies (``os._exit``: no cleanup, no commit) in the first store call
+    that carries completions together with claims: in the SQL stores' transaction after
+    its statements and before its commit, or before the one-trip statement or the Redis
+    script is sent. The handler's effects of those messages happened; their ``CONSUMED``
+    records never reach the store."""
+    from onceq.idempotency import redis_store, sql
+
+    def crash(completed: list[Any]) -> None:
+        keys = [k for items in completed for _, k, _, _ in items]
+        print("CRASH " + " ".join(keys), flush=True)
+        os._exit(137)
+
+    def split(store: Any, ops: list[Any]) -> tuple[list[Any], bool]:
+        completed = [args[1] for fn, args in ops if fn == store._complete_keys_op]
+        return completed, any(fn == store._claim_keys_op for fn, _ in ops)
+
+    apply_group, one_trip = sql.SqlStore._apply_group, sql.SqlStore._one_trip
+    ops_group = redis_store.RedisStore._ops_group
+
+    def crashing_apply(self: Any, cur: Any, now: float, ops: list[Any]) -> Any:
+        out = apply_group(self, cur, now, ops)  # the statements ran; no commit follows
+        completed, claims = split(self, ops)
+        if completed and claims:
+            crash(completed)
+        return out
+
+    def crashing_trip(self: Any, ops: list[Any]) -> Any:
+        completed, claims = split(self, ops)
+        if completed and claims:
+            crash(completed)
+        return one_trip(self, ops)
+
+    async def crashing_ops(self: Any, ops: list[Any]) -> Any:
+        completed = [op[2] for op in ops if op[0] == "complete"]
+        if completed and any(op[0] == "claim" for op in ops):
+            crash(completed)
+        return await ops_group(self, ops)
+
+    sql.SqlStore._apply_group = crashing_apply  # type: ignore[method-assign]
+    sql.SqlStore._one_trip = crashing_trip  # type: ignore[method-assign]
+    redis_store.RedisStore._ops_group = crashing_ops  # type: ignore[method-assign]
+
+
 async def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--addr", required=True)
@@ -69,7 +115,13 @@ async def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hang-after-effect", action="store_true")
     ap.add_argument("--reconcile", action="store_true",
                     help="ambiguous outcomes: ask the effects table whether it was done")
+    ap.add_argument("--crash-in-completion", action="store_true",
+                    help="die in the first store call that carries a batch's completion "
+                         "together with claims, before it commits (prints CRASH and the "
+                         "keys of the completions lost)")
     args = ap.parse_args(argv)
+    if args.crash_in_completion:
+        crash_in_completion()
     from onceq.idempotency import open_store, transactional
 
     store: Any = None
@@ -92,6 +144,8 @@ async def main(argv: list[str] | None = None) -> int:
                 effects.apply(m.unique_key)
             if args.hang_after_effect:
                 time.sleep(3600)
+            if args.crash_in_completion:  # handlers end at different times, while other
+                time.sleep(0.003 * (msgs[0].queue_offset % 7))  # batches are claimed
 
         opt = {"prefix": args.table + ":"} if args.store.startswith("redis") else {
             "table": args.table}

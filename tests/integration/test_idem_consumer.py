@@ -8,6 +8,7 @@ outside the listeners (an assert inside one would be swallowed as a retry).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 import sys
 import time
@@ -191,6 +192,7 @@ async def test_consumer_killed_between_effect_and_consumed_policy_decides(tmp_pa
                               rebalance_interval_s=1.0)
         second.subscribe("T", "*")
         await second.start()
+        n = len(sent)
         try:
             s = wrapped.stats
             await wait_until(lambda: s["handled"] + s["dlq"] + s["reconciled_done"]
@@ -412,3 +414,95 @@ async def test_sync_push_consumer_with_a_business_key_acks_application_resends(
     handled, stats = await asyncio.wait_for(asyncio.to_thread(body), 60)
     assert sorted(handled) == sorted(f"O{i}" for i in range(20))
     assert stats["duplicate"] == 10
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis", "mysql", "postgresql"])
+async def test_a_crash_before_a_completion_riding_with_claims_commits(tmp_path, kind):
+    """A batch's completion rides in the store call of the next batches' claims. The child
+    dies in the first such call before it commits: the effects of those messages happened,
+    their records stay ``CONSUMING`` under the dead owner's lease, and their offsets were
+    never committed (the listener had not answered: it waits for its completion). The
+    redelivery finds them busy while the lease lasts (neither run nor acknowledged), then
+    taken over: the ambiguous-outcome policy decides (here the reconcile callback asks the
+    business table, which says done). Nothing is lost and no effect happens twice."""
+    from onceq.idempotency import Outcome, Status
+    from onceq.idempotency.store import claim_keys
+    from tests.helpers import running_broker
+
+    url = store_url(kind, tmp_path)
+    table = f"crash_{uuid.uuid4().hex[:8]}"
+    effects_db = tmp_path / "effects.db"
+    group = "billing"
+    async with running_broker(str(tmp_path / "data")) as broker:
+        addr = f"127.0.0.1:{broker.port}"
+        async with Admin(addr) as admin:
+            await admin.create_topic("T", 1)
+        sent: list[str] = []
+        child = await start_child(addr, group, url, table, effects_db,
+                                  "--crash-in-completion", "--lease", "30", "--batch-size", "4")
+
+        async def produce() -> None:  # new claims keep coming while batches complete
+            async with Producer(addr) as p:
+                while len(sent) < 4000:
+                    sent.extend(r.unique_key for r in await p.send_batch(
+                        "T", [f"order {len(sent) + j}".encode() for j in range(40)]))
+                    await asyncio.sleep(0.02)
+
+        producing = asyncio.create_task(produce())
+        try:
+            line = await asyncio.wait_for(child.stdout.readline(), 60)
+        finally:
+            producing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await producing
+            if child.returncode is None:
+                with contextlib.suppress(ProcessLookupError):  # it may be dying
+                    child.kill()
+            await child.wait()
+        assert line.startswith(b"CRASH "), (line, effects_db.with_suffix(".stderr").read_text())
+        lost = line.decode().split()[1:]
+        before = effect_counts(effects_db)
+        assert lost and all(before.get(k) == 1 for k in lost)  # their effects happened
+
+        store = open_store(url, **store_options(kind, table))
+        try:
+            for k in lost:  # the completion never reached the store
+                rec = await store.get(group, "T", k)
+                assert rec is not None and rec.status is Status.CONSUMING, (k, rec)
+            # a copy now, under the dead owner's live lease: busy (consumed later)
+            _, odd = await claim_keys(store, group, [("T", k, f"probe-{k}", "")
+                                                     for k in lost], 5.0, 86400.0, True)
+            assert {r.outcome for r in odd.values()} == {Outcome.BUSY} and len(odd) == len(lost)
+        finally:
+            await store.close()
+
+        clock = FakeClock(time.time())
+        clock.advance(31)  # the dead owner's leases (30 s) are over for the next consumer
+        store = open_store(url, clock=clock, **store_options(kind, table))
+        effects = Effects(str(effects_db))
+        ran: list[str] = []
+
+        def handle(msgs, ctx):
+            for m in msgs:
+                ran.append(m.unique_key)
+                effects.apply(m.unique_key)
+
+        wrapped = idempotent(handle, store=store, reconcile=lambda key, m: effects.done(key))
+        second = PushConsumer(addr, group, wrapped, consume_from="FIRST",
+                              rebalance_interval_s=1.0, batch_size=4)
+        second.subscribe("T", "*")
+        await second.start()
+        try:  # the messages acknowledged before the crash are not delivered again
+            await wait_until(lambda: len(effect_counts(effects_db)) >= len(sent), 60,
+                             "every message's effect")
+            await wait_until(lambda: wrapped.stats["reconciled_done"] >= len(lost), 30,
+                             "the lost completions reconciled")
+        finally:
+            await second.shutdown()
+            await wrapped.close()
+            await drop(store)
+        after = effect_counts(effects_db)
+        assert sorted(after) == sorted(sent) and set(after.values()) == {1}
+        assert not set(lost) & set(ran)  # taken over and reconciled, not run again
+        assert wrapped.stats["taken_over"] >= len(lost)
+        assert wrapped.stats["reconciled_done"] >= len(lost)

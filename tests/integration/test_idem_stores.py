@@ -19,9 +19,24 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from onceq.idempotency import Claim, FencingToken, Outcome, Status, Ticket, payload_hash
+from onceq.idempotency import (
+    Claim,
+    ClaimResult,
+    FencingToken,
+    Outcome,
+    Status,
+    Ticket,
+    payload_hash,
+)
 from onceq.idempotency.record import HISTORY_CHARS, events
-from onceq.idempotency.store import MemoryStore, StoreError, open_store
+from onceq.idempotency.store import (
+    MemoryStore,
+    StoreError,
+    claim_keys,
+    complete_keys,
+    fresh_record,
+    open_store,
+)
 from tests.clock import FakeClock
 
 SERVERS = {
@@ -579,5 +594,101 @@ async def test_a_failing_operation_does_not_fail_the_others_grouped_with_it(cloc
         out = await asyncio.gather(bad, *good, return_exceptions=True)
         assert isinstance(out[0], StoreError)
         assert all(r[0].outcome is Outcome.CLAIMED for r in out[1:])
+    finally:
+        await drop(s)
+
+
+async def fast_claim(store, owner_keys, body: bytes = b"b", lease_s: float = LEASE,
+                     check: bool = True) -> list[ClaimResult]:
+    """``claim_keys`` (the listener's path), every result spelled out as ``claim_many``
+    gives them: a claim missing from the answer got the fresh record of its tuple."""
+    items = [("t", k, o, payload_hash(body)) for o, k in owner_keys]
+    now, odd = await claim_keys(store, "g", items, lease_s, RETENTION, check)
+    return [odd[j] if j in odd else ClaimResult(
+        Outcome.CLAIMED, fresh_record("g", now, lease_s, RETENTION, item))
+        for j, item in enumerate(items)]
+
+
+async def fast_complete(store, owner_keys) -> list[bool]:
+    return await complete_keys(store, "g", [("t", k, o, "") for o, k in owner_keys], RETENTION)
+
+
+async def test_the_listener_path_answers_what_the_rules_say(store, clock):
+    """Claims as tuples and completions riding with them (``claim_keys``,
+    ``complete_keys``) give the results of ``decide_claim`` and ``decide_complete``; the
+    record of a fresh claim, built from its tuple, is the one stored."""
+    res = await fast_claim(store, [("o1", "a"), ("o2", "b"), ("o3", "c")])
+    assert [r.outcome for r in res] == [Outcome.CLAIMED] * 3
+    assert await store.get("g", "t", "a") == res[0].record
+    assert res[0].record.status is Status.CONSUMING and res[0].record.attempt == 1
+    assert await fast_complete(store, [("o1", "a"), ("stale", "b")]) == [True, False]
+    assert [e.event for e in events(await store.get("g", "t", "b"))] == [
+        "claimed", "fenced-off"]
+    assert await store.release_many([ticket("o3", "c")]) == [True]
+    clock.advance(1)
+    # known keys mixed with a fresh one, in one batch
+    res = await fast_claim(store, [("p1", "a"), ("p2", "b"), ("p3", "c"), ("p4", "d"),
+                                   ("p5", "a")])
+    assert [r.outcome for r in res] == [Outcome.DUPLICATE, Outcome.BUSY, Outcome.CLAIMED,
+                                        Outcome.CLAIMED, Outcome.DUPLICATE]
+    assert (res[2].record.owner, res[2].record.attempt) == ("p3", 2)
+    assert await store.get("g", "t", "d") == res[3].record
+    assert [r.outcome for r in await fast_claim(store, [("x", "a")], body=b"other")] == [
+        Outcome.CONFLICT]
+    assert [r.outcome for r in await fast_claim(store, [("x", "a")], body=b"other",
+                                                check=False)] == [Outcome.DUPLICATE]
+    clock.advance(LEASE + 1)  # o2's lease on b is over
+    [taken] = await fast_claim(store, [("q2", "b")])
+    assert taken.outcome is Outcome.TAKEN_OVER and taken.previous.owner == "o2"
+    assert await fast_complete(store, [("o2", "b"), ("q2", "b"), ("p3", "c")]) == [
+        False, True, True]
+    assert await fast_complete(store, [("q2", "b")]) == [True]  # again by its owner: won
+    rec = await store.get("g", "t", "b")
+    assert (rec.status, rec.owner, rec.attempt) == (Status.CONSUMED, "q2", 2)
+
+
+async def test_completions_and_claims_waiting_together_keep_their_own_answers(store):
+    """Completions of finished batches go in one store call with the claims waiting at the
+    same time (one transaction, one script call): each caller gets its own answer."""
+    first = [(f"o{i}", f"k{i}") for i in range(40)]
+    await fast_claim(store, first)
+    done = [fast_complete(store, first[i:i + 10]) for i in range(0, 40, 10)]
+    copies = [fast_claim(store, [(f"c{i}", f"k{i}")]) for i in range(40)]
+    fresh = [fast_claim(store, [(f"f{i}-{j}", f"n{i}-{j}") for j in range(8)])
+             for i in range(10)]
+    out = await asyncio.gather(*done, *copies, *fresh)
+    assert all(all(won) for won in out[:4])
+    assert {r[0].outcome for r in out[4:44]} <= {Outcome.DUPLICATE, Outcome.BUSY}
+    assert all(r.outcome is Outcome.CLAIMED and r.record.attempt == 1
+               for res in out[44:] for r in res)
+    for o, k in first:
+        rec = await store.get("g", "t", k)
+        assert (rec.status, rec.owner) == (Status.CONSUMED, o)
+    stats = await store.stats()
+    assert (stats.consumed, stats.consuming) == (40, 80)
+
+
+@pytest.mark.parametrize("server", ["postgresql", "mysql"])
+async def test_a_server_refusing_the_one_trip_call_gets_transactions(server, clock, tmp_path,
+                                                                     name, monkeypatch):
+    """PostgreSQL and MariaDB take a group of completions and claims in one round trip;
+    when the server refuses that call (an older server without JSON_TABLE, say), each
+    group runs in a transaction instead, with the same answers, and after a few refusals
+    in a row the store stops trying."""
+    from onceq.idempotency import sql
+
+    monkeypatch.setattr(sql, "_PG_ONE_TRIP", "SELECT no_such_function()")
+    monkeypatch.setattr(sql, "_MYSQL_ONE_TRIP", "SELECT no_such_function()")
+    s = make_store(server, clock, tmp_path, name)
+    try:
+        for i in range(sql._ONE_TRIP_TRIES + 2):
+            res = await fast_claim(s, [(f"o{i}", f"k{i}"), ("x", "k0")])
+            # k0 twice in the first batch: its copy waits; later, a duplicate
+            assert [r.outcome for r in res] == [
+                Outcome.CLAIMED, Outcome.BUSY if i == 0 else Outcome.DUPLICATE]
+            assert await fast_complete(s, [(f"o{i}", f"k{i}"), ("x", f"k{i}")]) == [
+                True, False]
+        assert s._one_trip_failures == sql._ONE_TRIP_TRIES
+        assert (await s.get("g", "t", "k3")).status is Status.CONSUMED
     finally:
         await drop(s)

@@ -404,3 +404,24 @@ async def test_rows_past_retention_are_purged_in_bounded_batches(db):
         assert db.counts()["U3"] == 1
     finally:
         await lst.close()
+
+
+async def test_a_failure_in_a_fresh_batch_redoes_the_messages_before_it_once_in_the_db(db):
+    """A batch whose rows are all new runs without a savepoint per message. When message
+    n fails, everything since the batch's savepoint is rolled back and the messages before
+    n are done again one by one: their handlers run twice, their writes commit once."""
+    calls: list[str] = []
+    inner = db.handler(fail_on={"U2"})
+
+    def handle(m: MessageExt, conn) -> None:
+        calls.append(m.unique_key)
+        inner(m, conn)
+
+    lst = transactional(handle, db=db.url, table=db.table)
+    try:
+        assert await call(lst, msgs(0, 1, 2, 3)) == (ConsumeStatus.SUCCESS, 1, 0)
+        assert calls == ["U0", "U1", "U2", "U0", "U1"]
+        assert db.counts() == {"U0": 1, "U1": 1}
+        assert lst.stats["handled"] == 2 and lst.stats["failed"] == 1
+    finally:
+        await lst.close()

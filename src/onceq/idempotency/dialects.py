@@ -54,6 +54,10 @@ class Dialect:
     is_lock_timeout: Callable[[BaseException], bool] = lambda exc: False
     database: str = ""  # the database, as log lines name it
     busy_timeout_s: float | None = None  # SQLite: how long a writer waits for the lock
+    # the listener's completions and claims of a group in one round trip (``SqlStore.
+    # _one_trip``): PostgreSQL, and MariaDB/MySQL on connections that allow several
+    # statements per call
+    one_trip: bool = False
 
 
 def _schema(double: str, key: str, text: str, extra: str = "", inline_index: bool = False
@@ -126,8 +130,11 @@ def sqlite_dialect(path: str, synchronous: str = "FULL", busy_timeout_s: float =
                    busy_timeout_s=busy_timeout_s)
 
 
-def mysql_dialect(url: SplitResult) -> Dialect:
-    """MariaDB or MySQL through PyMySQL, READ COMMITTED, keys compared byte for byte."""
+def mysql_dialect(url: SplitResult, multi_statements: bool = False) -> Dialect:
+    """MariaDB or MySQL through PyMySQL, READ COMMITTED, keys compared byte for byte.
+    ``multi_statements``: the connections accept several statements per call (the dedup
+    store's own connections, for one round trip per group; never the connections handed
+    to a transactional handler)."""
     try:
         import pymysql
     except ImportError as exc:  # pragma: no cover - depends on the installation
@@ -142,7 +149,9 @@ def mysql_dialect(url: SplitResult) -> Dialect:
                                    database=url.path.lstrip("/") or None, charset="utf8mb4",
                                    autocommit=False, connect_timeout=5, read_timeout=30,
                                    write_timeout=30,  # rowcount = rows matched:
-                                   client_flag=pymysql.constants.CLIENT.FOUND_ROWS)
+                                   client_flag=pymysql.constants.CLIENT.FOUND_ROWS | (
+                                       pymysql.constants.CLIENT.MULTI_STATEMENTS
+                                       if multi_statements else 0))
         except pymysql.Error as exc:
             raise StoreError(f"mysql dedup store: cannot connect: {exc}") from exc
         with conn.cursor() as cur:
@@ -166,7 +175,7 @@ def mysql_dialect(url: SplitResult) -> Dialect:
                    history_set=lambda parts: (
                        f"history = RIGHT(CONCAT(COALESCE(history, ''), {', '.join(parts)}), "
                        f"{HISTORY_CHARS})"),
-                   int_text="CAST(attempt AS CHAR)")
+                   int_text="CAST(attempt AS CHAR)", one_trip=multi_statements)
 
 
 def postgres_dialect(url: SplitResult) -> Dialect:
@@ -196,6 +205,7 @@ def postgres_dialect(url: SplitResult) -> Dialect:
                    "LIMIT ?)", is_transient=transient, errors=(psycopg.Error,),
                    # binary parameters: no text escaping of every array element
                    array_in=True, counts_inserts=True, row_values_in=True, param="%b",
+                   one_trip=True,
                    column_types=("text", "text", "text", "text", "text", "int", "float8",
                                  "text", "float8", "float8", "float8", "text"),
                    history_set=lambda parts: (

@@ -1,13 +1,50 @@
 """``idempotent(listener, store=...)``: a push-consumer listener whose business effect happens
 once per dedup key.
 
-For each listener batch: one ``claim_many`` round trip; the handler runs only on the
-messages it may run (fresh claims, and taken-over ones as the ambiguous-outcome policy
-says), while their leases are extended in the background every ``lease_s / 3``; then one
-``complete_many`` for the messages the handler acknowledged (its ``ack_index``) and one
-``release_many`` for the others. The reply to the consumer acknowledges exactly the leading
-run of finished messages; the rest are retried (copies of finished ones are then
-recognised as duplicates) or, when all of them are bound for it, sent to the DLQ.
+For each listener batch: one claim; the handler runs only on the messages it may run
+(fresh claims, and taken-over ones as the ambiguous-outcome policy says), while their
+leases are extended in the background every ``lease_s / 3``; then one completion for the
+messages the handler acknowledged (its ``ack_index``) and one ``release_many`` for the
+others. The reply to the consumer acknowledges exactly the leading run of finished
+messages; the rest are retried (copies of finished ones are then recognised as
+duplicates) or, when all of them are bound for it, sent to the DLQ.
+
+Per message the layer builds one tuple ``(topic, key, owner, payload hash)``
+(``store.KeyClaim``); a store with ``claim_keys`` / ``complete_keys`` (SQL, Redis) answers
+with results only for the claims that found a record, and the records of fresh claims are
+built only if the handler reads them (``ctx.records``, ``ctx.fences``). Other stores get
+``Claim`` and ``Ticket`` objects through ``claim_many`` / ``complete_many``.
+
+**A completion rides with the next claims.** The stores send the completions and claims
+of the listener batches that wait at the same time in one call: one transaction (SQLite),
+one statement or one multi-statement call ending in its commit (PostgreSQL, MariaDB), one
+script call (Redis). So the completion of batch N usually travels with the claims of the
+batches after it. Why that is safe when the process dies at any point:
+
+* The listener does not answer the consumer before its completion is durable: the
+  call awaits the store call that carries it. Until then nothing of the batch is
+  acknowledged, so no offset past it can be committed, and no message can be lost by
+  a completion that never arrived (the redelivery comes).
+* Dying before that call commits loses the completion, and with it the claims riding in
+  the same call (SQL: one transaction; Redis: the script never ran). The effects of
+  batch N happened; its records stay ``CONSUMING`` under the dead owner's lease. The
+  redelivery of those messages (their offsets were never committed) finds them busy
+  while the lease lasts (consumed later, never acknowledged, never run) and then taken
+  over: the ambiguous-outcome policy decides, exactly as after a crash between an effect
+  and its completion sent alone (``reexecute`` may repeat the effect, ``park`` and
+  ``reconcile`` do not). Deferring adds no new state and no new rule: the window between
+  an effect and its ``CONSUMED`` record exists without it, and it does not grow by more
+  than the wait for the store call in flight. The claims of batch N+1 lost with it were
+  never answered, so their handler never ran; their redelivery claims afresh.
+* Dying after the call committed: the records are ``CONSUMED`` and the claims of batch
+  N+1 exist; a redelivery of batch N is a duplicate, one of batch N+1 is busy, then
+  taken over (its handler may or may not have run: the ordinary ambiguous outcome).
+* A store call that fails keeps each caller's answer its own: a SQL group is run again
+  by the full rules in a transaction of its own, and what a one-trip call committed
+  before is recognised (a completion already made counts as won; a row a claim inserted
+  carries its owner token, which the rules answer ``CLAIMED``, the same record). A
+  completion that still fails after three tries is reported and the batch acknowledged
+  (the effect happened), as before.
 
 The handler gets an ``IdempotentContext``: the consumer's context plus the fencing token of
 each message's claim (``ctx.fences[i]`` for ``msgs[i]``; ``ctx.fence`` in a batch of one),
@@ -35,9 +72,19 @@ from typing import Any
 from ..client.consume import ConsumeContext, ConsumeResult, ConsumeStatus, Listener, Rest
 from ..log.record import MessageExt
 from .policy import Action, Ambiguous, Verdict, batch_reply, decide_action
-from .record import Claim, ClaimResult, FencingToken, Outcome, Record, Ticket, payload_hash
+from .record import ClaimResult, FencingToken, Outcome, Record, Ticket, payload_hash
 from .retention import RetentionChecked
-from .store import MAX_KEY_LEN, DedupStore, Purger, StoreError, open_store
+from .store import (
+    MAX_KEY_LEN,
+    DedupStore,
+    KeyClaim,
+    Purger,
+    StoreError,
+    claim_keys,
+    complete_keys,
+    fresh_record,
+    open_store,
+)
 
 __all__ = ["IdempotentContext", "IdempotentListener", "KeySpec", "idempotent"]
 
@@ -87,6 +134,36 @@ class IdempotentContext(ConsumeContext):
             raise ValueError(f"ctx.fence is for a batch of one message; this batch has "
                              f"{len(self.records)}: use ctx.fences[i]")
         return self.fences[0]
+
+
+class _FreshRecords(Sequence[Record]):
+    """The records of a batch's claims, built when read (``ctx.records``, ``ctx.fences``):
+    a fresh claim's record follows from its tuple and the claim's time; ``overrides`` holds
+    the records of the claims that found one (taken over, claimed again)."""
+
+    __slots__ = ("_args", "_items", "_overrides")
+
+    def __init__(self, group: str, now: float, lease_s: float, retention_s: float,
+                 items: list[KeyClaim], overrides: dict[int, Record] | None = None) -> None:
+        self._args = (group, now, lease_s, retention_s)
+        self._items = items
+        self._overrides = overrides or {}
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def _one(self, i: int) -> Record:
+        rec = self._overrides.get(i)
+        return rec if rec is not None else fresh_record(*self._args, self._items[i])
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self._one(j) for j in range(*i.indices(len(self._items)))]
+        if i < 0:
+            i += len(self._items)
+        if not 0 <= i < len(self._items):
+            raise IndexError(i)
+        return self._one(i)
 
 
 def key_function(spec: KeySpec) -> Callable[[MessageExt], str]:
@@ -159,7 +236,9 @@ class IdempotentListener(RetentionChecked):
         host = socket.gethostname()[:40]
         self._owner_prefix = f"{host}:{os.getpid()}:{os.urandom(3).hex()}:"
         self._serial = itertools.count(1)
-        self._live: dict[str, Ticket] = {}  # owner -> claim whose handler is running
+        # the claims whose handler is running, by batch: (group, claims, owners lost)
+        self._live: dict[int, tuple[str, list[KeyClaim], set[str]]] = {}
+        self._batches = itertools.count(1)
         self._tick: asyncio.TimerHandle | None = None
         self._extending: asyncio.Task[None] | None = None
         self._sync = not (inspect.iscoroutinefunction(listener)
@@ -171,23 +250,32 @@ class IdempotentListener(RetentionChecked):
         if not group:
             raise ValueError("idempotent(): no consumer group (pass group=...)")
         self._purger.poke()
-        verdicts: list[Verdict | None] = [None] * len(msgs)
-        claims: list[tuple[int, Claim]] = []
+        # one tuple per message (topic, key, owner, payload hash): no object per claim
+        items: list[KeyClaim] = []
+        where: list[int] | None = None  # message index of each item, once one has no key
+        verdicts: list[Verdict | None] | None = None  # built when one message is decided
+        prefix, serial, key_of = self._owner_prefix, self._serial, self.key_of
         for i, m in enumerate(msgs):
             try:
-                key = _stored_key(self.key_of(m))
+                key = key_of(m)
+                if not key or len(key) > MAX_KEY_LEN:
+                    key = _stored_key(key)
             except Exception as exc:
                 log.warning("no dedup key for %s@%d (%s): to the DLQ", m.topic,
                             m.queue_offset, exc)
                 self.stats["no_key"] += 1
+                if verdicts is None:
+                    verdicts = [None] * len(msgs)
+                    where = list(range(len(items)))
                 verdicts[i] = Verdict.DLQ
                 ctx.dlq_reasons[i] = f"idempotency: no dedup key ({exc})"
                 continue
-            claims.append((i, Claim(group, m.topic, key, self._new_owner(),
-                                    payload_hash(m.body), self.lease_s, self.retention_s,
-                                    self.check_payload)))
+            if where is not None:
+                where.append(i)
+            items.append((m.topic, key, f"{prefix}{next(serial)}", payload_hash(m.body)))
         try:
-            results = await self.store.claim_many([c for _, c in claims])
+            now, odd = await claim_keys(self.store, group, items, self.lease_s,
+                                        self.retention_s, self.check_payload)
         except StoreError as exc:
             self.stats["store_errors"] += 1
             if not self.fail_open:
@@ -195,41 +283,62 @@ class IdempotentListener(RetentionChecked):
                             len(msgs), exc)
                 return ConsumeStatus.RECONSUME_LATER
             return await self._unguarded(msgs, ctx, exc)
-        to_run: list[tuple[int, Claim, Record]] = []
-        claimed = 0
-        for (i, c), res in zip(claims, results, strict=True):
-            if res.outcome is Outcome.CLAIMED:  # the common case: run, nothing to log
-                claimed += 1
-                to_run.append((i, c, res.record))
-                continue
-            verdict = await self._verdict(msgs[i], c, res, ctx.dlq_reasons, i)
-            if verdict is None:
-                to_run.append((i, c, res.record))
-            else:
-                verdicts[i] = verdict
-        if claimed:
-            self.stats["claimed"] += claimed
-        if to_run:
-            for i, v in await self._run(msgs, ctx, to_run):
-                verdicts[i] = v
-        ack_index, delay = batch_reply([v or Verdict.LATER for v in verdicts])
-        ctx.ack_index = ack_index
-        if delay < 0 or ctx.delay_level == 0:
-            ctx.delay_level = delay
+        if not odd and where is None:
+            # the common case: every message got a fresh claim and runs, in order
+            self.stats["claimed"] += len(items)
+            records: Sequence[Record] = _FreshRecords(group, now, self.lease_s,
+                                                      self.retention_s, items)
+            outcome = await self._run(msgs, ctx, group, items, records, None)
+        else:
+            if verdicts is None:
+                verdicts = [None] * len(msgs)
+            run_items: list[KeyClaim] = []
+            run_index: list[int] = []
+            overrides: dict[int, Record] = {}
+            claimed = 0
+            for j, item in enumerate(items):
+                i = j if where is None else where[j]
+                res = odd.get(j)
+                if res is not None and res.outcome is not Outcome.CLAIMED:
+                    verdict = await self._verdict(msgs[i], group, item, res,
+                                                  ctx.dlq_reasons, i)
+                    if verdict is not None:
+                        verdicts[i] = verdict
+                        continue
+                else:
+                    claimed += 1
+                if res is not None:
+                    overrides[len(run_items)] = res.record
+                run_items.append(item)
+                run_index.append(i)
+            if claimed:
+                self.stats["claimed"] += claimed
+            if run_items:
+                records = _FreshRecords(group, now, self.lease_s, self.retention_s, run_items,
+                                        overrides)
+                batch = [msgs[i] for i in run_index]
+                outcome = await self._run(batch, ctx, group, run_items, records, run_index)
+                for n, i in enumerate(run_index):
+                    verdicts[i] = Verdict.ACK if n < outcome else Verdict.LATER
+            ack_index, delay = batch_reply([v or Verdict.LATER for v in verdicts])
+            ctx.ack_index = ack_index
+            if delay < 0 or ctx.delay_level == 0:
+                ctx.delay_level = delay
+            return ConsumeStatus.SUCCESS
+        # every message ran: the reply acknowledges the prefix the handler acknowledged
+        ctx.ack_index = outcome - 1
         return ConsumeStatus.SUCCESS
 
-    def _new_owner(self) -> str:
-        return f"{self._owner_prefix}{next(self._serial)}"
-
-    async def _verdict(self, m: MessageExt, c: Claim, res: ClaimResult,
+    async def _verdict(self, m: MessageExt, group: str, item: KeyClaim, res: ClaimResult,
                        dlq_reasons: dict[int, str], index: int) -> Verdict | None:
         """The verdict on one claimed message, or None: run the handler on it. A message
         bound for the DLQ gets its reason in ``dlq_reasons[index]``."""
+        key = item[1]
         d = decide_action(res, self.ambiguous)
         self.stats[res.outcome.value.lower()] += 1
         if d.action is Action.RUN:
             if res.outcome is Outcome.TAKEN_OVER:
-                log.warning("%s %s: %s", m.topic, c.key, d.reason)
+                log.warning("%s %s: %s", m.topic, key, d.reason)
             return None
         if d.action is Action.ACK:
             return Verdict.ACK
@@ -237,43 +346,45 @@ class IdempotentListener(RetentionChecked):
             return Verdict.LATER
         if d.action is Action.DLQ:
             self.stats["dlq"] += 1
-            log.error("%s@%d key %s to the DLQ: %s", m.topic, m.queue_offset, c.key, d.reason)
+            log.error("%s@%d key %s to the DLQ: %s", m.topic, m.queue_offset, key, d.reason)
             dlq_reasons[index] = f"idempotency: {d.reason}"
             return Verdict.DLQ
         # RECONCILE: the user checks the business system; the claim stays ours meanwhile
         try:
             if inspect.iscoroutinefunction(self.reconcile):
-                done = await self.reconcile(c.key, m)
+                done = await self.reconcile(key, m)
             else:  # a plain function may block (it asks a database): not on the loop
                 done = await asyncio.get_running_loop().run_in_executor(
-                    None, self.reconcile, c.key, m)
+                    None, self.reconcile, key, m)
             if inspect.isawaitable(done):
                 done = await done
         except Exception:
-            log.exception("reconcile of %s failed; consumed later", c.key)
+            log.exception("reconcile of %s failed; consumed later", key)
             return Verdict.LATER  # our claim expires, the next delivery asks again
         if not done:
             self.stats["reconciled_not_done"] += 1
             return None
         self.stats["reconciled_done"] += 1
         try:
-            await self.store.complete_many([c.ticket], self.retention_s)
+            await complete_keys(self.store, group, [item], self.retention_s)
         except StoreError as exc:
-            log.warning("reconciled %s as done but could not record it: %s", c.key, exc)
+            log.warning("reconciled %s as done but could not record it: %s", key, exc)
         return Verdict.ACK
 
-    async def _run(self, msgs: list[MessageExt], ctx: ConsumeContext,
-                   to_run: list[tuple[int, Claim, Record]]) -> list[tuple[int, Verdict]]:
-        batch = [msgs[i] for i, _, _ in to_run]
+    async def _run(self, batch: list[MessageExt], ctx: ConsumeContext, group: str,
+                   items: list[KeyClaim], records: Sequence[Record],
+                   index: list[int] | None) -> int:
+        """Run the handler on ``batch`` (the messages it may run, their claims ``items``),
+        complete what it acknowledged and release the rest; the number acknowledged.
+        ``index``: each message's index in the listener's batch (None: the same)."""
         sub = IdempotentContext(ctx.queue, len(batch) - 1, ctx.delay_level, ctx.group,
-                                records=[r for _, _, r in to_run])
-        tickets = [c.ticket for _, c, _ in to_run]
-        self._hold(tickets)
+                                records=records)
+        token = self._hold(group, items)
         try:
             result = await self._call(batch, sub)
         finally:
-            for t in tickets:
-                self._live.pop(t.owner, None)
+            if token is not None:
+                self._live.pop(token, None)
         acked = result.acked
         if acked < len(batch):
             if result.rest is Rest.DEAD_LETTER:
@@ -281,42 +392,41 @@ class IdempotentListener(RetentionChecked):
             elif result.delay_level:
                 ctx.delay_level = result.delay_level
         for j, why in result.reasons.items():  # the handler's own reasons, if it gives any
-            if 0 <= j < len(to_run):
-                ctx.dlq_reasons[to_run[j][0]] = why
+            if 0 <= j < len(items):
+                ctx.dlq_reasons[j if index is None else index[j]] = why
         self.stats["handled"] += acked
-        out: list[tuple[int, Verdict]] = []
         if acked:
-            done = tickets[:acked]
-            won = await self._complete(done)
-            for t, ok in zip(done, won, strict=True):
-                if not ok:
-                    self.stats["fenced"] += 1
-                    log.warning("%s: the claim was taken over while the handler ran (lease "
-                                "expired); the effect may have happened twice", t.key)
-            out += [(i, Verdict.ACK) for i, _, _ in to_run[:acked]]
+            done = items if acked == len(items) else items[:acked]
+            won = await self._complete(group, done)
+            if not all(won):
+                for item, ok in zip(done, won, strict=True):
+                    if not ok:
+                        self.stats["fenced"] += 1
+                        log.warning("%s: the claim was taken over while the handler ran "
+                                    "(lease expired); the effect may have happened twice",
+                                    item[1])
         if acked < len(batch):
-            failed = tickets[acked:]
+            failed = [Ticket(group, t, k, o) for t, k, o, _ in items[acked:]]
             try:
                 released = await self.store.release_many(failed)
                 self.stats["released"] += sum(released)
             except StoreError as exc:  # the claims expire; the redelivery waits for that
                 self.stats["store_errors"] += 1
                 log.warning("could not release %d claim(s): %s", len(failed), exc)
-            out += [(i, Verdict.LATER) for i, _, _ in to_run[acked:]]
-        return out
+        return acked
 
-    async def _complete(self, tickets: list[Ticket]) -> list[bool]:
+    async def _complete(self, group: str, items: list[KeyClaim]) -> list[bool]:
         """Mark ``CONSUMED``, retrying a failing store briefly: a record left ``CONSUMING``
         after the effect becomes an ambiguous outcome once its lease expires."""
         for attempt in range(3):
             try:
-                return await self.store.complete_many(tickets, self.retention_s)
+                return await complete_keys(self.store, group, items, self.retention_s)
             except StoreError as exc:
                 self.stats["store_errors"] += 1
                 if attempt == 2:  # the effect happened: acknowledge anyway
                     log.error("effect done but CONSUMED not recorded for %d message(s): %s",
-                              len(tickets), exc)
-                    return [True] * len(tickets)
+                              len(items), exc)
+                    return [True] * len(items)
                 await asyncio.sleep(0.05 * 4 ** attempt)
         raise AssertionError("unreachable")
 
@@ -336,16 +446,18 @@ class IdempotentListener(RetentionChecked):
             log.exception("listener failed on %s; claims released, batch retried", ctx.queue)
             return ConsumeResult.retry()
 
-    def _hold(self, tickets: Sequence[Ticket]) -> None:
-        """Keep the leases of ``tickets`` alive while the handler runs: one timer per
-        listener extends every live claim every ``lease_s / 3`` (one store call for all of
-        them, however many batches run at once; no task per batch)."""
+    def _hold(self, group: str, items: list[KeyClaim]) -> int | None:
+        """Keep the leases of the claims ``items`` alive while the handler runs: one timer
+        per listener extends every live claim every ``lease_s / 3`` (one store call for all
+        of them, however many batches run at once; no task per batch). The batch's token
+        in ``_live`` (None: extensions are off)."""
         if not self.extend_leases:
-            return
-        for t in tickets:
-            self._live[t.owner] = t
+            return None
+        token = next(self._batches)
+        self._live[token] = (group, items, set())
         if self._tick is None:
             self._tick = asyncio.get_running_loop().call_later(self.lease_s / 3, self._on_tick)
+        return token
 
     def _on_tick(self) -> None:
         self._tick = None
@@ -353,20 +465,27 @@ class IdempotentListener(RetentionChecked):
             return
         loop = asyncio.get_running_loop()
         if self._extending is None or self._extending.done():
-            self._extending = loop.create_task(self._extend(list(self._live.values())))
+            live = [(token, Ticket(group, t, k, o))
+                    for token, (group, items, lost) in self._live.items()
+                    for t, k, o, _ in items if o not in lost]
+            self._extending = loop.create_task(self._extend(live))
         self._tick = loop.call_later(self.lease_s / 3, self._on_tick)
 
-    async def _extend(self, live: list[Ticket]) -> None:
+    async def _extend(self, live: list[tuple[int, Ticket]]) -> None:
         try:
-            ok = await self.store.extend_many(live, self.lease_s, self.retention_s)
+            ok = await self.store.extend_many([t for _, t in live], self.lease_s,
+                                              self.retention_s)
         except StoreError as exc:
             self.stats["store_errors"] += 1
             log.warning("lease extension failed: %s", exc)
             return
-        for t, won in zip(live, ok, strict=True):
+        for (token, t), won in zip(live, ok, strict=True):
             if won:
                 self.stats["extended"] += 1
-            elif self._live.pop(t.owner, None) is not None:  # not finished meanwhile
+                continue
+            held = self._live.get(token)
+            if held is not None and t.owner not in held[2]:  # not finished meanwhile
+                held[2].add(t.owner)
                 self.stats["lease_lost"] += 1
                 log.warning("%s: lease lost to another consumer while the handler runs",
                             t.key)

@@ -9,8 +9,10 @@ are relative, so the Redis server's own clock plays no part.
 
 The claim script only decides what to write; it returns each key's record as it found it,
 and the client derives the result with ``record.decide_claim`` (the same rules, the same
-arguments), checking that both agree. All keys of a batch must be on one Redis server (no
-cross-slot batches on a cluster).
+arguments), checking that both agree. On the listener's path (``claim_keys``,
+``complete_keys``) one script (``_OPS``) completes and claims the keys of several batches
+in one call, and answers a fresh claim with one character. All keys of a batch must be on
+one Redis server (no cross-slot batches on a cluster).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from .record import (
     decide_claim,
     history_line,
 )
-from .store import MAX_KEY_LEN, Clock, StoreError, StoreStats
+from .store import MAX_KEY_LEN, Clock, KeyClaim, StoreError, StoreStats
 
 __all__ = ["RedisStore"]
 
@@ -142,6 +144,88 @@ end
 return out
 """
 
+# The listener's path (``RedisStore.claim_keys``, ``complete_keys``): the completions and
+# the claims of a merged group in one script call, completions first. KEYS: the NC keys to
+# complete, then the keys to claim. ARGV: now, now as the history shows it, NC, one string
+# of three fields per completion (owner, expiry, ttl ms), one of six per claim (as
+# ``_CLAIM``), each field ended by a newline. Reply: one character per completion ("1":
+# won), one per claim ("1": the key had no record, a fresh claim), then, for each claim
+# that found a record, the outcome and the record as found (as ``_CLAIM``).
+_OPS = _HISTORY + """
+local now, at, nc = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
+local cf, f = {}, {}
+for v in string.gmatch(ARGV[4], '([^\\n]*)\\n') do cf[#cf + 1] = v end
+for v in string.gmatch(ARGV[5], '([^\\n]*)\\n') do f[#f + 1] = v end
+if #cf ~= 3 * nc or #f ~= 6 * (#KEYS - nc) then
+  return redis.error_reply('onceq: bad arguments')
+end
+local done = {}
+for i = 1, nc do
+  local k, b = KEYS[i], (i - 1) * 3
+  local owner = cf[b + 1]
+  local r = redis.call('HMGET', k, 'st', 'own', 'ex', 'att', 'hi')
+  local ok = '0'
+  local alive = r[3] and tonumber(r[3]) > now
+  if alive and r[2] == owner then
+    if r[1] == 'CONSUMING' then
+      ok = '1'
+      redis.call('HSET', k, 'st', 'CONSUMED', 'ua', ARGV[1], 'ex', cf[b + 2],
+                 'hi', hist(r[5], at, 'completed', r[4], owner))
+      redis.call('PEXPIRE', k, cf[b + 3])
+    elseif r[1] == 'CONSUMED' then
+      ok = '1'
+    end
+  elseif alive then
+    redis.call('HSET', k, 'hi', hist(r[5], at, 'fenced-off', r[4], owner))
+  end
+  done[i] = ok
+end
+local out = {table.concat(done), ''}
+local fresh = {}
+for i = nc + 1, #KEYS do
+  local k, b = KEYS[i], (i - nc - 1) * 6
+  local owner, ph, check = f[b + 1], f[b + 2], f[b + 3]
+  local lu, ex, ttl = f[b + 4], f[b + 5], f[b + 6]
+  local r = redis.call('HMGET', k, 'st', 'own', 'att', 'lu', 'ph', 'ca', 'ua', 'ex', 'hi')
+  local outcome
+  if (not r[1]) or tonumber(r[8]) <= now then
+    if r[1] then redis.call('DEL', k) end  -- past retention: as good as absent
+    redis.call('HSET', k, 'st', 'CONSUMING', 'own', owner, 'att', '1', 'lu', lu, 'ph', ph,
+               'ca', ARGV[1], 'ua', ARGV[1], 'ex', ex, 'hi', hist('', at, 'claimed', 1, owner))
+    redis.call('PEXPIRE', k, ttl)
+    fresh[#fresh + 1] = '1'
+  else
+    if r[1] == 'RELEASED' then
+      local nph, att = ph, tonumber(r[3]) + 1
+      if nph == '' then nph = r[5] end
+      redis.call('HSET', k, 'st', 'CONSUMING', 'own', owner, 'att', tostring(att), 'lu', lu,
+                 'ph', nph, 'ua', ARGV[1], 'ex', ex,
+                 'hi', hist(r[9], at, 'claimed', att, owner))
+      redis.call('PEXPIRE', k, ttl)
+      outcome = 'CLAIMED'
+    elseif r[2] == owner and r[1] == 'CONSUMING' then
+      outcome = 'CLAIMED'
+    elseif check == '1' and ph ~= '' and r[5] ~= '' and ph ~= r[5] then
+      outcome = 'CONFLICT'
+    elseif r[1] == 'CONSUMED' then
+      outcome = 'DUPLICATE'
+    elseif tonumber(r[4]) > now then
+      outcome = 'BUSY'
+    else
+      local nph, att = ph, tonumber(r[3]) + 1
+      if nph == '' then nph = r[5] end
+      redis.call('HSET', k, 'own', owner, 'att', tostring(att), 'lu', lu, 'ph', nph,
+                 'ua', ARGV[1], 'ex', ex, 'hi', hist(r[9], at, 'taken-over', att, owner))
+      redis.call('PEXPIRE', k, ttl)
+      outcome = 'TAKEN_OVER'
+    end
+    fresh[#fresh + 1] = '0'
+    out[#out + 1] = {outcome, r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9] or ''}
+  end
+end
+out[2] = table.concat(fresh)
+return out
+"""
 
 _OUTCOMES = {o.value: o for o in Outcome}
 _LANES = 2  # script calls of one kind in flight at once; more batches wait and merge
@@ -156,6 +240,12 @@ class _Lane:
     def __init__(self) -> None:
         self.active = 0
         self.queue: list[tuple[list[Any], asyncio.Future[Any]]] = []
+
+
+def _size(batch: Any) -> int:
+    """Keys in a waiting batch: a list of claims or tickets, or a listener operation
+    (``("claim" | "complete", group, items, ...)``)."""
+    return len(batch[2]) if isinstance(batch, tuple) else len(batch)
 
 
 def _check_field(value: str) -> None:
@@ -191,6 +281,7 @@ class RedisStore:
                                         retry=Retry(ExponentialBackoff(0.5, 0.05), 2))
         self._claim = self._redis.register_script(_CLAIM)
         self._cas_script = self._redis.register_script(_CAS)
+        self._ops_script = self._redis.register_script(_OPS)
         self._lanes: dict[tuple[Any, ...], _Lane] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -212,6 +303,97 @@ class RedisStore:
             _check_field(c.owner)
             _check_field(c.payload_hash)
         return await self._merged(("claim",), list(claims), self._claim_group)
+
+    # ------------------------------------------------------------------ the listener's path
+    async def claim_keys(self, group: str, items: Sequence[KeyClaim], lease_s: float,
+                         retention_s: float, check_payload: bool
+                         ) -> tuple[float, dict[int, ClaimResult]]:
+        """``store.claim_keys``: a listener batch's claims as tuples; the store's time and
+        the results of the claims that found a record. It goes in one script call with
+        the other batches' claims and completions waiting meanwhile (``_ops_group``)."""
+        if not items:
+            return self.clock(), {}
+        for _, k, o, p in items:
+            if len(k) > MAX_KEY_LEN:
+                raise ValueError(f"dedup key longer than {MAX_KEY_LEN} characters")
+            if "\n" in o or "\n" in p:
+                _check_field(o)
+                _check_field(p)
+        return await self._merged(("ops",), ("claim", group, items, lease_s, retention_s,
+                                             check_payload), self._ops_group)
+
+    async def complete_keys(self, group: str, items: Sequence[KeyClaim], retention_s: float
+                            ) -> list[bool]:
+        """``store.complete_keys``: ``complete_many`` of a listener batch's claims, in the
+        script call of the next claims (or on its own when none is waiting)."""
+        if not items:
+            return []
+        for _, _, o, _ in items:
+            _check_field(o)
+        return await self._merged(("ops",), ("complete", group, items, retention_s),
+                                  self._ops_group)
+
+    async def _ops_group(self, ops: list[tuple[Any, ...]]
+                         ) -> list[Any]:
+        """Completions and claims of several listener batches in one script call
+        (``_OPS``): the completions first, so that a copy of a message just finished is a
+        duplicate rather than busy. The whole call is atomic, so each batch is."""
+        now = self.clock()
+        ckeys: list[str] = []
+        cfields: list[str] = []
+        keys: list[str] = []
+        fields: list[str] = []
+        key = self._key
+        for op in ops:
+            if op[0] == "complete":
+                _, group, items, retention_s = op
+                ex = now + retention_s
+                tail = f"\n{ex!r}\n{_ttl_ms(ex, now)}\n"
+                ckeys += [key(group, t, k) for t, k, _, _ in items]
+                cfields += [o + tail for _, _, o, _ in items]
+            else:
+                _, group, items, lease_s, retention_s, check = op
+                lease_until = now + lease_s
+                expires_at = lease_until + retention_s
+                tail = (f"\n{'1' if check else '0'}\n{lease_until!r}\n{expires_at!r}\n"
+                        f"{_ttl_ms(expires_at, now)}\n")
+                keys += [key(group, t, k) for t, k, _, _ in items]
+                fields += [f"{o}\n{p}{tail}" for _, _, o, p in items]
+        reply = await self._call(self._ops_script, ckeys + keys,
+                                 [repr(now), f"{now:.3f}", str(len(ckeys)), "".join(cfields),
+                                  "".join(fields)])
+        done, fresh, found = reply[0], reply[1], iter(reply[2:])
+        outs: list[Any] = []
+        cpos = pos = 0
+        for op in ops:
+            n = len(op[2])
+            if op[0] == "complete":
+                flags = done[cpos:cpos + n]
+                cpos += n
+                outs.append([True] * n if "0" not in flags else [c == "1" for c in flags])
+                continue
+            flags = fresh[pos:pos + n]
+            pos += n
+            if "0" not in flags:  # every claim created its record: no object per message
+                outs.append((now, {}))
+                continue
+            _, group, items, lease_s, retention_s, check = op
+            odd: dict[int, ClaimResult] = {}
+            error: BaseException | None = None
+            for j, flag in enumerate(flags):
+                if flag == "1":
+                    continue
+                t, k, o, p = items[j]
+                outcome, *rec = next(found)
+                res, _ = decide_claim(self._record(group, t, k, rec),
+                                      Claim(group, t, k, o, p, lease_s, retention_s, check),
+                                      now)
+                if res.outcome is not _OUTCOMES.get(outcome) and error is None:
+                    error = StoreError(f"redis dedup store: the script said {outcome} where "
+                                       f"the rules say {res.outcome} for {k!r}")
+                odd[j] = res
+            outs.append((now, odd) if error is None else error)
+        return outs
 
     async def _claim_group(self, batches: list[list[Claim]]
                            ) -> list[list[ClaimResult] | BaseException]:
@@ -307,12 +489,12 @@ class RedisStore:
         try:
             while lane.queue:
                 take, n = [], 0
-                while lane.queue and (not take or n + len(lane.queue[0][0]) <= _MERGE_MAX):
+                while lane.queue and (not take or n + _size(lane.queue[0][0]) <= _MERGE_MAX):
                     item = lane.queue.pop(0)
                     if item[1].done():  # its caller gave up (cancelled): not sent
                         continue
                     take.append(item)
-                    n += len(item[0])
+                    n += _size(item[0])
                 if not take:
                     continue
                 try:

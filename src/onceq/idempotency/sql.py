@@ -12,6 +12,10 @@ transaction on a connection owned by a worker thread (the event loop never block
 * complete / release / extend: read the rows of the given owner tokens under the lock,
   then update or delete those that are still owned: a token that was fenced off (its row
   taken over by another owner, or gone) matches nothing.
+* the listener's path (``claim_keys``, ``complete_keys``): the completions and claims of a
+  group go in one statement each (``_apply_group``), or, on PostgreSQL and MariaDB, all of
+  them in one round trip that commits (``_one_trip``); a group that finds anything but
+  fresh keys and owned claims runs again by the rules above.
 
 Keys are sorted inside a transaction so that two batches lock rows in the same order;
 deadlocks and serialisation failures the database reports are retried. An SQLite write lock
@@ -23,6 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 import random
 import threading
 import time
@@ -42,12 +48,53 @@ from .record import (
     decide_claim,
     history_line,
 )
-from .store import MAX_KEY_LEN, Clock, StoreError, StoreStats, WriteLockTimeout, check_name
+from .store import (
+    MAX_KEY_LEN,
+    Clock,
+    KeyClaim,
+    StoreError,
+    StoreStats,
+    WriteLockTimeout,
+    check_name,
+)
 
 __all__ = ["Dialect", "SqlStore", "mysql_dialect", "postgres_dialect", "sqlite_dialect"]
 
+log = logging.getLogger("onceq.idempotency")
+
 _TRANSIENT_TRIES = 8
+_ONE_TRIP_TRIES = 5  # one-trip calls failing in a row before a store stops trying them
 _GROUP_MAX = 64  # operations committed together at most
+
+
+# The listener's completions and claims in one statement (``SqlStore._one_trip``).
+# Parameters: completions as JSON [[group, topic, key, owner, expiry], ...], the history
+# line's two parts, CONSUMED, now, CONSUMING, now; then CONSUMING, now, now, the claim
+# history's prefix, a newline, claims as JSON [[group, topic, key, owner, payload hash,
+# lease end, expiry], ...].
+_PG_ONE_TRIP = (
+    "WITH v AS (SELECT e->>0 AS g, e->>1 AS tp, e->>2 AS k, e->>3 AS o, "
+    "(e->>4)::float8 AS ex FROM json_array_elements(?::json) AS e), "
+    "c AS (UPDATE {{t}} AS d SET {hist}, status = ?, updated_at = ?, expires_at = v.ex "
+    "FROM v WHERE d.grp = v.g AND d.topic = v.tp AND d.dkey = v.k AND d.owner = v.o "
+    "AND d.status = ? AND d.expires_at > ? RETURNING 1), "
+    f"i AS (INSERT INTO {{{{t}}}} ({COLS}) SELECT e->>0, e->>1, e->>2, ?, e->>3, 1, "
+    "(e->>5)::float8, e->>4, ?, ?, (e->>6)::float8, ? || (e->>3) || ? "
+    "FROM json_array_elements(?::json) AS e ON CONFLICT DO NOTHING RETURNING 1) "
+    "SELECT (SELECT count(*) FROM c), (SELECT count(*) FROM i)")
+
+_JSON_KEYS = ("g VARCHAR(128) COLLATE utf8mb4_bin PATH '$[0]', tp VARCHAR(128) COLLATE "
+              "utf8mb4_bin PATH '$[1]', k VARCHAR(255) COLLATE utf8mb4_bin PATH '$[2]', "
+              "o VARCHAR(100) COLLATE utf8mb4_bin PATH '$[3]'")
+_MYSQL_ONE_TRIP = (
+    "UPDATE {{t}} AS d JOIN JSON_TABLE(?, '$[*]' COLUMNS (" + _JSON_KEYS + ", "
+    "ex DOUBLE PATH '$[4]')) AS v ON d.grp = v.g AND d.topic = v.tp AND d.dkey = v.k AND "
+    "d.owner = v.o SET {hist}, d.status = ?, d.updated_at = ?, d.expires_at = v.ex "
+    "WHERE d.status = ? AND d.expires_at > ?; "
+    f"INSERT IGNORE INTO {{{{t}}}} ({COLS}) SELECT j.g, j.tp, j.k, ?, j.o, 1, j.lu, j.ph, "
+    "?, ?, j.ex, CONCAT(?, j.o, ?) FROM JSON_TABLE(?, '$[*]' COLUMNS (" + _JSON_KEYS + ", "
+    "ph VARCHAR(64) PATH '$[4]', lu DOUBLE PATH '$[5]', ex DOUBLE PATH '$[6]')) AS j; "
+    "COMMIT")
 
 
 def _row_record(row: Sequence[Any]) -> Record:
@@ -86,6 +133,9 @@ class SqlStore:
         self._conns_lock = threading.Lock()
         self._schema_ready = False
         self._closed = False
+        # one-trip calls that failed in a row: past _ONE_TRIP_TRIES (a server without
+        # JSON_TABLE, say) the groups take the transaction path only
+        self._one_trip_failures = 0 if dialect.one_trip else _ONE_TRIP_TRIES
 
     # ------------------------------------------------------------------ plumbing
     def _sql(self, text: str) -> str:
@@ -268,8 +318,14 @@ class SqlStore:
 
     def _tx_group(self, ops: list[tuple[Callable[..., Any], tuple[Any, ...]]]
                   ) -> list[tuple[bool, Any]]:
+        if self._one_trip_failures < _ONE_TRIP_TRIES and all(
+                fn == self._claim_keys_op or fn == self._complete_keys_op for fn, _ in ops):
+            done = self._one_trip(ops)
+            if done is not None:
+                return [(True, v) for v in done]
+
         def group(cur: Any, now: float) -> list[Any]:
-            return [fn(cur, now, *args) for fn, args in ops]
+            return self._apply_group(cur, now, ops)
 
         if len(ops) > 1:
             try:
@@ -287,6 +343,230 @@ class SqlStore:
             except Exception as exc:
                 out.append((False, exc))
         return out
+
+    def _apply_group(self, cur: Any, now: float,
+                     ops: list[tuple[Callable[..., Any], tuple[Any, ...]]]) -> list[Any]:
+        """The operations of one transaction. The listener's completions of the group go
+        in one statement, then its claims in one statement (the completion of one batch
+        rides with the claims of the next ones); the other operations follow in their
+        order. Every caller waited for its own operation, none of them saw another's
+        result, so any order is a valid one; completions first turn copies of just
+        finished messages into duplicates instead of busy claims."""
+        out: list[Any] = [None] * len(ops)
+        completes = [i for i, (fn, _) in enumerate(ops) if fn == self._complete_keys_op]
+        claims = [i for i, (fn, _) in enumerate(ops) if fn == self._claim_keys_op]
+        if completes:
+            for i, res in zip(completes, self._complete_keys_merged(
+                    cur, now, [ops[i][1] for i in completes]), strict=True):
+                out[i] = res
+        if claims:
+            for i, res in zip(claims, self._claim_keys_merged(
+                    cur, now, [ops[i][1] for i in claims]), strict=True):
+                out[i] = res
+        if len(completes) + len(claims) < len(ops):
+            merged = set(completes) | set(claims)
+            for i, (fn, args) in enumerate(ops):
+                if i not in merged:
+                    out[i] = fn(cur, now, *args)
+        return out
+
+    def _one_trip(self, ops: list[tuple[Callable[..., Any], tuple[Any, ...]]]
+                  ) -> list[Any] | None:
+        """The listener's completions and claims of a group in one round trip and one
+        commit (PostgreSQL: one statement, MariaDB/MySQL: one multi-statement call ending
+        with COMMIT). The rows travel as one JSON parameter per kind.
+
+        What it commits is right whatever else happens: a completion changes only a row
+        still ``CONSUMING`` under the claim's own owner token, a claim only inserts a
+        fresh row where the key has none (``decide_claim`` of an absent record). When the
+        counts say every completion and every claim did so, that is every result. If not
+        (a key already known, a fenced-off owner), or if the call failed, the group runs
+        again by the full rules in a transaction (``_apply_group``): there, a completion
+        already made counts as won (``CONSUMED`` by its owner), and a claim finds the row
+        it inserted under its own owner token, which the rules answer ``CLAIMED`` with the
+        same record. None: run the group that way."""
+        d = self.dialect
+        now = self.clock()
+        completes: list[list[Any]] = []
+        claims: list[list[Any]] = []
+        for fn, args in ops:
+            if fn == self._complete_keys_op:
+                group, items, retention_s = args
+                completes += [[group, t, k, o, now + retention_s] for t, k, o, _ in items]
+            else:
+                group, items, lease_s, retention_s, _ = args
+                lease_until = now + lease_s
+                expires_at = lease_until + retention_s
+                claims += [[group, t, k, o, p, lease_until, expires_at] for t, k, o, p in items]
+        completes.sort()  # the same lock order in every transaction
+        claims.sort()
+        hist, hparams = self._event("completed", now)
+        claimed = history_line(now, "claimed", 1, "")[:-1]
+        params = (json.dumps(completes), *hparams, Status.CONSUMED.value, now,
+                  Status.CONSUMING.value, now, Status.CONSUMING.value, now, now, claimed,
+                  "\n", json.dumps(claims))
+        conn = None
+        try:
+            conn = self._connection()
+            cur = conn.cursor()
+            if d.name == "postgresql":
+                conn.autocommit = True  # one statement, its own transaction
+                try:
+                    cur.execute(self._sql(_PG_ONE_TRIP.format(hist=hist)), params)
+                    counts = tuple(cur.fetchone())
+                finally:
+                    conn.autocommit = False
+            else:
+                cur.execute(self._sql(_MYSQL_ONE_TRIP.format(hist=hist)), params)
+                completed = cur.rowcount
+                cur.nextset()
+                counts = (completed, cur.rowcount)
+                while cur.nextset():  # the COMMIT's
+                    pass
+        except (*d.errors, OSError, StoreError) as exc:
+            try:
+                if conn is not None:
+                    conn.rollback()
+            except Exception:
+                self._drop_connection()
+            self._one_trip_failures += 1
+            if self._one_trip_failures == _ONE_TRIP_TRIES:
+                log.warning("%s dedup store: one-round-trip groups failed %d times in a row "
+                            "(last: %s: %s); using one transaction per group from now on",
+                            d.name, _ONE_TRIP_TRIES, type(exc).__name__, exc)
+            return None  # the transaction path retries, or says what is wrong
+        self._one_trip_failures = 0
+        if counts != (len(completes), len(claims)):
+            return None
+        return [[True] * len(args[1]) if fn == self._complete_keys_op else (now, {})
+                for fn, args in ops]
+
+    # ------------------------------------------------------------------ the listener's path
+    async def claim_keys(self, group: str, items: Sequence[KeyClaim], lease_s: float,
+                         retention_s: float, check_payload: bool
+                         ) -> tuple[float, dict[int, ClaimResult]]:
+        """``store.claim_keys``: the claims of a listener batch as tuples; the store's time
+        and the results of the claims that found a record (see ``_claim_keys_merged``)."""
+        if not items:
+            return self.clock(), {}
+        if len(group) > 128:
+            raise ValueError("group over 128 characters")
+        for t, k, o, p in items:
+            if len(k) > MAX_KEY_LEN or len(o) > 100 or len(p) > 64 or len(t) > 128:
+                if len(k) > MAX_KEY_LEN:
+                    raise ValueError(f"dedup key longer than {MAX_KEY_LEN} characters")
+                raise ValueError("owner token over 100, payload hash over 64, or group or "
+                                 "topic over 128 characters")
+        return await self._run(self._claim_keys_op, group, items, lease_s, retention_s,
+                               check_payload)
+
+    def _claim_keys_op(self, cur: Any, now: float, *args: Any
+                       ) -> tuple[float, dict[int, ClaimResult]]:
+        return self._claim_keys_merged(cur, now, [args])[0]
+
+    def _claim_keys_merged(self, cur: Any, now: float, ops: list[tuple[Any, ...]]
+                           ) -> list[tuple[float, dict[int, ClaimResult]]]:
+        """The claims of several listener batches: one insert of a fresh ``CONSUMING`` row
+        per claim (nothing where the key has a row). When every row went in, every claim
+        created its record (``decide_claim`` of an absent one): nothing to read back and
+        no result object per message. Otherwise each batch is claimed again by the full
+        rule (``_claim_tx``): its own rows just inserted are found with its own owner
+        tokens, which the rules answer ``CLAIMED`` with the same record."""
+        claimed = history_line(now, "claimed", 1, "")[:-1]  # + owner + newline
+        consuming = Status.CONSUMING.value
+        rows = []
+        for group, items, lease_s, retention_s, _ in ops:
+            lease_until = now + lease_s
+            expires_at = lease_until + retention_s
+            rows += [(group, t, k, consuming, o, 1, lease_until, p, now, now, expires_at,
+                      f"{claimed}{o}\n") for t, k, o, p in items]
+        if self.dialect.counts_inserts and self._insert_fresh(cur, rows) == len(rows):
+            return [(now, {})] * len(ops)
+        out = []
+        for group, items, lease_s, retention_s, check in ops:
+            results = self._claim_tx(cur, now, [
+                Claim(group, t, k, o, p, lease_s, retention_s, check) for t, k, o, p in items])
+            out.append((now, dict(enumerate(results))))
+        return out
+
+    def _insert_fresh(self, cur: Any, rows: list[tuple[Any, ...]]) -> int:
+        """Insert ``rows`` where their key has none; the number inserted."""
+        # multi-row statements, not ``executemany``: SQLite's module releases and takes
+        # back the GIL around every step, and a step per row waits for the GIL each time
+        # the event loop is busy (a handler doing CPU work)
+        if self.dialect.name != "sqlite":
+            rows.sort(key=lambda r: r[:3])  # the same lock order in every transaction
+        inserted = 0
+        for source, params in self._row_chunks(rows, self.dialect.column_types):
+            cur.execute(self._sql(self.dialect.insert_absent.replace(f"VALUES {ROW}", source)),
+                        params)
+            inserted += cur.rowcount
+        return inserted
+
+    async def complete_keys(self, group: str, items: Sequence[KeyClaim], retention_s: float
+                            ) -> list[bool]:
+        """``store.complete_keys``: ``complete_many`` of a listener batch's claims."""
+        if not items:
+            return []
+        return await self._run(self._complete_keys_op, group, items, retention_s)
+
+    def _complete_keys_op(self, cur: Any, now: float, *args: Any) -> list[bool]:
+        return self._complete_keys_merged(cur, now, [args])[0]
+
+    def _complete_keys_merged(self, cur: Any, now: float, ops: list[tuple[Any, ...]]
+                              ) -> list[list[bool]]:
+        """The completions of several listener batches in one statement: every row still
+        ``CONSUMING`` under exactly a claim's (group, topic, key, owner) turns
+        ``CONSUMED``. When it changed one row per claim, every claim won; otherwise each
+        batch is completed again by the full rule (``_complete_tx``), which counts a row
+        already ``CONSUMED`` by its owner as won and fences off the stale owners."""
+        rows = []
+        for group, items, retention_s in ops:
+            expires_at = now + retention_s
+            rows += [(group, t, k, o, expires_at) for t, k, o, _ in items]
+        if self._update_completed(cur, now, rows) == len(rows):
+            return [[True] * len(items) for _, items, _ in ops]
+        return [self._complete_tx(cur, now, [Ticket(group, t, k, o) for t, k, o, _ in items],
+                                  retention_s) for group, items, retention_s in ops]
+
+    def _update_completed(self, cur: Any, now: float, rows: list[tuple[Any, ...]]) -> int:
+        """Mark ``CONSUMED`` the ``CONSUMING`` rows of (group, topic, key, owner, expiry)
+        ``rows``; the number of rows changed."""
+        d = self.dialect
+        hist, hparams = self._event("completed", now)
+        sets = f"{hist}, status = ?, updated_at = ?, expires_at = "
+        done, consuming = Status.CONSUMED.value, Status.CONSUMING.value
+        rows.sort()  # the same lock order in every transaction
+        if d.array_in:  # one statement whatever the number of rows
+            source, params = self._rows(5, rows, ("text", "text", "text", "text", "float8"))
+            cur.execute(self._sql(
+                f"UPDATE {{t}} AS d SET {sets}u.ex FROM "
+                f"({source}) AS u(g, tp, k, o, ex) WHERE d.grp = u.g AND d.topic = u.tp AND "
+                "d.dkey = u.k AND d.owner = u.o AND d.status = ? AND d.expires_at > ?"),
+                (*hparams, done, now, *params, consuming, now))
+            return cur.rowcount
+        changed = 0
+        by_expiry: dict[float, list[tuple[Any, ...]]] = defaultdict(list)
+        for r in rows:  # one expiry per retention: one group in the usual case
+            by_expiry[r[4]].append(r)
+        for expires_at, group in by_expiry.items():
+            for i in range(0, len(group), 500):
+                part = group[i:i + 500]
+                keys = ", ".join(["(?, ?, ?, ?)"] * len(part))
+                owners: list[Any] = []
+                if d.row_values_in:  # SQLite: the owner index finds the rows
+                    where = (f"owner IN ({self._marks(len(part))}) AND (grp, topic, dkey, "
+                             f"owner) IN (VALUES {keys})")
+                    owners = [r[3] for r in part]
+                else:  # MariaDB/MySQL: a range of the primary key per row
+                    where = f"(grp, topic, dkey, owner) IN ({keys})"
+                cur.execute(self._sql(
+                    f"UPDATE {{t}} SET {sets}? WHERE {where} AND status = ? AND "
+                    "expires_at > ?"),
+                    (*hparams, done, now, expires_at, *owners,
+                     *[v for r in part for v in r[:4]], consuming, now))
+                changed += cur.rowcount
+        return changed
 
     # ------------------------------------------------------------------ claims
     async def claim_many(self, claims: Sequence[Claim]) -> list[ClaimResult]:

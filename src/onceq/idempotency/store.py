@@ -28,10 +28,11 @@ from .record import (
     decide_complete,
     decide_extend,
     decide_release,
+    history_line,
 )
 
-__all__ = ["DedupStore", "MemoryStore", "Purger", "StoreError", "StoreStats", "WriteLockTimeout",
-           "open_store"]
+__all__ = ["DedupStore", "KeyClaim", "MemoryStore", "Purger", "StoreError", "StoreStats",
+           "WriteLockTimeout", "claim_keys", "complete_keys", "fresh_record", "open_store"]
 
 log = logging.getLogger("onceq.idempotency")
 
@@ -97,6 +98,51 @@ class DedupStore(Protocol):
     async def stats(self) -> StoreStats: ...
 
     async def close(self) -> None: ...
+
+
+# One message's claim on the listener's path: (topic, dedup key, owner token, payload hash).
+# The group, the lease, the retention and the payload check are the batch's, given once.
+KeyClaim = tuple[str, str, str, str]
+
+
+def fresh_record(group: str, now: float, lease_s: float, retention_s: float,
+                 item: KeyClaim) -> Record:
+    """The record that the claim ``item`` of a key that had none wrote at ``now``: what
+    ``decide_claim`` of an absent record stores (``CONSUMING``, attempt 1)."""
+    topic, key, owner, ph = item
+    lease_until = now + lease_s
+    return Record(group, topic, key, Status.CONSUMING, owner, 1, lease_until, ph, now, now,
+                  lease_until + retention_s, history_line(now, "claimed", 1, owner))
+
+
+async def claim_keys(store: DedupStore, group: str, items: Sequence[KeyClaim],
+                     lease_s: float, retention_s: float, check_payload: bool
+                     ) -> tuple[float, dict[int, ClaimResult]]:
+    """Claim a batch of keys with as few Python objects as the store allows.
+
+    Returns the store's time of the claim and the results of the claims that did not
+    simply create their record: a claim absent from the dict got a fresh record
+    (``fresh_record(group, now, ...)``, outcome ``CLAIMED``). A store with a
+    ``claim_keys`` method of the same signature answers itself (the SQL and Redis stores:
+    no object per message that won); any other store gets ``Claim`` objects through
+    ``claim_many``, and every result is in the dict."""
+    fast = getattr(store, "claim_keys", None)
+    if fast is not None:
+        return await fast(group, items, lease_s, retention_s, check_payload)
+    results = await store.claim_many([Claim(group, t, k, o, p, lease_s, retention_s,
+                                            check_payload) for t, k, o, p in items])
+    return 0.0, dict(enumerate(results))
+
+
+async def complete_keys(store: DedupStore, group: str, items: Sequence[KeyClaim],
+                        retention_s: float) -> list[bool]:
+    """``complete_many`` of the claims ``items`` (their owner tokens), through the store's
+    ``complete_keys`` where it has one (no ``Ticket`` per message)."""
+    fast = getattr(store, "complete_keys", None)
+    if fast is not None:
+        return await fast(group, items, retention_s)
+    return await store.complete_many([Ticket(group, t, k, o) for t, k, o, _ in items],
+                                     retention_s)
 
 
 def check_name(name: str, what: str = "table") -> str:
@@ -230,7 +276,7 @@ def open_store(url: str, *, clock: Clock = time.time, **options: object) -> Dedu
     if scheme in ("mysql", "mariadb", "mysql+pymysql"):
         from .sql import SqlStore, mysql_dialect
 
-        return SqlStore(mysql_dialect(parts), clock=clock, **opts)  # type: ignore[arg-type]
+        return SqlStore(mysql_dialect(parts, multi_statements=True), clock=clock, **opts)  # type: ignore[arg-type]
     if scheme in ("postgresql", "postgres"):
         from .sql import SqlStore, postgres_dialect
 

@@ -216,12 +216,19 @@ class TransactionalListener(RetentionChecked):
     def _batch_tx(self, cur: Any, now: float, group: str,
                   items: list[tuple[MessageExt, str | None]]
                   ) -> tuple[list[Verdict], Counter[str]]:
+        if self._all_fresh(cur, now, group, items):
+            return self._run_fresh(cur, now, group, items)
+        return self._one_by_one(cur, now, group, items)
+
+    def _one_by_one(self, cur: Any, now: float, group: str,
+                    items: list[tuple[MessageExt, str | None]]
+                    ) -> tuple[list[Verdict], Counter[str]]:
+        """Each message under a savepoint of its own: insert its dedup row, then run the
+        handler where the row is new."""
         sql = self.engine._sql
         conn = cur.connection
         verdicts: list[Verdict] = []
         counts: Counter[str] = Counter()
-        if self._all_fresh(cur, now, group, items):
-            return self._run_fresh(cur, conn, group, items)
         for m, key in items:
             if key is None:
                 verdicts.append(Verdict.DLQ)
@@ -255,8 +262,9 @@ class TransactionalListener(RetentionChecked):
 
     def _all_fresh(self, cur: Any, now: float, group: str,
                    items: list[tuple[MessageExt, str | None]]) -> bool:
-        """Insert the batch's dedup rows in one statement (under a savepoint): True when
-        every one was new, so that each message only has to run; otherwise everything is
+        """Insert the batch's dedup rows in one statement under the savepoint
+        ``onceq_batch``: True when every one was new (the savepoint stays open for
+        ``_run_fresh``), so that each message only has to run; otherwise everything is
         rolled back to the savepoint and the messages are taken one by one."""
         rows = [(group, m.topic, key, payload_hash(m.body), now)
                 for m, key in items if key is not None]
@@ -270,18 +278,24 @@ class TransactionalListener(RetentionChecked):
                 "VALUES (?, ?, ?, ?, ?)", source)), params)
             inserted += cur.rowcount
         if inserted == len(rows):
-            cur.execute("RELEASE SAVEPOINT onceq_batch")
             return True
         cur.execute("ROLLBACK TO SAVEPOINT onceq_batch")
         cur.execute("RELEASE SAVEPOINT onceq_batch")
         return False
 
-    def _run_fresh(self, cur: Any, conn: Any, group: str,
+    def _run_fresh(self, cur: Any, now: float, group: str,
                    items: list[tuple[MessageExt, str | None]]
                    ) -> tuple[list[Verdict], Counter[str]]:
-        """Run the handler on each message whose dedup row this transaction just inserted;
-        on a failure, its writes are rolled back and the rows of it and the rest of the
-        batch deleted (they are this transaction's own), and they are retried."""
+        """Run the handler on each message whose dedup row this transaction just inserted
+        (under the open savepoint ``onceq_batch``), with no savepoint per message: two
+        statements less per message, round trips on a database server.
+
+        When the handler fails on message ``n``, everything since the savepoint is rolled
+        back (the batch's rows and every write of its handlers), and the messages before
+        ``n`` are done again one by one (``_one_by_one``: their handlers run a second time,
+        on a database where their first writes never happened); ``n`` and the rest are
+        retried. Effects inside the database stay exactly once, as when a transaction is
+        run again after a serialisation failure."""
         verdicts: list[Verdict] = []
         counts: Counter[str] = Counter()
         for n, (m, key) in enumerate(items):
@@ -289,19 +303,22 @@ class TransactionalListener(RetentionChecked):
                 verdicts.append(Verdict.DLQ)
                 counts["no_key"] += 1
                 continue
-            cur.execute("SAVEPOINT onceq_msg")
-            if not self._handle_in_savepoint(cur, conn, m):
-                for m2, key2 in items[n:]:
-                    if key2 is not None:
-                        cur.execute(self.engine._sql("DELETE FROM {t} WHERE grp = ? AND "
-                                                     "topic = ? AND dkey = ?"),
-                                    (group, m2.topic, key2))
+            try:
+                if self.session:
+                    sa.in_session(self.handler, m, cur.connection)
+                else:
+                    self.handler(m, cur.connection)
+            except Exception:
+                log.exception("handler failed on %s@%d; its writes are rolled back, the "
+                              "message is retried", m.topic, m.queue_offset)
+                cur.execute("ROLLBACK TO SAVEPOINT onceq_batch")
+                cur.execute("RELEASE SAVEPOINT onceq_batch")
+                verdicts, counts = self._one_by_one(cur, now, group, items[:n])
                 counts["failed"] += 1
-                verdicts += [Verdict.LATER] * (len(items) - len(verdicts))
-                break
-            cur.execute("RELEASE SAVEPOINT onceq_msg")
+                return verdicts + [Verdict.LATER] * (len(items) - len(verdicts)), counts
             counts["handled"] += 1
             verdicts.append(Verdict.ACK)
+        cur.execute("RELEASE SAVEPOINT onceq_batch")
         return verdicts, counts
 
     def _handle_in_savepoint(self, cur: Any, conn: Any, m: MessageExt) -> bool:
