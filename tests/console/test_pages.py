@@ -301,3 +301,27 @@ async def test_overview_lists_the_brokers_recent_warnings(web, world):
                and e["logger"] == "onceq.broker" for e in errors), errors
     t = text_of((await web.get("/")).text)
     assert "Recent errors" in t and "closing connection" in t
+
+
+async def test_a_lookup_shows_the_dedup_records_of_a_configured_store(world, tmp_path):
+    from onceq.idempotency import Claim, open_store
+
+    url = f"sqlite:///{tmp_path / 'dedup.db'}"
+    key = world.keys["order-5"]
+    store = open_store(url)
+    try:
+        claim = Claim(GROUP, TOPIC, key, "worker-1")
+        [res] = await store.claim_many([claim])
+        assert res.runnable
+        assert await store.complete_many([claim.ticket], 3600) == [True]
+    finally:
+        await store.close()
+    async with console_client(ConsoleConfig(broker=world.addr, dedup_store=url)) as web:
+        t = text_of((await web.get("/messages", params={
+            "topic": TOPIC, "by": "unique", "key": key})).text)
+        assert f"{GROUP} {key} CONSUMED worker-1" in t
+    bad = "nosuch://x"
+    async with console_client(ConsoleConfig(broker=world.addr, dedup_store=bad)) as web:
+        r = await web.get("/messages", params={"topic": TOPIC, "by": "unique", "key": key})
+        assert r.status_code == 400 and "dedup store: unknown dedup store URL scheme" in (
+            text_of(r.text))

@@ -73,28 +73,18 @@ async def _consumed_by(admin: Admin, topic: str, queue: int, offset: int
 async def _dedup_records(url: str, groups: list[str], topic: str, keys: list[str]
                          ) -> list[dict[str, Any]]:
     """The idempotency layer's records of the message (by unique key or business key)."""
-    from ..idempotency import StoreError, open_store
+    from ..idempotency import StoreError, find_records
 
     try:
-        store = open_store(url)
+        records = await find_records(url, groups, topic, keys)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--dedup-store") from None
-    out = []
-    try:
-        for group in groups:
-            for key in keys:
-                rec = await store.get(group, topic, key)
-                if rec is not None:
-                    out.append({"group": rec.group, "key": rec.key,
-                                "status": rec.status.value, "owner": rec.owner,
-                                "attempt": rec.attempt,
-                                "updated_at": iso_ms(int(rec.updated_at * 1000)),
-                                "expires_at": iso_ms(int(rec.expires_at * 1000))})
     except StoreError as exc:
         fail(f"dedup store: {exc}")
-    finally:
-        await store.close()
-    return out
+    return [{"group": rec.group, "key": rec.key, "status": rec.status.value,
+             "owner": rec.owner, "attempt": rec.attempt,
+             "updated_at": iso_ms(int(rec.updated_at * 1000)),
+             "expires_at": iso_ms(int(rec.expires_at * 1000))} for rec in records]
 
 
 @message.command("show")

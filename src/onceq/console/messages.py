@@ -72,27 +72,16 @@ async def _copies(admin: ConsoleAdmin, topics: set[str], groups: list[str], uniq
 
 async def _dedup_records(url: str, groups: list[str], topic: str, keys: list[str]
                          ) -> list[dict[str, Any]]:
-    from ..idempotency import StoreError, open_store
+    from ..idempotency import StoreError, find_records
 
     try:
-        store = open_store(url)
-    except ValueError as exc:
+        records = await find_records(url, groups, topic, keys)
+    except (ValueError, StoreError) as exc:
         raise forms.InputError(f"dedup store: {exc}") from None
-    out = []
-    try:
-        for g in groups:
-            for key in keys:
-                rec = await store.get(g, topic, key)
-                if rec is not None:
-                    out.append({"group": rec.group, "key": rec.key, "status": rec.status.value,
-                                "owner": rec.owner, "attempt": rec.attempt,
-                                "updated_ms": int(rec.updated_at * 1000),
-                                "expires_ms": int(rec.expires_at * 1000)})
-    except StoreError as exc:
-        raise forms.InputError(f"dedup store: {exc}") from None
-    finally:
-        await store.close()
-    return out
+    return [{"group": rec.group, "key": rec.key, "status": rec.status.value,
+             "owner": rec.owner, "attempt": rec.attempt,
+             "updated_ms": int(rec.updated_at * 1000),
+             "expires_ms": int(rec.expires_at * 1000)} for rec in records]
 
 
 async def lookup(request: Request) -> HTMLResponse:

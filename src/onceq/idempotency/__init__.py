@@ -35,6 +35,7 @@ from .store import (
     StoreError,
     StoreStats,
     WriteLockTimeout,
+    find_records,
     open_store,
 )
 from .transactional import TransactionalListener, transactional
@@ -69,6 +70,7 @@ __all__ = [
     "decide_extend",
     "decide_release",
     "events",
+    "find_records",
     "idempotent",
     "open_store",
     "payload_hash",

@@ -287,3 +287,21 @@ def open_store(url: str, *, clock: Clock = time.time, **options: object) -> Dedu
         return RedisStore(url.split("?", 1)[0], clock=clock, **opts)  # type: ignore[arg-type]
     raise ValueError(f"unknown dedup store URL scheme {scheme!r} in {url!r}: use memory, "
                      "sqlite, redis, mysql or postgresql")
+
+
+async def find_records(url: str, groups: Sequence[str], topic: str, keys: Sequence[str]
+                       ) -> list[Record]:
+    """The records the store at ``url`` keeps for ``keys`` of ``topic`` in each of
+    ``groups`` (what an operator's message lookup shows). ValueError for a URL that names
+    no store; StoreError when the store fails."""
+    store = open_store(url)
+    try:
+        out = []
+        for group in groups:
+            for key in keys:
+                rec = await store.get(group, topic, key)
+                if rec is not None:
+                    out.append(rec)
+        return out
+    finally:
+        await store.close()
