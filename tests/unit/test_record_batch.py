@@ -16,6 +16,7 @@ from onceq.log.batch import (
     check_batch,
     encode_batch,
     encode_bodies_batch,
+    slice_batch,
 )
 from onceq.log.record import (
     REC_HEADER_SIZE,
@@ -27,6 +28,7 @@ from onceq.log.record import (
     encode_part,
     first_mismatch,
     record_matches,
+    slice_batch_record,
     tag_hash,
 )
 
@@ -232,3 +234,21 @@ def test_a_batch_of_bodies_is_the_batch_of_their_parts(items: list[tuple[bytes, 
         encode_bodies_batch([b"x"], ["é"], born)
     with pytest.raises(RecordError):
         encode_bodies_batch([b"x"], ["K" * 256], born)
+
+
+@given(batch_st, st.sampled_from(["none", "lz4"]), st.data())
+@settings(max_examples=80, deadline=None)
+def test_a_slice_of_a_batch_is_the_batch_of_those_parts(msgs: list[dict], compression: str,
+                                                       data: st.DataObject) -> None:
+    parts = _parts(msgs)
+    a = data.draw(st.integers(0, len(parts) - 1))
+    b = data.draw(st.integers(a + 1, len(parts)))
+    assert slice_batch(encode_batch(parts, compression), a, b) == encode_batch(parts[a:b])
+    rec = _record(encode_batch(parts, compression), base=50)
+    cut = slice_batch_record(rec, 0, 50 + a, 50 + b)
+    if (a, b) == (0, len(parts)):
+        assert cut is None  # sent as stored
+    else:
+        assert cut is not None and check_record(cut, 0, 0).count == b - a
+        assert [(m.queue_offset, m.body) for m in decode_records(cut)] == [
+            (50 + i, msgs[i]["body"]) for i in range(a, b)]

@@ -92,8 +92,7 @@ class PullConsumer(BrokerClient):
     async def pull(self, topic: str, queue: int, offset: int, max_msgs: int = 32, *,
                    tags: str | None = None, suspend: float = 0.0,
                    commit_offset: int | None = None) -> PullResult:
-        """Pull up to ``max_msgs`` from ``offset`` (more when a batch record the pull
-        reaches holds more: it is answered to its end). With ``suspend`` > 0 the broker holds an
+        """Pull up to ``max_msgs`` from ``offset``. With ``suspend`` > 0 the broker holds an
         empty pull up to that many seconds (long polling) and answers when a message comes.
         ``commit_offset`` piggy-backs an offset commit for the group on the pull."""
         tag_list = parse_tags(tags)
@@ -116,8 +115,7 @@ class PullConsumer(BrokerClient):
         undecoded in ``payload`` (for a caller with its own decoder; ``tags`` is then only
         the broker's hash filter, and a batch record may hold messages outside the pulled
         offsets: keep those from the pull's ``offset`` to its ``next_offset``, as
-        ``decode_records`` does). A pull answers a batch record to its end: it may hold
-        more than ``max_msgs`` messages.
+        ``decode_records`` does).
         """
         tag_list = parse_tags(tags)
         conn = await self._connection()

@@ -36,9 +36,11 @@ from .batch import (
     BATCH_HEAD_SIZE,
     BATCH_RECORD_MAGIC,
     batch_count,
+    build_batch_record_head,
     check_batch,
     columns,
     plain_batch,
+    slice_batch,
 )
 from .part import (
     MIN_PART_SIZE,
@@ -204,6 +206,25 @@ def _batch_matches(view: memoryview, pos: int, size: int, topic_bytes: bytes,
         return False
     bsize, bcrc = _U32x2.unpack_from(view, bstart)
     return bsize == end - bstart and zlib.crc32(view[bstart + 8:end]) == bcrc
+
+
+def slice_batch_record(buf: bytes | memoryview, pos: int, first: int, end: int
+                       ) -> bytes | None:
+    """The checked record at ``buf[pos:]`` cut to its messages in [``first``, ``end``): a
+    batch record holding others gets a new batch record of those (its own checksums, the
+    same position and store time); None when the record is to be sent as it is."""
+    total, _c, magic, _r, qid, base, rpos, sts, tlen = REC_HEADER.unpack_from(buf, pos)
+    if magic != BATCH_RECORD_MAGIC:
+        return None
+    view = memoryview(buf)
+    bstart = pos + REC_HEADER_SIZE + tlen
+    count = batch_count(view[bstart:])
+    a, b = max(first - base, 0), min(end - base, count)
+    if (a == 0 and b == count) or a >= b:
+        return None
+    sub = slice_batch(view[bstart:pos + total], a, b)
+    return build_batch_record_head(bytes(view[pos + REC_HEADER_SIZE:bstart]), qid, base + a,
+                                   rpos, sts, len(sub)) + sub
 
 
 def record_first_offset(buf: bytes | memoryview, pos: int) -> int:

@@ -6,9 +6,11 @@ position, topic, checksum) before it is returned; one that is not goes to the in
 (``repair.py``) and is read again, or is skipped as damaged.
 
 A read answers a ``ReadStatus`` (the same names and numbers as the pull statuses of the
-protocol) with the records found. A batch record is returned whole once, whatever number of
-its messages the read wants: the reader of the payload keeps the messages from the read's
-offset to its next offset (``decode_records``), with the tags it asked for.
+protocol) with the records found. A batch record whose messages the read wants all is
+returned as it is stored; one that the read's first offset or its end cuts is returned as a
+new batch record of the messages wanted (``slice_batch_record``), so that no message is
+sent twice; the reader of the payload keeps the messages with the tags it asked for
+(``decode_records``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,12 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
-from ..log.record import first_mismatch, record_end_offset, record_matches
+from ..log.record import (
+    first_mismatch,
+    record_end_offset,
+    record_matches,
+    slice_batch_record,
+)
 from ..log.segment import DAMAGED_ENTRY_SIZE, INDEX_ENTRY
 from .consumequeue import ConsumeQueue
 from .errors import StoreUnavailable
@@ -58,22 +65,24 @@ def _damaged_run_end(cq: ConsumeQueue, offset: int) -> int:
     return offset
 
 
-def _rest_of_record(cq: ConsumeQueue, offset: int, hi: int, pos: int, size: int,
-                    tag_hashes: frozenset[int] | None) -> tuple[int, int, int | None]:
-    """From ``offset``, the entries that point at the record at (``pos``, ``size``): how
-    many, how many of them the tag filter keeps, and the last kept offset."""
-    n = wanted = 0
-    last = None
-    while offset + n < hi:
-        chunk = cq.read(offset + n, min(1024, hi - offset - n))
-        for p, s, th, _ts in INDEX_ENTRY.iter_unpack(chunk):
-            if p != pos or s != size:
-                return n, wanted, last
-            if tag_hashes is None or th in tag_hashes:
-                wanted += 1
-                last = offset + n
-            n += 1
-    return n, wanted, last
+def _trimmed(payload: bytes, picked: list[tuple[int, int, int]], first: int, end: int
+             ) -> bytes:
+    """``payload`` (the checked records of ``picked``, back to back) with its first and
+    last batch records cut to the messages in [``first``, ``end``): a pull never sends a
+    message it does not answer for (a large batch is sent once over its pulls, not once
+    per pull). The records between hold only such messages."""
+    if not picked:
+        return payload
+    head = slice_batch_record(payload, 0, first, end)
+    tail_at = len(payload) - picked[-1][2]
+    tail = slice_batch_record(payload, tail_at, first, end) if len(picked) > 1 else None
+    if head is None and tail is None:
+        return payload
+    head_end = picked[0][2]
+    return b"".join((payload[:head_end] if head is None else head,
+                     payload[head_end:tail_at] if len(picked) > 1 else b"",
+                     (payload[tail_at:] if tail is None else tail) if len(picked) > 1
+                     else b""))
 
 
 class Reader:
@@ -148,16 +157,6 @@ class Reader:
                 ranges[-1][1] += size
             else:
                 ranges.append([pos, size])
-        if picked and offset + scanned < hi:
-            # a batch record is answered whole: the read covers its messages to its end,
-            # past max_msgs (else each pull of a large batch would send all of it again)
-            _o, pos, size = picked[-1]
-            more, wanted, last_wanted = _rest_of_record(cq, offset + scanned, hi, pos, size,
-                                                        tag_hashes)
-            scanned += more
-            counts[-1] += wanted
-            if last_wanted is not None:
-                lasts[-1] = last_wanted
         payload = b"".join(read_range(self.log, p, s) for p, s in ranges)
         i = first_mismatch(payload, picked, topic.encode(), queue_id, lasts)
         if i >= 0:
@@ -170,7 +169,8 @@ class Reader:
                 bad = record_end_offset(payload, at)
                 if self.repair.repair_entry(topic, queue_id, bad):
                     return None
-                return GetResult(ReadStatus.FOUND, payload[:at + size],
+                return GetResult(ReadStatus.FOUND,
+                                 _trimmed(payload[:at + size], picked[:i + 1], offset, bad),
                                  sum(counts[:i]) + min(counts[i], bad - off), bad, lo, hi)
             if self.repair.repair_entry(topic, queue_id, off):
                 return None  # read again through the repaired entry
@@ -178,11 +178,13 @@ class Reader:
                 return GetResult(ReadStatus.DAMAGED, b"", 0, _damaged_run_end(cq, off), lo,
                                  hi)
             good = sum(size for _o, _p, size in picked[:i])
-            return GetResult(ReadStatus.FOUND, payload[:good], sum(counts[:i]), off, lo, hi)
+            return GetResult(ReadStatus.FOUND, _trimmed(payload[:good], picked[:i], offset, off),
+                             sum(counts[:i]), off, lo, hi)
         nxt = offset + scanned
         if not picked and nxt == hi:
             return GetResult(ReadStatus.NO_NEW_MESSAGE, b"", 0, hi, lo, hi)
-        return GetResult(ReadStatus.FOUND, payload, sum(counts), nxt, lo, hi)
+        return GetResult(ReadStatus.FOUND, _trimmed(payload, picked, offset, nxt),
+                         sum(counts), nxt, lo, hi)
 
     def min_max(self, topic: str, queue_id: int) -> tuple[int, int]:
         cq = self.topics.queue(topic, queue_id)
