@@ -211,8 +211,10 @@ def _batch_matches(view: memoryview, pos: int, size: int, topic_bytes: bytes,
 def slice_batch_record(buf: bytes | memoryview, pos: int, first: int, end: int
                        ) -> bytes | None:
     """The checked record at ``buf[pos:]`` cut to its messages in [``first``, ``end``): a
-    batch record holding others gets a new batch record of those (its own checksums, the
-    same position and store time); None when the record is to be sent as it is."""
+    batch record of which less than half is wanted gets a new batch record of those (its
+    own checksums, the same position and store time); None when the record is to be sent
+    as it is (the reader keeps the messages wanted: at most as many again are sent for
+    nothing, and cutting costs more than sending them)."""
     total, _c, magic, _r, qid, base, rpos, sts, tlen = REC_HEADER.unpack_from(buf, pos)
     if magic != BATCH_RECORD_MAGIC:
         return None
@@ -220,7 +222,7 @@ def slice_batch_record(buf: bytes | memoryview, pos: int, first: int, end: int
     bstart = pos + REC_HEADER_SIZE + tlen
     count = batch_count(view[bstart:])
     a, b = max(first - base, 0), min(end - base, count)
-    if (a == 0 and b == count) or a >= b:
+    if 2 * (b - a) >= count or a >= b:
         return None
     sub = slice_batch(view[bstart:pos + total], a, b)
     return build_batch_record_head(bytes(view[pos + REC_HEADER_SIZE:bstart]), qid, base + a,

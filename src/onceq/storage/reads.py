@@ -6,11 +6,10 @@ position, topic, checksum) before it is returned; one that is not goes to the in
 (``repair.py``) and is read again, or is skipped as damaged.
 
 A read answers a ``ReadStatus`` (the same names and numbers as the pull statuses of the
-protocol) with the records found. A batch record whose messages the read wants all is
-returned as it is stored; one that the read's first offset or its end cuts is returned as a
-new batch record of the messages wanted (``slice_batch_record``), so that no message is
-sent twice; the reader of the payload keeps the messages with the tags it asked for
-(``decode_records``).
+protocol) with the records found. A batch record is returned as it is stored when the read
+wants at least half of its messages, else as a new batch record of the messages wanted
+(``slice_batch_record``); the reader of the payload keeps the messages from the read's
+offset to its next offset, with the tags it asked for (``decode_records``).
 """
 
 from __future__ import annotations
@@ -68,9 +67,10 @@ def _damaged_run_end(cq: ConsumeQueue, offset: int) -> int:
 def _trimmed(payload: bytes, picked: list[tuple[int, int, int]], first: int, end: int
              ) -> bytes:
     """``payload`` (the checked records of ``picked``, back to back) with its first and
-    last batch records cut to the messages in [``first``, ``end``): a pull never sends a
-    message it does not answer for (a large batch is sent once over its pulls, not once
-    per pull). The records between hold only such messages."""
+    last batch records cut to the messages in [``first``, ``end``) when less than half of
+    one is wanted (``slice_batch_record``): a large batch is sent about once over the
+    pulls that take it in slices, not once per pull. The records between hold only
+    messages of the pull."""
     if not picked:
         return payload
     head = slice_batch_record(payload, 0, first, end)
