@@ -49,30 +49,21 @@ local function hist(old, at, event, att, owner)
 end
 """.replace("CAP", str(HISTORY_CHARS))
 
-# ARGV: now, then one string holding, per key, six fields each ended by a newline: owner,
-# payload hash, check ("1"/"0"), lease end, expiry, ttl ms (one argument instead of six per
-# key: the client encodes and the server parses far fewer arguments); now as the history
-# shows it
-_CLAIM = _HISTORY + """
-local now, at = tonumber(ARGV[1]), ARGV[3]
-local f = {}
-for v in string.gmatch(ARGV[2], '([^\\n]*)\\n') do f[#f + 1] = v end
-if #f ~= 6 * #KEYS then return redis.error_reply('onceq: bad claim arguments') end
-local out = {}
-for i, k in ipairs(KEYS) do
-  local b = (i - 1) * 6
-  local owner, ph, check = f[b + 1], f[b + 2], f[b + 3]
-  local lu, ex, ttl = f[b + 4], f[b + 5], f[b + 6]
+# one claim of key k by the rules of ``decide_claim``: the outcome, and the record as found
+# (nil when the key had none, or one past its retention: a fresh claim). Uses the script's
+# ``now`` and ``at``, and ARGV[1] (now as stored)
+_CLAIM_KEY = """
+local function claim(k, owner, ph, check, lu, ex, ttl)
   local r = redis.call('HMGET', k, 'st', 'own', 'att', 'lu', 'ph', 'ca', 'ua', 'ex', 'hi')
-  local outcome
   if (not r[1]) or tonumber(r[8]) <= now then
-    redis.call('DEL', k)
+    if r[1] then redis.call('DEL', k) end  -- past retention: as good as absent
     redis.call('HSET', k, 'st', 'CONSUMING', 'own', owner, 'att', '1', 'lu', lu, 'ph', ph,
                'ca', ARGV[1], 'ua', ARGV[1], 'ex', ex, 'hi', hist('', at, 'claimed', 1, owner))
     redis.call('PEXPIRE', k, ttl)
-    outcome = 'CLAIMED'
-    r = {false}
-  elseif r[1] == 'RELEASED' then
+    return 'CLAIMED', nil
+  end
+  local outcome
+  if r[1] == 'RELEASED' then
     local nph, att = ph, tonumber(r[3]) + 1
     if nph == '' then nph = r[5] end
     redis.call('HSET', k, 'st', 'CONSUMING', 'own', owner, 'att', tostring(att), 'lu', lu,
@@ -95,7 +86,27 @@ for i, k in ipairs(KEYS) do
     redis.call('PEXPIRE', k, ttl)
     outcome = 'TAKEN_OVER'
   end
-  if r[1] then
+  return outcome, r
+end
+"""
+
+# ARGV: now, then one string holding, per key, six fields each ended by a newline: owner,
+# payload hash, check ("1"/"0"), lease end, expiry, ttl ms (one argument instead of six per
+# key: the client encodes and the server parses far fewer arguments); now as the history
+# shows it
+_CLAIM = _HISTORY + """
+local now, at = tonumber(ARGV[1]), ARGV[3]
+""" + _CLAIM_KEY + """
+local f = {}
+for v in string.gmatch(ARGV[2], '([^\\n]*)\\n') do f[#f + 1] = v end
+if #f ~= 6 * #KEYS then return redis.error_reply('onceq: bad claim arguments') end
+local out = {}
+for i, k in ipairs(KEYS) do
+  local b = (i - 1) * 6
+  local owner, ph, check = f[b + 1], f[b + 2], f[b + 3]
+  local lu, ex, ttl = f[b + 4], f[b + 5], f[b + 6]
+  local outcome, r = claim(k, owner, ph, check, lu, ex, ttl)
+  if r then
     out[i] = {outcome, r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9] or ''}
   else
     out[i] = outcome  -- no record before: the outcome alone (a smaller reply)
@@ -153,6 +164,7 @@ return out
 # that found a record, the outcome and the record as found (as ``_CLAIM``).
 _OPS = _HISTORY + """
 local now, at, nc = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
+""" + _CLAIM_KEY + """
 local cf, f = {}, {}
 for v in string.gmatch(ARGV[4], '([^\\n]*)\\n') do cf[#cf + 1] = v end
 for v in string.gmatch(ARGV[5], '([^\\n]*)\\n') do f[#f + 1] = v end
@@ -186,41 +198,12 @@ for i = nc + 1, #KEYS do
   local k, b = KEYS[i], (i - nc - 1) * 6
   local owner, ph, check = f[b + 1], f[b + 2], f[b + 3]
   local lu, ex, ttl = f[b + 4], f[b + 5], f[b + 6]
-  local r = redis.call('HMGET', k, 'st', 'own', 'att', 'lu', 'ph', 'ca', 'ua', 'ex', 'hi')
-  local outcome
-  if (not r[1]) or tonumber(r[8]) <= now then
-    if r[1] then redis.call('DEL', k) end  -- past retention: as good as absent
-    redis.call('HSET', k, 'st', 'CONSUMING', 'own', owner, 'att', '1', 'lu', lu, 'ph', ph,
-               'ca', ARGV[1], 'ua', ARGV[1], 'ex', ex, 'hi', hist('', at, 'claimed', 1, owner))
-    redis.call('PEXPIRE', k, ttl)
-    fresh[#fresh + 1] = '1'
-  else
-    if r[1] == 'RELEASED' then
-      local nph, att = ph, tonumber(r[3]) + 1
-      if nph == '' then nph = r[5] end
-      redis.call('HSET', k, 'st', 'CONSUMING', 'own', owner, 'att', tostring(att), 'lu', lu,
-                 'ph', nph, 'ua', ARGV[1], 'ex', ex,
-                 'hi', hist(r[9], at, 'claimed', att, owner))
-      redis.call('PEXPIRE', k, ttl)
-      outcome = 'CLAIMED'
-    elseif r[2] == owner and r[1] == 'CONSUMING' then
-      outcome = 'CLAIMED'
-    elseif check == '1' and ph ~= '' and r[5] ~= '' and ph ~= r[5] then
-      outcome = 'CONFLICT'
-    elseif r[1] == 'CONSUMED' then
-      outcome = 'DUPLICATE'
-    elseif tonumber(r[4]) > now then
-      outcome = 'BUSY'
-    else
-      local nph, att = ph, tonumber(r[3]) + 1
-      if nph == '' then nph = r[5] end
-      redis.call('HSET', k, 'own', owner, 'att', tostring(att), 'lu', lu, 'ph', nph,
-                 'ua', ARGV[1], 'ex', ex, 'hi', hist(r[9], at, 'taken-over', att, owner))
-      redis.call('PEXPIRE', k, ttl)
-      outcome = 'TAKEN_OVER'
-    end
+  local outcome, r = claim(k, owner, ph, check, lu, ex, ttl)
+  if r then
     fresh[#fresh + 1] = '0'
     out[#out + 1] = {outcome, r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9] or ''}
+  else
+    fresh[#fresh + 1] = '1'
   end
 end
 out[2] = table.concat(fresh)
