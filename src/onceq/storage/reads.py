@@ -74,15 +74,14 @@ def _trimmed(payload: bytes, picked: list[tuple[int, int, int]], first: int, end
     if not picked:
         return payload
     head = slice_batch_record(payload, 0, first, end)
-    tail_at = len(payload) - picked[-1][2]
-    tail = slice_batch_record(payload, tail_at, first, end) if len(picked) > 1 else None
+    if len(picked) == 1:
+        return payload if head is None else head
+    head_end, tail_at = picked[0][2], len(payload) - picked[-1][2]
+    tail = slice_batch_record(payload, tail_at, first, end)
     if head is None and tail is None:
         return payload
-    head_end = picked[0][2]
-    return b"".join((payload[:head_end] if head is None else head,
-                     payload[head_end:tail_at] if len(picked) > 1 else b"",
-                     (payload[tail_at:] if tail is None else tail) if len(picked) > 1
-                     else b""))
+    return b"".join((head or payload[:head_end], payload[head_end:tail_at],
+                     tail or payload[tail_at:]))
 
 
 class Reader:
