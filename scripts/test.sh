@@ -5,6 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/java.sh  # before setup.sh, which checks it for the spark extra
 bash scripts/setup.sh dev,spark
 bash scripts/chromium.sh
+bash scripts/etcd.sh  # the cluster tests start their own etcd from it
 bash scripts/services.sh redis mariadb postgresql
 .venv/bin/ruff check src tests benchmarks
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"

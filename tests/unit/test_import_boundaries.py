@@ -23,6 +23,10 @@ from the top package (``from onceq import Admin``) resolved to the module it com
   ``onceq.broker`` or ``onceq.cli``.
 * ``onceq.console`` (the web console) is a client too: never ``onceq.storage``,
   ``onceq.broker`` or ``onceq.cli``.
+* ``onceq.cluster`` (the etcd coordination layer: its own client over etcd's JSON
+  gateway, sessions, membership, election) imports from onceq only ``onceq.cluster`` and
+  ``onceq.protocol``, and besides the standard library only ``msgpack``: the broker builds
+  on it, never the other way round.
 * ``onceq.cli`` may import anything.
 * Only ``onceq.spark`` imports ``pyspark``, ``pyarrow`` and ``numpy`` (the ``spark`` extra):
   every other module works without them.
@@ -99,6 +103,8 @@ RULES = [
     Rule("onceq.idempotency", forbidden_onceq=CLIENT_SIDE | {"spark"}),
     Rule("onceq.spark", forbidden_onceq=CLIENT_SIDE),
     Rule("onceq.console", forbidden_onceq=CLIENT_SIDE),
+    Rule("onceq.cluster", allowed_onceq=frozenset({"cluster", "protocol"}),
+         allowed_third_party=frozenset({"msgpack"})),
     Rule("onceq", forbidden_third_party=SPARK_ONLY, exempt=frozenset({"spark"})),
     Rule("onceq", forbidden_third_party=CONSOLE_ONLY, exempt=frozenset({"console"}),
          owner="onceq.console"),
@@ -275,6 +281,16 @@ def test_the_console_reaching_into_the_broker_or_web_libraries_elsewhere_are_rep
         "src/onceq/client/admin.py:1: imports jinja2 (only onceq.console may import jinja2)"]
     assert _check("onceq.console.app", "import pyspark\n") == [
         "src/onceq/console/app.py:1: imports pyspark (only onceq.spark may import pyspark)"]
+
+
+def test_the_cluster_layer_reaching_into_the_broker_or_other_libraries_is_reported():
+    assert _check("onceq.cluster._election", "from ..broker.broker import Broker\n"
+                  "import aiohttp\nfrom ..protocol.errors import ErrorCode\n"
+                  "import msgpack\nfrom ._etcd import EtcdClient\n") == [
+        "src/onceq/cluster/_election.py:1: imports onceq.broker.broker (onceq.cluster may "
+        "import from onceq only onceq.cluster, onceq.protocol)",
+        "src/onceq/cluster/_election.py:2: imports aiohttp (onceq.cluster may import only "
+        "the standard library and msgpack besides onceq)"]
 
 
 def test_allowed_imports_pass():

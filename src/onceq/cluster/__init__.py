@@ -1,0 +1,47 @@
+"""Coordination of replicated broker groups through etcd.
+
+What lives here: a small asyncio etcd client (its JSON gateway over HTTP/1.1), sessions
+(a lease kept alive in the background), group membership, and leader election with leader
+epochs. See docs/cluster.md for the key layout, the election rules and the timings.
+"""
+
+from ._election import Election, current_leader
+from ._etcd import (
+    EtcdClient,
+    EtcdError,
+    EtcdRequestError,
+    EtcdUnavailable,
+    parse_endpoints,
+)
+from ._keys import LeaderRecord, Member, broker_key, epoch_key, leader_key
+from ._membership import MemberChange, Members, deregister, members, register, watch_members
+from ._role import Leadership, LeaseClock, Role, decide, default_margin, is_stale
+from ._session import Session
+
+__all__ = [
+    "Election",
+    "EtcdClient",
+    "EtcdError",
+    "EtcdRequestError",
+    "EtcdUnavailable",
+    "LeaderRecord",
+    "Leadership",
+    "LeaseClock",
+    "Member",
+    "MemberChange",
+    "Members",
+    "Role",
+    "Session",
+    "broker_key",
+    "current_leader",
+    "decide",
+    "default_margin",
+    "deregister",
+    "epoch_key",
+    "is_stale",
+    "leader_key",
+    "members",
+    "parse_endpoints",
+    "register",
+    "watch_members",
+]
