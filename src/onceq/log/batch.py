@@ -220,8 +220,21 @@ def plain_batch(batch: bytes | memoryview) -> bytes:
 
 
 _KEY_SPLITS: dict[tuple[int, int], struct.Struct] = {}  # (key length, n) -> n keys
-_SPLIT_MAX_COUNT = 1024  # larger batches slice their keys (a layout is ~30 bytes a key)
+_FIXED_SPLITS: dict[int, struct.Struct] = {}  # n -> n fixed part headers
+_FIXED_FORMAT = PART_FIXED.format.lstrip("<")
+_FIXED_FIELDS = len(PART_FIXED.unpack(bytes(PART_FIXED_SIZE)))
+_SPLIT_MAX_COUNT = 1024  # larger batches: one call a message (a layout is ~30 bytes a key)
 _SPLITS_KEPT = 64
+
+
+def _splits(cache: dict[Any, struct.Struct], key: Any, fmt: str) -> struct.Struct:
+    """The ``struct`` of ``fmt`` (little-endian, no padding), kept in ``cache``."""
+    st = cache.get(key)
+    if st is None:
+        if len(cache) >= _SPLITS_KEPT:
+            cache.clear()
+        st = cache[key] = struct.Struct("<" + fmt)
+    return st
 
 
 def columns(plain: bytes, count: int
@@ -234,8 +247,13 @@ def columns(plain: bytes, count: int
     fixed_end = BATCH_HEAD_SIZE + PART_FIXED_SIZE * count
     if not count or len(plain) < fixed_end:
         raise RecordError(f"record batch too short for {count} messages")
-    cols = tuple(zip(*PART_FIXED.iter_unpack(memoryview(plain)[BATCH_HEAD_SIZE:fixed_end]),
-                     strict=True))
+    if count <= _SPLIT_MAX_COUNT:  # all fixed headers in one call, then one slice a field
+        st = _splits(_FIXED_SPLITS, count, _FIXED_FORMAT * count)
+        flat = st.unpack_from(plain, BATCH_HEAD_SIZE)
+        cols = tuple(flat[j::_FIXED_FIELDS] for j in range(_FIXED_FIELDS))
+    else:
+        cols = tuple(zip(*PART_FIXED.iter_unpack(memoryview(plain)[BATCH_HEAD_SIZE:fixed_end]),
+                         strict=True))
     _born, _flags, _recons, ulens, tlens, klens, plens, blens = cols
     keys_end = fixed_end + sum(ulens)
     if keys_end > len(plain):
@@ -243,12 +261,8 @@ def columns(plain: bytes, count: int
                           "up to its size")
     u = ulens[0]
     if count <= _SPLIT_MAX_COUNT and ulens.count(u) == count:  # a producer's keys: one call
-        st = _KEY_SPLITS.get((u, count))
-        if st is None:
-            if len(_KEY_SPLITS) >= _SPLITS_KEPT:
-                _KEY_SPLITS.clear()
-            st = _KEY_SPLITS[(u, count)] = struct.Struct(f"{u}s" * count)
-        keys = list(st.unpack_from(plain, fixed_end))
+        keys = list(_splits(_KEY_SPLITS, (u, count), f"{u}s" * count).unpack_from(plain,
+                                                                                  fixed_end))
     else:
         at = list(accumulate(ulens, initial=fixed_end))
         keys = [plain[at[i]:at[i + 1]] for i in range(count)]

@@ -26,7 +26,8 @@ from __future__ import annotations
 import struct
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import msgpack
@@ -42,6 +43,7 @@ from .batch import (
     plain_batch,
     slice_batch,
 )
+from .message import BatchColumns, BatchMessage, MessageExt
 from .part import (
     MIN_PART_SIZE,
     PART_FIXED,
@@ -55,8 +57,8 @@ from .part import (
 )
 
 __all__ = [
-    "MIN_PART_SIZE", "PART_FIXED", "PART_FIXED_SIZE", "RecordError", "TruncatedRecord",
-    "check_part", "encode_part", "part_unique_key_and_tags", "tag_hash",
+    "MIN_PART_SIZE", "PART_FIXED", "PART_FIXED_SIZE", "MessageExt", "RecordError",
+    "TruncatedRecord", "check_part", "encode_part", "part_unique_key_and_tags", "tag_hash",
 ]
 
 RECORD_MAGIC = 0xA2
@@ -295,28 +297,7 @@ def first_mismatch(buf: bytes, picked: list[tuple[int, int, int]], topic_bytes: 
     return -1
 
 
-@dataclass(slots=True)
-class MessageExt:
-    """A stored message as a consumer sees it (RocketMQ's name; ``onceq.Message`` is what a
-    producer sends)."""
-
-    topic: str
-    queue_id: int
-    queue_offset: int
-    body: bytes
-    unique_key: str
-    tags: str = ""
-    keys: str = ""
-    properties: dict[str, Any] = field(default_factory=dict)
-    born_ts_ms: int = 0
-    store_ts_ms: int = 0
-    reconsume_times: int = 0
-    flags: int = 0
-    position: int = -1
-
-    @property
-    def key_list(self) -> list[str]:
-        return self.keys.split()
+_NO_TAG_HASH = tag_hash("")  # the hash of a message without tags
 
 
 def decode_records(buf: bytes | memoryview, verify: bool = True, first: int = 0,
@@ -412,24 +393,29 @@ def _decode_batch_record(mv: memoryview, pos: int, verify: bool, first: int,
     except UnicodeDecodeError:
         raise RecordError("undecodable record batch topic") from None
     (born, flags, recons, _uls, tgls, kls, pls, _bls), uks, starts = columns(plain, count)
+    if not b"".join(uks[lo:hi]).isascii():
+        raise RecordError("undecodable record: unique key is not ascii")
+    shared = BatchColumns(topic, qid, base, sts, rpos, plain, born, flags, recons, uks, starts)
+    if not (any(tgls) or any(kls) or any(pls)):  # no tags, keys, properties: all lazy
+        if tag_hashes is None or _NO_TAG_HASH in tag_hashes:
+            yield from map(BatchMessage, repeat(shared, hi - lo), range(lo, hi))
+        return rec_end
     for i in range(lo, hi):
-        q = starts[i]
         tgl, kl, pl = tgls[i], kls[i], pls[i]
+        if not (tgl or kl or pl):
+            if tag_hashes is None or _NO_TAG_HASH in tag_hashes:
+                yield BatchMessage(shared, i)
+            continue
+        q = starts[i]
         try:
-            uk = uks[i].decode("ascii")
-            if tgl or kl or pl:
-                _u, tags, keys, props, body = _fields(memoryview(plain), q, 0, tgl, kl, pl,
-                                                      starts[i + 1] - q - tgl - kl - pl)
-            else:
-                body = plain[q:starts[i + 1]]
-                tags = keys = ""
-                props = {}
+            _u, tags, keys, props, body = _fields(memoryview(plain), q, 0, tgl, kl, pl,
+                                                  starts[i + 1] - q - tgl - kl - pl)
         except Exception as exc:  # a corrupt record read without verification
             raise RecordError(f"undecodable record: {exc}") from None
         if type(props) is not dict:
             raise RecordError("record properties are not a map")
         if tag_hashes is not None and tag_hash(tags) not in tag_hashes:
             continue
-        yield MessageExt(topic, qid, base + i, body, uk, tags, keys, props, born[i], sts,
-                         recons[i], flags[i], rpos)
+        yield MessageExt(topic, qid, base + i, body, uks[i].decode("ascii"), tags, keys, props,
+                         born[i], sts, recons[i], flags[i], rpos)
     return rec_end
