@@ -14,8 +14,11 @@ offset to its next offset, with the tags it asked for (``decode_records``).
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from enum import IntEnum
+from itertools import compress
+from operator import ne
 from typing import TYPE_CHECKING
 
 from ..log.record import (
@@ -84,6 +87,106 @@ def _trimmed(payload: bytes, picked: list[tuple[int, int, int]], first: int, end
                      tail or payload[tail_at:]))
 
 
+_Picked = tuple[list[tuple[int, int, int]], list[int], list[int], list[list[int]], int]
+
+
+def _entries_one_by_one(raw: bytes, offset: int, log_start: int, max_bytes: int,
+                        tag_hashes: frozenset[int] | None) -> _Picked | ReadStatus:
+    """``_entry_runs`` entry by entry, with a tag filter: DAMAGED when the first entry is
+    a damage marker (a later one ends the read), OFFSET_MOVED when an entry points below
+    the log's start."""
+    picked: list[tuple[int, int, int]] = []
+    counts: list[int] = []
+    lasts: list[int] = []
+    ranges: list[list[int]] = []
+    total = 0
+    scanned = 0
+    last = -1  # position of the last picked record (a batch record: several entries)
+    for pos, size, th, _ts in INDEX_ENTRY.iter_unpack(raw):
+        if size == DAMAGED_ENTRY_SIZE:
+            if scanned:
+                break
+            return ReadStatus.DAMAGED
+        if pos < log_start:
+            return ReadStatus.OFFSET_MOVED
+        if pos != last and picked and total + size > max_bytes:
+            break
+        scanned += 1
+        if tag_hashes is not None and th not in tag_hashes:
+            continue
+        if pos == last:  # another message of the batch record picked already
+            counts[-1] += 1
+            lasts[-1] = offset + scanned - 1
+            continue
+        last = pos
+        picked.append((offset + scanned - 1, pos, size))
+        counts.append(1)
+        lasts.append(offset + scanned - 1)
+        total += size
+        if ranges and ranges[-1][0] + ranges[-1][1] == pos:
+            ranges[-1][1] += size
+        else:
+            ranges.append([pos, size])
+    return picked, counts, lasts, ranges, scanned
+
+
+_ENTRIES: dict[int, struct.Struct] = {}  # n -> n index entries in one call
+
+
+def _entry_runs(raw: bytes, offset: int, log_start: int, max_bytes: int, max_msgs: int
+                ) -> _Picked | None:
+    """The records picked by the index entries ``raw`` (from ``offset``, no tag filter;
+    one entry more than ``max_msgs`` when the queue has it): (offset, position, size) of
+    each record, how many messages of each, the last offset of each, the log ranges to
+    read, and the entries scanned. Entries that point at one record (a batch record's
+    messages) are found as runs in a few calls over all the entries, so a pull of a batch
+    costs a call per record, not per message. A batch record that ``max_msgs`` would cut
+    at the end of a read of several records is left to the next read, which then starts
+    at its first message: reads of a queue written in batches fall in step with the
+    batches and send each record once, whole. None when an entry is a damage marker or
+    points below the log's start (``Reader._get`` takes those entry by entry)."""
+    n = len(raw) // INDEX_ENTRY.size
+    k = min(n, max_msgs)
+    if not k:
+        return None
+    st = _ENTRIES.get(n)
+    if st is None:
+        if len(_ENTRIES) >= 64:
+            _ENTRIES.clear()
+        st = _ENTRIES[n] = struct.Struct("<" + INDEX_ENTRY.format.lstrip("<") * n)
+    flat = st.unpack(raw)
+    poss, sizes = flat[0::4], flat[1::4]
+    cut = n > k and poss[k] == poss[k - 1] and sizes[k] != DAMAGED_ENTRY_SIZE
+    poss, sizes = poss[:k], sizes[:k]
+    if DAMAGED_ENTRY_SIZE in sizes or min(poss) < log_start:
+        return None
+    if poss.count(poss[0]) == k:  # one record
+        bounds = [0, k]
+    else:
+        bounds = [0, *compress(range(1, k), map(ne, poss[1:], poss)), k]
+    if cut and len(bounds) > 2:
+        bounds.pop()
+    picked: list[tuple[int, int, int]] = []
+    counts: list[int] = []
+    lasts: list[int] = []
+    ranges: list[list[int]] = []
+    total = 0
+    for r in range(len(bounds) - 1):
+        s, e = bounds[r], bounds[r + 1]
+        pos, size = poss[s], sizes[s]
+        if picked and total + size > max_bytes:
+            return picked, counts, lasts, ranges, s
+        picked.append((offset + s, pos, size))
+        counts.append(e - s)
+        lasts.append(offset + e - 1)
+        total += size
+        if ranges and ranges[-1][0] + ranges[-1][1] == pos:
+            ranges[-1][1] += size
+        else:
+            ranges.append([pos, size])
+    return picked, counts, lasts, ranges, bounds[-1]
+
+
 class Reader:
     """Reads of the queues of ``topics`` from the log, checked against their index
     entries; a record that does not check goes to ``repair``."""
@@ -121,42 +224,20 @@ class Reader:
             return GetResult(ReadStatus.OFFSET_ILLEGAL, b"", 0, hi, lo, hi)
         if offset == hi:
             return GetResult(ReadStatus.NO_NEW_MESSAGE, b"", 0, hi, lo, hi)
-        raw = cq.read(offset, max_msgs)
+        raw = cq.read(offset, max_msgs + 1)  # one more: does a batch record go on?
         log_start = self.log.start
-        ranges: list[list[int]] = []
-        picked: list[tuple[int, int, int]] = []  # (offset, position, size) of each record
-        counts: list[int] = []  # messages wanted of each picked record
-        lasts: list[int] = []  # the last offset wanted of each picked record
-        total = 0
-        scanned = 0
-        last = -1  # position of the last picked record (a batch record: several entries)
-        for pos, size, th, _ts in INDEX_ENTRY.iter_unpack(raw):
-            if size == DAMAGED_ENTRY_SIZE:
-                if scanned:
-                    break
-                return GetResult(ReadStatus.DAMAGED, b"", 0, _damaged_run_end(cq, offset),
-                                 lo, hi)
-            if pos < log_start:
-                return GetResult(ReadStatus.OFFSET_MOVED, b"", 0, lo, lo, hi)
-            if pos != last and picked and total + size > max_bytes:
-                break
-            scanned += 1
-            if tag_hashes is not None and th not in tag_hashes:
-                continue
-            if pos == last:  # another message of the batch record picked already
-                counts[-1] += 1
-                lasts[-1] = offset + scanned - 1
-                continue
-            last = pos
-            picked.append((offset + scanned - 1, pos, size))
-            counts.append(1)
-            lasts.append(offset + scanned - 1)
-            total += size
-            if ranges and ranges[-1][0] + ranges[-1][1] == pos:
-                ranges[-1][1] += size
-            else:
-                ranges.append([pos, size])
-        payload = b"".join(read_range(self.log, p, s) for p, s in ranges)
+        sel = (_entry_runs(raw, offset, log_start, max_bytes, max_msgs) if tag_hashes is None
+               else None)
+        if sel is None:  # a tag filter, a damage marker or a moved start
+            sel = _entries_one_by_one(raw[:max_msgs * INDEX_ENTRY.size], offset, log_start,
+                                      max_bytes, tag_hashes)
+        if sel is ReadStatus.DAMAGED:
+            return GetResult(ReadStatus.DAMAGED, b"", 0, _damaged_run_end(cq, offset), lo, hi)
+        if sel is ReadStatus.OFFSET_MOVED:
+            return GetResult(ReadStatus.OFFSET_MOVED, b"", 0, lo, lo, hi)
+        picked, counts, lasts, ranges, scanned = sel
+        payload = (read_range(self.log, *ranges[0]) if len(ranges) == 1
+                   else b"".join([read_range(self.log, p, s) for p, s in ranges]))
         i = first_mismatch(payload, picked, topic.encode(), queue_id, lasts)
         if i >= 0:
             off, pos, size = picked[i]
