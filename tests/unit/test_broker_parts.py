@@ -185,6 +185,10 @@ class _Transport:
     def write(self, data: bytes) -> None:
         self.data += data
 
+    def writelines(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+        self.data += b"".join(chunks)
+
     def get_write_buffer_size(self) -> int:
         return 0
 
@@ -203,3 +207,17 @@ async def test_an_answer_no_frame_can_carry_becomes_a_system_error(caplog):
                                                            (8, 0)]
     assert "not encodable" in answers[0][2]["message"] and answers[1][2] == {"ok": 1}
     assert "cannot be encoded" in caplog.text
+
+
+async def test_a_large_payload_is_written_as_it_is_behind_its_frame_head():
+    conn = Connection(SimpleNamespace(guard=None), 1 << 20, 1 << 20)
+    conn.transport = _Transport()
+    records = bytes(range(256)) * 64  # 16 KiB: a pull's records
+    conn.respond(9, 0, {"next": 5}, records)
+    conn.respond(10, 0, {"ok": 1}, b"small")
+    await asyncio.sleep(0)
+    assert any(chunk is records for chunk in conn.transport.chunks)  # not copied
+    decoder = FrameDecoder()
+    decoder.feed(conn.transport.data)
+    assert [(corr, decode_header(h), bytes(p)) for _v, _k, _c, corr, h, p
+            in decoder.frames()] == [(9, {"next": 5}, records), (10, {"ok": 1}, b"small")]

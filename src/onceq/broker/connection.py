@@ -8,7 +8,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from ..protocol.errors import ErrorCode, ProtocolError
-from ..protocol.frame import PUSH, RESPONSE, FrameDecoder, encode_frame
+from ..protocol.frame import PUSH, RESPONSE, FrameDecoder, encode_frame, encode_frame_head
 from .config import WRITE_HIGH_WATER
 
 if TYPE_CHECKING:
@@ -22,6 +22,7 @@ log = logging.getLogger("onceq.broker")
 HELD_PULL_COST = 2048
 HIGH_WATER = WRITE_HIGH_WATER  # stop dispatching a client's requests above this much output
 _FLUSH_AT = 256 * 1024
+_PAYLOAD_APART = 8 * 1024  # larger payloads are not copied behind their frame's head
 
 
 class Connection(asyncio.Protocol):
@@ -177,13 +178,17 @@ class Connection(asyncio.Protocol):
     def respond(self, corr_id: int, code: int, header: dict[str, Any] | None = None,
                 payload: bytes = b"") -> None:
         try:
-            frame = encode_frame(RESPONSE, code, corr_id, header, payload)
+            head = encode_frame_head(RESPONSE, code, corr_id, header, len(payload))
         except (TypeError, ValueError, OverflowError) as exc:
             # a header no frame can carry: the client still gets an answer, the error
             log.error("answer to request %d cannot be encoded: %s", corr_id, exc)
-            frame = encode_frame(RESPONSE, ErrorCode.SYSTEM_ERROR, corr_id,
-                                 {"message": f"internal: answer not encodable: {exc}"})
-        self._write(frame)
+            self._write(encode_frame(RESPONSE, ErrorCode.SYSTEM_ERROR, corr_id,
+                                     {"message": f"internal: answer not encodable: {exc}"}))
+            return
+        if len(payload) < _PAYLOAD_APART:
+            self._write(head + payload)
+        else:  # a pull's records: written as read from the log, behind the frame's head
+            self._write(head, payload)
 
     def answer(self, corr_id: int, reply: Message) -> None:
         """Answer a request with its typed reply."""
@@ -222,14 +227,18 @@ class Connection(asyncio.Protocol):
             self._out.append(frame)
             self._out_size += len(frame)
 
-    def _write(self, frame: bytes) -> None:
-        """Queue a frame; frames written in one loop pass go out in one send."""
+    def _write(self, frame: bytes, payload: bytes = b"") -> None:
+        """Queue a frame (its head and payload, when apart); frames written in one loop
+        pass go out in one write."""
         if self.closed or self.transport is None:
             return
         if not self._out:
             asyncio.get_running_loop().call_soon(self._flush)
         self._out.append(frame)
         self._out_size += len(frame)
+        if payload:
+            self._out.append(payload)
+            self._out_size += len(payload)
         if self._out_size >= _FLUSH_AT:
             self._flush()  # large answers: hand them over now (backpressure sees them)
 
@@ -241,7 +250,10 @@ class Connection(asyncio.Protocol):
         self._out = []
         self._out_size = 0
         if out and not self.closed and self.transport is not None:
-            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+            if len(out) == 1:
+                self.transport.write(out[0])
+            else:  # one vectored write (uvloop), no copy into one buffer
+                self.transport.writelines(out)
             if self._write_paused:  # above the high-water mark: is it above the limit?
                 self._check_output()
                 self.guard.check_output()

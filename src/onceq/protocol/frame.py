@@ -54,11 +54,16 @@ def encode_frame(
     header: dict[str, Any] | None = None,
     payload: bytes = b"",
 ) -> bytes:
+    return encode_frame_head(kind, code, corr_id, header, len(payload)) + payload
+
+
+def encode_frame_head(kind: int, code: int, corr_id: int, header: dict[str, Any] | None,
+                      payload_len: int) -> bytes:
+    """A frame up to its payload: a large payload can then be written after it as it is,
+    without being copied into one frame (``transport.writelines``)."""
     hdr = _packb(header) if header else b""
-    length = _AFTER_LENGTH + len(hdr) + len(payload)
-    return b"".join(
-        (PREFIX.pack(length, PROTOCOL_VERSION, kind, code, corr_id, len(hdr)), hdr, payload)
-    )
+    length = _AFTER_LENGTH + len(hdr) + payload_len
+    return PREFIX.pack(length, PROTOCOL_VERSION, kind, code, corr_id, len(hdr)) + hdr
 
 
 def decode_header(raw: bytes | memoryview) -> dict[str, Any]:
