@@ -99,10 +99,14 @@ async def _consume(addr: str, n: int, batch: int) -> float:
     count = Count(f"consume batch={batch}", n)
     async with PullConsumer(addr, "bench-group") as c:
         got = 0
+        size = 0
         offset = 0
         t0 = time.perf_counter()
-        # one pull in flight ahead (prefetch); each pull commits what was consumed before
+        # one pull in flight ahead (prefetch); each pull commits what was consumed before.
+        # Every body is read, as a consumer would (and as the peers' clients hand them over)
         async for r in c.stream(TOPIC, 0, 0, batch, suspend=1.0):
+            for m in r.messages:
+                size += len(m.body)
             got += len(r.messages)
             count.add(len(r.messages))
             offset = r.next_offset
@@ -111,6 +115,8 @@ async def _consume(addr: str, n: int, batch: int) -> float:
         await c.commit_offset(TOPIC, 0, offset)
         elapsed = time.perf_counter() - t0
     count.done()
+    if size != got * BODY:
+        raise AssertionError(f"consumed {size} body bytes for {got} messages of {BODY}")
     return got / elapsed
 
 
