@@ -54,7 +54,7 @@ def test_a_field_read_lazily_equals_the_field_sent(msgs: list[dict], compression
     for m, w, sent in zip(got, want, msgs[first - base:end - base], strict=True):
         plain = not (sent["tags"] or sent["keys"] or sent["props"])
         assert isinstance(m, BatchMessage) is plain
-        assert m == w and w == m and not (m != w)
+        assert m == w and w == m and (m != w) is False
         assert m.body == sent["body"] and type(m.body) is bytes
         assert m.key_list == sent["keys"].split()
         back = pickle.loads(pickle.dumps(m))
@@ -63,7 +63,7 @@ def test_a_field_read_lazily_equals_the_field_sent(msgs: list[dict], compression
 
 
 def test_a_lazy_message_keeps_what_is_written_into_its_properties() -> None:
-    msgs = [{"body": b"b%d" % i, "key": "K%d" % i, "tags": "", "keys": "", "props": None,
+    msgs = [{"body": b"b%d" % i, "key": f"K{i}", "tags": "", "keys": "", "props": None,
              "recons": 0, "flags": 0} for i in range(3)]
     got = list(decode_records(_record(msgs, "none", 0)))
     assert all(isinstance(m, BatchMessage) for m in got)
