@@ -43,6 +43,7 @@ SAMPLES: dict[type, rq.Message] = {s.__class__: s for s in (
     rq.UserCreate("made", CREDS), rq.UserUpdate("made", super=False), rq.UserDelete("gone"),
     rq.UserList(), rq.AclGrant("x", "Topic", "T", ["Pub"]),
     rq.AclRevoke("x", "Topic", "T", ["Pub"]), rq.AclList(),
+    rq.ReplicaFetch("g1", "2", 1, 0), rq.ReplicaEpochEnd("g1", "2", 1),
 )}
 ROWS = ("none", "wrong password", "without", "with", "super")
 

@@ -149,6 +149,10 @@ REQUIRED: dict[type[Message], Callable[[Any], list[Need]]] = {
     rq.AclGrant: lambda r: [_c(U)],
     rq.AclRevoke: lambda r: [_c(U)],
     rq.AclList: lambda r: [_c(G)],
+    # a broker group's replication reads the whole log: the cluster's Update grant (a
+    # broker in a cluster refuses to start with acl on for now: docs/cluster.md)
+    rq.ReplicaFetch: lambda r: [_c(U)],
+    rq.ReplicaEpochEnd: lambda r: [_c(U)],
 }
 
 

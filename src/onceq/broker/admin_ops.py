@@ -91,6 +91,8 @@ class AdminOps:
         self.trace = trace
         self.closing = closing
         self.recent_errors = recent_errors
+        # in a broker group: its role and replication state (cluster_node.py)
+        self.cluster_status: Callable[[], dict[str, Any]] | None = None
         self.retry: RetryService | None = None
         self._scans: set[asyncio.Task[None]] = set()
         self.max_scans = MAX_SCANS
@@ -114,7 +116,9 @@ class AdminOps:
                            dedup=store.dedup.status(int(store.clock() * 1000)),
                            delay_levels=list(self.retry.levels),
                            recent_errors=(self.recent_errors.recent()
-                                          if self.recent_errors is not None else []))
+                                          if self.recent_errors is not None else []),
+                           cluster=None if self.cluster_status is None
+                           else self.cluster_status())
 
     def h_query_access_locks(self, call: Call, req: QueryAccessLocks) -> AccessLocks:
         """A group's access-lock holders and orderly queue locks."""

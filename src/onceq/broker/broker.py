@@ -42,6 +42,8 @@ from ..protocol.requests import (
     Pull,
     QueryOffsets,
     ReleaseQueue,
+    ReplicaEpochEnd,
+    ReplicaFetch,
     ResetOffsets,
     SearchOffset,
     Send,
@@ -59,6 +61,7 @@ from ..storage.sequences import SequenceStore
 from ..storage.store import MessageStore
 from .admin_ops import AdminOps
 from .client_ids import CLAIMING, ClientIds
+from .cluster_node import ClusterNode
 from .config import BrokerConfig
 from .connection import Connection
 from .consumer_group import ConsumerGroupService
@@ -136,6 +139,15 @@ class Broker:
         self._closing = False
         self.port = config.port
         self.metrics: BrokerMetrics | None = None  # counters, when metrics_port is set
+        # in a broker group (--cluster): its role and the log replication (docs/cluster.md)
+        self.cluster: ClusterNode | None = None
+        if config.clustered:
+            self.cluster = node = ClusterNode(
+                config, self.store, flusher=lambda: self.flusher, on_hw=self._hw_moved,
+                on_append=lambda: None, on_promoted=self._promoted)
+            self.durable.replicated = node.replicated
+            self.pulls.visible_end = node.visible_end
+            self.admin.cluster_status = node.status
         groups, pulls, sends = self.consumer_groups, self.pulls, self.sends
         handlers: dict[type[Message], Handler] = {
             Ping: self.h_ping,
@@ -157,6 +169,8 @@ class Broker:
             ResetOffsets: groups.h_reset_offsets,
             LockQueues: self.owners.h_lock,
             UnlockQueues: self.owners.h_unlock,
+            ReplicaFetch: self.h_replica_fetch,
+            ReplicaEpochEnd: self.h_replica_epoch_end,
             **topics.handlers(),
             **self.admin.handlers(),
             **self.security.handlers(),
@@ -220,6 +234,10 @@ class Broker:
             loop.create_task(self._every(self.guard.interval, self._sweep_connections)),
         ]
         log.info("broker listening on %s:%d (flush=%s)", cfg.host, self.port, cfg.store.flush)
+        if self.cluster is not None:
+            node = self.cluster
+            node.start(self.port)
+            self.retry.paused = lambda: not node.is_leader()  # a follower writes nothing
         try:
             self.metrics = await start_metrics(self)
             self.sends.metrics = self.pulls.metrics = self.metrics
@@ -361,6 +379,8 @@ class Broker:
         self.recent_errors.remove()
         if self._server is not None:
             self._server.close()
+        if self.cluster is not None:  # resigns when leading: a successor is elected at once
+            await self.cluster.stop()
         if self.metrics is not None:
             await self.metrics.stop()
         self.holds.release_all()
@@ -416,13 +436,15 @@ class Broker:
             request = cls.decode(header, payload)  # typed and checked, once
             if security.enabled:
                 security.authorize(conn, code, corr_id, request)
+            if self.cluster is not None:  # a follower serves no client (NOT_LEADER)
+                self.cluster.admit(code)
             if code in CLAIMING:
                 self.client_ids.check(conn, request.client)  # type: ignore[attr-defined]
             result = handler(Call(conn, corr_id), request)
             if result is not None:  # encoded here: a reply that cannot be is an error answer
                 conn.answer(corr_id, result)
         except OnceqError as exc:
-            conn.respond(corr_id, int(exc.code), {"message": exc.message})
+            conn.respond(corr_id, int(exc.code), {**exc.details, "message": exc.message})
         except StorageError as exc:
             err = wire_error(exc)
             conn.respond(corr_id, int(err.code), {"message": err.message})
@@ -446,9 +468,38 @@ class Broker:
     def h_ping(self, call: Call, req: Ping) -> Pong:
         return Pong(int(self.clock() * 1000))
 
+    def h_replica_fetch(self, call: Call, req: ReplicaFetch) -> None:
+        self._clustered().h_fetch(call, req)
+
+    def h_replica_epoch_end(self, call: Call, req: ReplicaEpochEnd) -> Message:
+        return self._clustered().h_epoch_end(call, req)  # type: ignore[return-value]
+
+    def _clustered(self) -> ClusterNode:
+        if self.cluster is None:
+            raise OnceqError(ErrorCode.UNKNOWN_REQUEST,
+                             "this broker is standalone: it belongs to no broker group")
+        return self.cluster
+
+    # ================================================================ broker groups
+    def _hw_moved(self, hw: int) -> None:
+        """More of the log may be read: retry the held pulls."""
+        for key in list(self.holds.held):
+            self.holds.notify(key)
+
+    def _promoted(self) -> None:
+        """This broker leads now: what followers do not keep up to date in memory is read
+        again from the replicated log (committed offsets, idempotent writers)."""
+        try:
+            self.store.offsets.open()
+            self.sequences.open()
+        except OSError as exc:
+            log.error("new leader: cannot reload offsets and writers: %s", exc)
+
     # ================================================================ notifications
     def _on_internal_put(self, topic: str, queue: int) -> None:
         self.pulls.wake(topic, queue)
+        if self.cluster is not None:  # followers waiting for records get them now
+            self.cluster.log_grew()
 
     def _forget_topic(self, topic: str) -> None:
         """A deleted topic: drop it from every table that names its queues."""

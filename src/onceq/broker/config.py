@@ -64,6 +64,19 @@ class BrokerConfig:
     tls_client_ca: str = ""  # CA of client certificates (mTLS: the subject CN is the user)
     tls_client_auth: str = "none"  # none, optional or required
     audit_log: str = ""  # JSON lines of decisions ("": <data_dir>/audit.log when acl is on)
+    # broker groups (docs/cluster.md): off unless ``cluster`` names etcd endpoints
+    cluster: str = ""  # etcd://host:port[,host:port...]
+    cluster_name: str = "onceq"
+    group: str = ""  # the broker group this broker replicates
+    broker_id: str = ""  # unique in the group
+    advertised_address: str = ""  # host:port others reach this broker at ("": host:port)
+    session_ttl_s: float = 10.0  # the etcd lease of the broker's session
+    acks: str = "all"  # "all": in-sync replicas have it; "leader": the leader's log only
+    min_insync: int = 2  # replicas (the leader included) that must be in sync for a write
+    replica_lag_max_ms: int = 10_000  # a follower not caught up this long leaves the ISR
+    replica_ack_timeout_ms: int = 5_000  # a write not replicated this long: NOT_ENOUGH_...
+    replica_fetch_wait_ms: int = 500  # a follower's fetch is held this long with no data
+    replica_fetch_bytes: int = 1024 * 1024  # bytes of records per fetch answer (about)
     extra: dict = field(default_factory=dict)
 
     def check_exposure(self) -> None:
@@ -128,5 +141,32 @@ class BrokerConfig:
         if not -1 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be -1 (off), 0 (any free port) or a port "
                              f"1..65535, not {self.metrics_port}")
+        self.validate_cluster()
         if self.access_lock_stable_checks < 1:
             raise ValueError("access_lock_stable_checks must be >= 1")
+
+    @property
+    def clustered(self) -> bool:
+        return bool(self.cluster)
+
+    def validate_cluster(self) -> None:
+        if not self.cluster:
+            return
+        if not (self.group and self.broker_id):
+            raise ValueError("cluster needs group and broker_id (--group, --broker-id)")
+        if self.acl:
+            raise ValueError("cluster: replication between brokers does not authenticate "
+                             "yet, so a broker group cannot run with acl on "
+                             "(docs/cluster.md)")
+        if self.acks not in ("all", "leader"):
+            raise ValueError("acks must be 'all' or 'leader'")
+        if self.min_insync < 1:
+            raise ValueError("min_insync must be >= 1")
+        if self.session_ttl_s < 1:
+            raise ValueError("session_ttl_s must be >= 1 (etcd leases last whole seconds)")
+        if self.replica_lag_max_ms < 1 or self.replica_ack_timeout_ms < 1:
+            raise ValueError("replica_lag_max_ms and replica_ack_timeout_ms must be >= 1")
+
+    def address(self, port: int) -> str:
+        """The address the other brokers and the clients reach this broker at."""
+        return self.advertised_address or f"{self.host}:{port}"

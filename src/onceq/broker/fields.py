@@ -38,7 +38,7 @@ class Call:
         self.conn.answer(self.corr, reply)
 
     def fail(self, exc: OnceqError) -> None:
-        self.conn.respond(self.corr, int(exc.code), {"message": exc.message})
+        self.conn.respond(self.corr, int(exc.code), {**exc.details, "message": exc.message})
 
 
 # a handler: the typed request in, its typed reply out (None: it answers later itself)

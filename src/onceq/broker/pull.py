@@ -11,6 +11,7 @@ messages, the same next offset; the client retries.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -65,6 +66,9 @@ class PullService:
         self.trace = trace
         self.holds = PullHold(self._retry_pull)
         self.metrics: BrokerMetrics | None = None
+        # in a broker group: the first offset of a queue above the high watermark (None:
+        # every stored offset may be read); consumers never see past it
+        self.visible_end: Callable[[str, int], int | None] | None = None
 
     # ---------------------------------------------------------------- held pulls
     def wake(self, topic: str, queue: int) -> None:
@@ -135,7 +139,19 @@ class PullService:
 
     def _do_pull(self, job: PullJob, final: bool = False) -> PullReply | None:
         """Run a pull; None means 'nothing yet, hold it' (only when it may be held)."""
-        r = self.store.get(job.topic, job.queue, job.offset, job.max_msgs, job.max_bytes,
+        max_msgs = job.max_msgs
+        hidden = None if self.visible_end is None else self.visible_end(job.topic, job.queue)
+        if hidden is not None:  # offsets from ``hidden`` on are not replicated enough yet
+            if job.offset >= hidden:
+                lo, hi = self.store.min_max(job.topic, job.queue)
+                if lo <= job.offset <= hi:
+                    if job.suspend_ms > 0 and not final:
+                        return None
+                    return PullReply(PullStatus.NO_NEW_MESSAGE, job.offset, lo, hidden,
+                                     0, job.behind)
+            else:
+                max_msgs = min(max_msgs, hidden - job.offset)
+        r = self.store.get(job.topic, job.queue, job.offset, max_msgs, job.max_bytes,
                            job.tag_hashes)
         if r.status == PullStatus.NO_NEW_MESSAGE and job.suspend_ms > 0 and not final:
             if r.next_offset != job.offset:
@@ -152,7 +168,8 @@ class PullService:
         damaged = None
         if r.status == PullStatus.DAMAGED:  # offsets [damaged[0], damaged[1]) are lost
             damaged = [job.offset, r.next_offset]
-        return PullReply(PullStatus(r.status), r.next_offset, r.min_offset, r.max_offset,
+        max_offset = r.max_offset if hidden is None else min(r.max_offset, hidden)
+        return PullReply(PullStatus(r.status), r.next_offset, r.min_offset, max_offset,
                          r.count, job.behind, damaged, r.payload)
 
     def _retry_pull(self, held: HeldPull, final: bool) -> bool:
@@ -185,7 +202,9 @@ class PullService:
 
     # ---------------------------------------------------------------- offset queries
     def h_query_offsets(self, call: Call, req: QueryOffsets) -> QueueOffsets:
-        return QueueOffsets(*self.store.min_max(req.topic, req.queue))
+        lo, hi = self.store.min_max(req.topic, req.queue)
+        hidden = None if self.visible_end is None else self.visible_end(req.topic, req.queue)
+        return QueueOffsets(lo, hi if hidden is None else min(hi, hidden))
 
     def h_search_offset(self, call: Call, req: SearchOffset) -> OffsetReply:
         return OffsetReply(self.store.reader.search_offset(req.topic, req.queue, req.ts))

@@ -135,6 +135,8 @@ class RetryService:
         self._stopping = False
         self.skipped = 0  # schedule records skipped as undeliverable (module doc)
         self.on_group_topic: Callable[[str], None] | None = None  # a retry topic created
+        # in a broker group: True while this broker may not write (a follower)
+        self.paused: Callable[[], bool] | None = None
 
     # ---------------------------------------------------------------- topics
     def ensure_topics(self) -> None:
@@ -348,6 +350,10 @@ class RetryService:
 
     async def _run(self) -> None:
         while not self._stopping:
+            if self.paused is not None and self.paused():
+                self._wake.clear()
+                await wait_event(self._wake, 1.0)
+                continue
             try:
                 wait = self.deliver_due()
             except asyncio.CancelledError:

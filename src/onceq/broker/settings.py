@@ -177,12 +177,35 @@ _META: dict[str, tuple[str, float | None, float | None]] = {
     "tls_client_auth": ("Client certificates: 'none', 'optional' or 'required'.", None, None),
     "audit_log": ("File of the audit log, JSON lines (empty: audit.log in data_dir when acl "
                   "is on).", None, None),
+    # broker groups
+    "cluster": ("etcd endpoints of a broker group, etcd://host:port[,host:port...] "
+                "(empty: a standalone broker; docs/cluster.md).", None, None),
+    "cluster_name": ("Name of the cluster in etcd (keys under /onceq/<name>/).", None, None),
+    "group": ("The broker group this broker replicates (with cluster).", None, None),
+    "broker_id": ("This broker's id in its group (with cluster).", None, None),
+    "advertised_address": ("host:port the other brokers and clients reach this broker at "
+                           "(empty: host:port).", None, None),
+    "session_ttl_s": ("TTL of the broker's etcd lease, seconds (1..300): a leader that "
+                      "cannot renew it steps down before it expires.", 1, 300),
+    "acks": ("When a write is acknowledged in a group: 'all' (the in-sync replicas have "
+             "it, at least min_insync of them) or 'leader' (the leader's log only: the "
+             "tail may be lost at a failover).", None, None),
+    "min_insync": ("In-sync replicas, the leader included, needed to accept a write with "
+                   "acks=all (1..100).", 1, 100),
+    "replica_lag_max_ms": ("A follower not caught up with the leader for this long leaves "
+                           "the in-sync replicas, ms (1..3600000).", 1, 3_600_000),
+    "replica_ack_timeout_ms": ("A write not replicated within this is answered "
+                               "NOT_ENOUGH_REPLICAS, ms (1..3600000).", 1, 3_600_000),
+    "replica_fetch_wait_ms": ("A follower's fetch waits this long for new records, ms "
+                              "(0..60000).", 0, 60_000),
+    "replica_fetch_bytes": ("Bytes of records a fetch answer carries (about; at least one "
+                            "record), 4 KiB..64 MiB.", 4 * KIB, 64 * 1024 * KIB),
     # log
     "log_level": ("Log level: DEBUG, INFO, WARNING or ERROR.", None, None),
     "log_format": ("Log format: 'text' or 'json' (one JSON object per line).", None, None),
 }
 _CHOICES = {"flush": ("async", "sync"), "log_level": LOG_LEVELS, "log_format": LOG_FORMATS,
-            "tls_client_auth": ("none", "optional", "required")}
+            "tls_client_auth": ("none", "optional", "required"), "acks": ("all", "leader")}
 _LOG_DEFAULTS = {"log_level": "INFO", "log_format": "text"}
 _SKIP = {"store", "extra"}  # not settings: the nested store config, programmatic extras
 

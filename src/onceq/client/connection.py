@@ -137,7 +137,8 @@ class BrokerConnection(asyncio.Protocol):
                     fut.set_exception(OnceqError(ErrorCode.BAD_REQUEST, str(exc)))
                     continue
                 if code:
-                    fut.set_exception(OnceqError(code, hdr.get("message")))
+                    details = {k: v for k, v in hdr.items() if k != "message"}
+                    fut.set_exception(OnceqError(code, hdr.get("message"), details))
                     if code in _STREAM_ERRORS:
                         # the broker closes a stream it cannot frame: do not reuse it
                         self._fail(ConnectionLost(f"broker closed the connection: "

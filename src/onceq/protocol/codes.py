@@ -42,6 +42,10 @@ class RequestCode(IntEnum):
     ACL_GRANT = 75  # admin (super user): grants of actions on resources (broker/acl.py)
     ACL_REVOKE = 76
     ACL_LIST = 77
+    # broker groups (docs/cluster.md): a follower's fetch of the leader's commit log, and
+    # where an epoch of the leader's log ends (to cut a divergent tail after a failover)
+    REPLICA_FETCH = 80
+    REPLICA_EPOCH_END = 81
 
 
 class PushCode(IntEnum):

@@ -36,6 +36,9 @@ class ErrorCode(IntEnum):
     DISK_FULL = 34
     STORAGE_ERROR = 35
     TOO_MANY_CONNECTIONS = 36
+    NOT_LEADER = 37  # a broker group's follower: the answer names the leader when known
+    NOT_ENOUGH_REPLICAS = 38  # fewer in-sync replicas than min_insync: not acknowledged
+    STALE_EPOCH = 39  # a replica request made under another leader epoch than the current
     OUT_OF_ORDER_SEQUENCE = 40
     INVALID_SEQUENCE = 41
     NOT_MEMBER = 43  # an orderly lock request from a client that is no member of the group
@@ -58,6 +61,9 @@ RETRIABLE: frozenset[ErrorCode] = frozenset(
         ErrorCode.DISK_FULL,
         ErrorCode.STORAGE_ERROR,
         ErrorCode.TOO_MANY_CONNECTIONS,
+        ErrorCode.NOT_LEADER,
+        ErrorCode.NOT_ENOUGH_REPLICAS,
+        ErrorCode.STALE_EPOCH,
         ErrorCode.CLIENT_ID_IN_USE,
         ErrorCode.WRITER_IN_USE,
     }
@@ -89,6 +95,10 @@ DEFAULT_MESSAGES: dict[ErrorCode, str] = {
     ErrorCode.DISK_FULL: "disk full or above the usage limit: writes refused for now",
     ErrorCode.STORAGE_ERROR: "storage I/O error: the write was rolled back",
     ErrorCode.TOO_MANY_CONNECTIONS: "the broker is at its connection limit: try again later",
+    ErrorCode.NOT_LEADER: "this broker does not lead its group: send to the leader",
+    ErrorCode.NOT_ENOUGH_REPLICAS: "too few in-sync replicas to acknowledge the write: try "
+                                   "again",
+    ErrorCode.STALE_EPOCH: "the request was made under another leader epoch",
     ErrorCode.OUT_OF_ORDER_SEQUENCE: "a writer's sequence skips messages: send again from the "
                                      "first one not acknowledged",
     ErrorCode.INVALID_SEQUENCE: "malformed writer id, epoch or sequence",
@@ -105,9 +115,13 @@ DEFAULT_MESSAGES: dict[ErrorCode, str] = {
 
 
 class OnceqError(Exception):
-    """An error with a stable code. ``retriable`` tells whether repeating may succeed."""
+    """An error with a stable code. ``retriable`` tells whether repeating may succeed.
+    ``details``: more header fields of the error answer (``NOT_LEADER``: ``leader``, the
+    leader's address, and ``epoch``)."""
 
-    def __init__(self, code: ErrorCode | int, message: str | None = None) -> None:
+    def __init__(self, code: ErrorCode | int, message: str | None = None,
+                 details: dict[str, object] | None = None) -> None:
+        self.details: dict[str, object] = details or {}
         try:
             code = ErrorCode(code)
         except ValueError:

@@ -223,6 +223,8 @@ class StatusReply(Message):
     dedup: Any
     delay_levels: list[Any]
     recent_errors: list[Any] = field(factory=list)  # {ts_ms, level, logger, message}
+    # in a broker group: group, broker_id, role, epoch, hw, log_end, isr, lag, leader
+    cluster: dict[str, Any] | None = None
 
 
 @message()
@@ -272,6 +274,33 @@ class Grants(Message):
 
 
 # ------------------------------------------------------------------ pushes
+@message()
+class ReplicaData(Message):
+    """The leader's answer to a fetch: whole commit-log records from ``position``
+    (``payload``), the leader's high watermark ``hw``, log end, ``epoch``, its leader-epoch
+    entries (``epochs``: [epoch, start position]) and, when the follower's signature
+    differs, its topics table (``topics``: [name, queues, created position, created ms])
+    with its signature ``sig``."""
+
+    epoch: int
+    position: int
+    hw: int
+    end: int
+    epochs: list[Any] = field(factory=list)
+    sig: str = ""
+    topics: list[Any] | None = None
+    payload: bytes = b""
+
+
+@message()
+class EpochEnd(Message):
+    """The largest leader epoch at or below the one asked for, and where it ends in the
+    leader's log (-1, -1: the leader has no epoch that old)."""
+
+    epoch: int
+    end: int
+
+
 @message(PushCode.GROUP_CHANGED)
 class GroupChanged(Message):
     group: str
@@ -304,4 +333,5 @@ REPLY_OF: dict[int, type[Message]] = {
     R.GROUP_TRACE: TraceReply, R.AUTHENTICATE: AuthReply, R.USER_CREATE: UserInfo,
     R.USER_UPDATE: UserInfo, R.USER_DELETE: Empty, R.USER_LIST: Users,
     R.ACL_GRANT: AclChanged, R.ACL_REVOKE: AclChanged, R.ACL_LIST: Grants,
+    R.REPLICA_FETCH: ReplicaData, R.REPLICA_EPOCH_END: EpochEnd,
 }

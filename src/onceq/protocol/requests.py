@@ -414,6 +414,33 @@ class AclList(Message):
     user: str | None = None
 
 
+# ------------------------------------------------------------------ broker groups
+@message(RequestCode.REPLICA_FETCH)
+class ReplicaFetch(Message):
+    """A follower's fetch of the leader's commit log from ``position`` (its own log end,
+    which acknowledges everything before it), under leader ``epoch``; held up to
+    ``wait_ms`` while the leader has nothing after it. ``topics`` is the signature of the
+    follower's topics table (the answer carries the leader's when they differ)."""
+
+    group: str
+    broker: str
+    epoch: int
+    position: int
+    max_bytes: int = 1024 * 1024
+    wait_ms: int = 0
+    topics: str = ""
+
+
+@message(RequestCode.REPLICA_EPOCH_END)
+class ReplicaEpochEnd(Message):
+    """Where leader epoch ``epoch`` ends in the leader's log (Kafka's
+    OffsetsForLeaderEpoch): a returning replica cuts its log there."""
+
+    group: str
+    broker: str
+    epoch: int
+
+
 REQUESTS: dict[int, type[Message]] = {
     cls.CODE: cls for cls in (
         Send, SendBatch, SendRecords, SendSequenced, SendBack, Pull, QueryOffsets, SearchOffset,
@@ -421,5 +448,5 @@ REQUESTS: dict[int, type[Message]] = {
         ListTopics, GetTopic, TopicStatus, Heartbeat, Unregister, ListGroupMembers,
         ListGroups, QueryAccessLocks, LockQueues, UnlockQueues, Ping, BrokerStatus,
         QueryMessage, GroupTrace, Authenticate, UserCreate, UserUpdate, UserDelete, UserList,
-        AclGrant, AclRevoke, AclList)
+        AclGrant, AclRevoke, AclList, ReplicaFetch, ReplicaEpochEnd)
 }
