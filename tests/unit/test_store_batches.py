@@ -251,6 +251,36 @@ def test_a_pull_of_part_of_a_batch_sends_only_that_part(tmp_path: Path) -> None:
     store.close()
 
 
+def test_pulls_fall_in_step_with_the_batches_and_send_each_whole(tmp_path: Path) -> None:
+    """A pull that would end inside a batch record after other records leaves it to the
+    next pull: after one short pull, pulls of a queue written in batches start at a batch's
+    first message and send each batch record whole, as stored (no slice)."""
+    store = open_store(tmp_path)
+    store.create_topic("T", 1)
+    store.put("T", 0, [msg(0)])  # a single message first: the batches start at offset 1
+    for b in range(4):
+        store.put_batch("T", 0, encode_batch([msg(1 + 10 * b + i) for i in range(10)]))
+    cq = store.topics.queue("T", 0)
+    stored = [cq.entry(1 + 10 * b)[:2] for b in range(4)]  # (position, size) of each batch
+    r = store.get("T", 0, 0, 10, 1 << 20)
+    assert (r.count, r.next_offset) == (1, 1)  # not 10: the batch would be cut at 9 of 10
+    offset, payloads = 1, []
+    while offset < 41:
+        r = store.get("T", 0, offset, 10, 1 << 20)
+        assert r.count == 10 and r.next_offset == offset + 10
+        payloads.append(r.payload)
+        offset = r.next_offset
+    for payload, (pos, size) in zip(payloads, stored, strict=True):
+        assert payload == store.log.read(pos, size)  # the batch record as stored
+    # one record only, cut by max_msgs: the pull takes what it may of it, a slice
+    r = store.get("T", 0, 1, 4, 1 << 20)
+    assert (r.count, r.next_offset) == (4, 5) and len(r.payload) < stored[0][1]
+    # a tag filter reads entry by entry, up to max_msgs
+    r = store.get("T", 0, 0, 10, 1 << 20, frozenset([tag_hash("")]))
+    assert (r.count, r.next_offset) == (10, 10)
+    store.close()
+
+
 def test_a_damaged_batch_record_is_marked_damaged_whole_in_one_read(tmp_path: Path) -> None:
     store = open_store(tmp_path)
     store.create_topic("T", 1)
