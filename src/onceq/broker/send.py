@@ -57,6 +57,9 @@ class SendService:
         use (``auto_create_topics``). System topics are created by the broker when it first
         writes them: a group's retry topic at the group's first send-back."""
         user_topic(topic)
+        if topic in self.store.topics.deleting:  # its messages would go with it
+            raise OnceqError(ErrorCode.TOPIC_NOT_EXIST,
+                             f"topic {topic!r} is being deleted: send again once it is gone")
         if topic in self.store.topics:
             return
         if self.config.auto_create_topics and not is_system_topic(topic):

@@ -123,8 +123,13 @@ class TopicAdmin:
     async def _delete(self, name: str) -> Empty:
         self.store.get_topic(name)  # deleted meanwhile: TOPIC_NOT_EXIST
         self.store.gate.check_writable(space=False)  # deleting frees space
-        await self.off_loop(self.store.topics.commit_delete, name)
-        aside = self.store.delete_topic(name, keep_files=True)
+        deleting = self.store.topics.deleting
+        deleting.add(name)  # no send lands in it (nor auto-creates it) while it goes
+        try:
+            await self.off_loop(self.store.topics.commit_delete, name)
+            aside = self.store.delete_topic(name, keep_files=True)
+        finally:
+            deleting.discard(name)
         self.forget_topic(name)
         log.info("topic %s deleted", name)
         if aside is not None:

@@ -137,6 +137,8 @@ class Topics(Mapping[str, TopicConfig]):
                  log_: CommitLog, gate: WriteGate, errors: RateLimitedLog) -> None:
         self.path = path
         self.queues_dir = queues_dir
+        # topics whose delete is being made durable: sends to them are refused meanwhile
+        self.deleting: set[str] = set()
         self.index_entries_per_file = index_entries_per_file
         self.files = files
         self.open_files = open_files
