@@ -4,19 +4,27 @@ ask of them (who leads, their logs' bytes)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from onceq.client.connection import BrokerConnection
-from onceq.protocol.replies import Pong
-from onceq.protocol.requests import Ping
+from onceq.client.message import Message
+from onceq.client.producer import Producer
+from onceq.client.pull import PullConsumer
+from onceq.protocol.codes import PullStatus
+from onceq.protocol.errors import OnceqError
+from onceq.protocol.replies import Pong, StatusReply
+from onceq.protocol.requests import BrokerStatus, Ping
 from onceq.storage.commitlog import CommitLog
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_until
 
 
 @dataclass
@@ -98,3 +106,90 @@ async def ping(address: str) -> bool:
 
 def deadline(seconds: float) -> float:
     return time.monotonic() + seconds
+
+
+async def status(node: Node) -> dict | None:
+    """The broker's group status (``BROKER_STATUS``'s ``cluster``), None when unreachable."""
+    try:
+        conn = await BrokerConnection.open(node.address, timeout=0.5)
+    except (OnceqError, OSError):
+        return None
+    try:
+        reply: StatusReply = await conn.call(BrokerStatus(), 1.0)
+        return reply.cluster
+    except (OnceqError, OSError, TimeoutError):
+        return None
+    finally:
+        conn.close()
+
+
+async def leader_of(nodes: list[Node], timeout: float = 15.0,
+                    isr: int | None = None) -> Node:
+    """The one node that leads (and, with ``isr``, has that many replicas in sync)."""
+    found: list[Node] = []
+
+    async def one() -> bool:
+        found.clear()
+        for n in nodes:
+            st = await status(n)
+            if st and st.get("role") == "leader" and (isr is None or len(st["isr"]) == isr):
+                found.append(n)
+        return len(found) == 1
+
+    await wait_until(one, timeout, "one leader", interval=0.1)
+    return found[0]
+
+
+async def send(address: str, topic: str, body: str, key: str, retries: int = 0) -> int:
+    async with Producer(address, retries=retries, send_timeout=3.0) as p:
+        r = await p.send(topic, Message(body.encode(), unique_key=key), queue=0)
+        return r.offset if not r.duplicate else -1 - r.offset
+
+
+async def pull_all(address: str, topic: str) -> list[bytes]:
+    out: list[bytes] = []
+    async with PullConsumer(address, "g") as c:
+        offset = 0
+        while True:
+            r = await c.pull(topic, 0, offset, 64)
+            if r.status != PullStatus.FOUND:
+                return out
+            out += [m.body for m in r.messages]
+            offset = r.next_offset
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=1) as answer:
+            return b'"true"' in answer.read()
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def start_etcd(binary: str, data: Path) -> Iterator[str]:
+    """A single-member etcd on free loopback ports with its data in ``data``, killed on
+    exit; yields ``127.0.0.1:PORT``. RuntimeError when it does not become healthy."""
+    client, peer = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+    log = (data / "etcd.log").open("wb")
+    # heartbeat 50 ms / election 500 ms: etcd's shortest lease is then 1 s (not 2 s)
+    proc = subprocess.Popen(
+        [binary, "--name", "onceq-test", "--data-dir", str(data / "member"),
+         "--listen-client-urls", client, "--advertise-client-urls", client,
+         "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+         "--initial-cluster", f"onceq-test={peer}", "--initial-cluster-state", "new",
+         "--heartbeat-interval", "50", "--election-timeout", "500",
+         "--logger", "zap", "--log-outputs", "stderr", "--log-level", "warn"],
+        stdout=log, stderr=subprocess.STDOUT)
+    try:
+        limit = time.monotonic() + 20
+        while not _healthy(client):
+            if proc.poll() is not None or time.monotonic() > limit:
+                tail = (data / "etcd.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"etcd did not become healthy at {client}:\n{tail}")
+            time.sleep(0.05)
+        yield client.removeprefix("http://")
+    finally:
+        proc.kill()
+        proc.wait()
+        log.close()

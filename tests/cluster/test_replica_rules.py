@@ -151,3 +151,45 @@ def test_follower_appends_verbatim_and_cuts_a_tail(tmp_path: Path) -> None:
     assert follower.min_max("t", 0) == (0, 1500)
     leader.close()
     follower.close()
+
+
+def test_a_shrink_holds_the_high_watermark_until_published() -> None:
+    """A follower that left the ISR holds the high watermark while etcd still lists it
+    (it could be elected); once the smaller ISR is published, the HW moves."""
+    t = ReplicaTracker("1", lag_max_ms=1000)
+    t.fetched("2", 0, 0, now_ms=0)
+    t.fetched("3", 0, 0, now_ms=0)
+    t.published = ("1", "2", "3")
+    t.fetched("2", 100, 100, now_ms=1500)  # 3 stopped fetching at 0
+    assert t.in_sync(1500) == ["1", "2"]
+    assert t.to_publish(1500) == ["1", "2"]
+    assert t.advance(100, 1500, min_insync=2) == 0  # 3 is still electable
+    t.published = ("1", "2")
+    assert t.to_publish(1500) is None
+    assert t.advance(100, 1500, min_insync=2) == 100
+
+
+def test_a_new_leader_seeds_its_isr_from_the_published_one() -> None:
+    t = ReplicaTracker("2", lag_max_ms=1000, hw=50)
+    t.seed(("1", "2", "3"), live={"2", "3"}, now_ms=0)
+    assert t.in_sync(0) == ["2", "3"]  # 1 (the dead leader) is out
+    assert t.to_publish(0) == ["2", "3"]
+    assert t.advance(200, 10, min_insync=2) == 50  # positions unknown; 1 still listed
+    t.published = ("2", "3")
+    t.fetched("3", 200, 200, now_ms=20)
+    assert t.advance(200, 20, min_insync=2) == 200
+    assert t.in_sync(1020) == ["2", "3"] and t.in_sync(1021) == ["2"]
+
+
+def test_cluster_metrics() -> None:
+    pytest.importorskip("prometheus_client")
+    from onceq.broker.metrics import _cluster
+
+    st = {"role": "leader", "epoch": 4, "hw": 100, "isr": ["1", "2"], "lag": {"2": 0, "3": 70}}
+    got = {m.name: m.samples for m in _cluster(st, 3)}
+    assert got["onceq_leader_changes"][0].value == 3
+    assert got["onceq_isr_size"][0].value == 2
+    assert {s.labels["follower"]: s.value for s in got["onceq_follower_lag_bytes"]} == {
+        "2": 0, "3": 70}
+    follower = {m.name for m in _cluster({"role": "follower", "hw": 5}, 1)}
+    assert "onceq_isr_size" not in follower and "onceq_is_leader" in follower

@@ -20,6 +20,7 @@ from onceq.cluster import (
 )
 from onceq.cluster._etcd import Compare, KeyValue, prefix_end
 from onceq.cluster._keys import (
+    IsrRecord,
     Member,
     broker_key,
     brokers_prefix,
@@ -28,7 +29,7 @@ from onceq.cluster._keys import (
     epoch_key,
     leader_key,
 )
-from onceq.cluster._role import Leadership, keepalive_interval, next_epoch
+from onceq.cluster._role import Leadership, keepalive_interval, may_campaign, next_epoch
 from tests.clock import FakeClock
 
 
@@ -163,3 +164,13 @@ async def test_a_session_without_renewals_is_lost_at_ttl_minus_margin():
     assert 0.7 <= elapsed < 1.0  # at 1 s - 0.25 s, before etcd could expire it
     assert not session.valid() and reasons and "no renewal" in reasons[0]
     await session.close()
+
+
+def test_only_the_published_isr_may_run_unless_unclean():
+    isr = IsrRecord(4, "1", ("1", "3"))
+    assert may_campaign(None, "2")  # nothing published: a new group, anyone
+    assert may_campaign(isr, "3") and not may_campaign(isr, "2")
+    assert may_campaign(isr, "2", clean=False)
+    kv = KeyValue(b"/onceq/c/groups/g/isr", isr.encode(), 1, 2, 1, 0)
+    assert IsrRecord.from_kv(kv) == isr
+    assert IsrRecord.from_kv(None) is None

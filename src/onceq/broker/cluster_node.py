@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ..cluster import EtcdError
 from ..protocol.codes import RequestCode as R
 from ..protocol.errors import ErrorCode, OnceqError
 from ..storage.leader_epochs import LeaderEpochs
@@ -58,6 +59,8 @@ class ClusterNode:
         self._follow_task: asyncio.Task[None] | None = None
         self._followed: LeaderRecord | None = None
         self._tick: asyncio.Task[None] | None = None
+        self.leader_changes = 0  # terms observed (metrics)
+        self._last_term: tuple[str, int] | None = None
 
     # ---------------------------------------------------------------- life cycle
     def start(self, port: int) -> None:
@@ -66,7 +69,7 @@ class ClusterNode:
         self.role = GroupRole(cfg.cluster, cfg.cluster_name, cfg.group, cfg.broker_id,
                               cfg.address(port), cfg.session_ttl_s,
                               on_elected=self._elected, on_step_down=self._stepped_down,
-                              on_leader=self._observed)
+                              on_leader=self._observed, clean=not cfg.unclean_election)
         self.leading = LeaderReplication(cfg, self.store, self.role, self.replica_log,
                                          self.epochs, self._on_hw)
         self.role.start()
@@ -102,10 +105,20 @@ class ClusterNode:
 
     async def _promote(self, term: Leadership) -> None:
         await self._stop_following()
-        assert self.leading is not None
+        assert self.leading is not None and self.role is not None
+        while True:  # the ISR the term starts from: read before any write is taken
+            if not self.is_leader():
+                return
+            try:
+                published, live = await self.role.term_start()
+                break
+            except (EtcdError, OSError) as exc:
+                log.warning("group %s: cannot read the ISR: %s; retrying",
+                            self.config.group, exc)
+                await asyncio.sleep(0.1)
         if not self.is_leader():
             return
-        self.leading.begin(term.epoch, self.follower.hw)
+        self.leading.begin(term, self.follower.hw, published, live)
         log.warning("group %s: broker %s leads epoch %d from log end %d (high watermark "
                     "%d)", self.config.group, self.config.broker_id, term.epoch,
                     self.store.log.end, self.leading.hw)
@@ -116,6 +129,9 @@ class ClusterNode:
             self.leading.end()
 
     def _observed(self, record: LeaderRecord) -> None:
+        if self._last_term != (record.broker_id, record.epoch):
+            self._last_term = (record.broker_id, record.epoch)
+            self.leader_changes += 1
         if record.broker_id == self.config.broker_id:
             return
         if self.leading is not None and self.leading.tracker is not None:
@@ -182,6 +198,7 @@ class ClusterNode:
                                   "log_end": self.store.log.end}
         if leader and leading is not None and leading.tracker is not None:
             out.update(epoch=leading.epoch, hw=leading.hw, isr=leading.in_sync(),
+                       published_isr=list(leading.tracker.published),
                        lag=leading.tracker.lag(self.store.log.end))
         else:
             out.update(hw=self.follower.hw, problem=self.follower.problem,

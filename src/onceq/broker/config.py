@@ -73,6 +73,7 @@ class BrokerConfig:
     session_ttl_s: float = 10.0  # the etcd lease of the broker's session
     acks: str = "all"  # "all": in-sync replicas have it; "leader": the leader's log only
     min_insync: int = 2  # replicas (the leader included) that must be in sync for a write
+    unclean_election: bool = False  # any replica may lead (may lose acknowledged writes)
     replica_lag_max_ms: int = 10_000  # a follower not caught up this long leaves the ISR
     replica_ack_timeout_ms: int = 5_000  # a write not replicated this long: NOT_ENOUGH_...
     replica_fetch_wait_ms: int = 500  # a follower's fetch is held this long with no data

@@ -22,6 +22,8 @@ from ..cluster import (
     LeaderRecord,
     Leadership,
     Session,
+    publish_isr,
+    read_isr,
     register,
 )
 from ..cluster import members as read_members
@@ -37,8 +39,10 @@ class GroupRole:
     def __init__(self, endpoints: str, cluster: str, group: str, broker_id: str, address: str,
                  ttl: float, *, on_elected: Callable[[Leadership], None],
                  on_step_down: Callable[[Leadership, str], None],
-                 on_leader: Callable[[LeaderRecord], None]) -> None:
+                 on_leader: Callable[[LeaderRecord], None], clean: bool = True) -> None:
+        """``clean``: run for leader only while in the published ISR."""
         self.client = EtcdClient(endpoints)
+        self.clean = clean
         self.cluster = cluster
         self.group = group
         self.broker_id = broker_id
@@ -100,6 +104,18 @@ class GroupRole:
                 log.info("group %s: cannot read the members: %s", self.group, exc)
         return broker_id in self._members
 
+    async def term_start(self) -> tuple[tuple[str, ...], set[str]]:
+        """What a new leader starts its ISR from: the ISR published in etcd (empty when
+        none was) and the brokers registered now."""
+        isr = await read_isr(self.client, self.cluster, self.group)
+        found = await read_members(self.client, self.cluster, self.group)
+        self._members = set(found.by_id)
+        return (() if isr is None else isr.members), set(found.by_id)
+
+    async def publish_isr(self, term: Leadership, members: list[str]) -> bool:
+        """Write the ISR of ``term`` to etcd; False when the term is over."""
+        return await publish_isr(self.client, self.cluster, self.group, term, members)
+
     # ---------------------------------------------------------------- life cycle
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="group-role")
@@ -135,7 +151,7 @@ class GroupRole:
                 election = self.election = Election(
                     session, self.cluster, self.group, self.broker_id, self.address,
                     on_elected=self._on_elected, on_step_down=self._on_step_down,
-                    on_leader=self._observed)
+                    on_leader=self._observed, clean=self.clean)
                 election.start()
                 log.info("group %s: broker %s registered at %s", self.group, self.broker_id,
                          self.address)

@@ -10,8 +10,14 @@ comes in as an argument.
 * The **in-sync replicas** (ISR) are the leader and the followers caught up within
   ``lag_max_ms``; a follower that stops fetching leaves the ISR ``lag_max_ms`` after it was
   last caught up.
-* The **high watermark** is the smallest log end among the ISR, while the ISR has at
-  least ``min_insync`` replicas (else it stays); it never goes down within a term.
+* The **high watermark** is the smallest log end among the ISR and the replicas of the
+  ISR last *published* in etcd (``published``), while the ISR has at least
+  ``min_insync`` replicas (else it stays); it never goes down within a term. A follower
+  that left the ISR still holds the high watermark until the smaller ISR is published:
+  any replica etcd may elect has every acknowledged write (Kafka's maximal ISR).
+* A new leader counts the followers of the published ISR as caught up at the start of
+  its term (``seed``): they leave the ISR only if they do not fetch within
+  ``lag_max_ms``.
 """
 
 from __future__ import annotations
@@ -34,6 +40,17 @@ class ReplicaTracker:
         self.lag_max_ms = lag_max_ms
         self.followers: dict[str, Follower] = {}
         self.hw = hw
+        self.published: tuple[str, ...] = ()  # the ISR as last published in etcd
+
+    def seed(self, published: tuple[str, ...], live: set[str], now_ms: float) -> None:
+        """The term starts from the ISR ``published`` in etcd: its members still
+        registered (``live``) count as in sync, their positions unknown (0: they hold the
+        high watermark until they fetch); the others are out, but hold the high watermark
+        until a smaller ISR is published."""
+        self.published = published
+        for b in published:
+            if b != self.leader_id and b in live and b not in self.followers:
+                self.followers[b] = Follower(b, caught_up_ms=now_ms)
 
     def fetched(self, broker_id: str, position: int, leader_end: int, now_ms: float) -> None:
         """Follower ``broker_id`` fetches from ``position`` while the leader's log ends at
@@ -62,9 +79,16 @@ class ReplicaTracker:
         isr = self.in_sync(now_ms)
         if len(isr) < min_insync:
             return self.hw
-        ends = [leader_end] + [self.followers[b].position for b in isr[1:]]
+        holders = (set(isr) | set(self.published)) - {self.leader_id}
+        ends = [leader_end] + [self.followers[b].position if b in self.followers else 0
+                               for b in holders]
         self.hw = max(self.hw, min(ends))
         return self.hw
+
+    def to_publish(self, now_ms: float) -> list[str] | None:
+        """The ISR to publish now, or None when etcd already has it."""
+        isr = self.in_sync(now_ms)
+        return None if set(isr) == set(self.published) else isr
 
     def lag(self, leader_end: int) -> dict[str, int]:
         """Bytes each follower is behind the leader's log end."""

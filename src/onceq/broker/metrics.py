@@ -171,6 +171,8 @@ class BrokerMetrics:
                          self.pull_latency)
         yield from self._lag(b)
         yield from self._retries(b)
+        if b.cluster is not None:
+            yield from _cluster(b.cluster.status(), b.cluster.leader_changes)
         c = CounterMetricFamily("onceq_access_lock_handovers",
                                 "Queues the access lock handed from one member to another.")
         c.add_metric([], b.owners.handovers)
@@ -354,3 +356,36 @@ async def start_metrics(broker: Broker) -> BrokerMetrics | None:
     m.time_handlers()
     await m.start(cfg.metrics_host, cfg.metrics_port, metrics_context(cfg))
     return m
+
+
+def _cluster(st: dict[str, Any], changes: int) -> Iterator[Metric]:
+    """A broker group member's view (docs/cluster.md): leader changes it saw, its role
+    and epoch; on the leader, the ISR size, the high watermark and each follower's lag."""
+    from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
+
+    c = CounterMetricFamily("onceq_leader_changes", "Leaders of its group this broker saw "
+                            "elected (terms), itself included.")
+    c.add_metric([], changes)
+    yield c
+    leader = st.get("role") == "leader"
+    g = GaugeMetricFamily("onceq_is_leader", "1 while this broker leads its group.")
+    g.add_metric([], 1 if leader else 0)
+    yield g
+    g = GaugeMetricFamily("onceq_high_watermark", "The group's high watermark as this "
+                          "broker knows it (a commit-log position).")
+    g.add_metric([], float(st.get("hw") or 0))
+    yield g
+    if not leader:
+        return
+    g = GaugeMetricFamily("onceq_leader_epoch", "Epoch of the term this broker leads.")
+    g.add_metric([], float(st.get("epoch") or 0))
+    yield g
+    g = GaugeMetricFamily("onceq_isr_size", "In-sync replicas of the group, the leader "
+                          "included.")
+    g.add_metric([], len(st.get("isr") or []))
+    yield g
+    g = GaugeMetricFamily("onceq_follower_lag_bytes", "Bytes a follower is behind the "
+                          "leader's log end.", labels=["follower"])
+    for follower, lag in sorted((st.get("lag") or {}).items()):
+        g.add_metric([follower], lag)
+    yield g

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..cluster import EtcdError
 from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.replies import EpochEnd, ReplicaData
 from ..storage.leader_epochs import LeaderEpochs, assign, epoch_end
@@ -27,6 +28,7 @@ from ..storage.replica import ReplicaLog, topics_signature
 from .isr import ReplicaTracker
 
 if TYPE_CHECKING:
+    from ..cluster import Leadership
     from ..protocol.requests import ReplicaEpochEnd, ReplicaFetch
     from ..storage.store import MessageStore
     from .config import BrokerConfig
@@ -66,19 +68,26 @@ class LeaderReplication:
         self.clock = clock
         self.tracker: ReplicaTracker | None = None  # set while leading
         self.epoch = 0
+        self.term: Leadership | None = None
+        self._publishing = False  # an ISR write to etcd is in flight
         self._held: list[_HeldFetch] = []
         self._acks: list[_AckWait] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        self.isr_changes = 0  # ISRs published in etcd
 
     # ---------------------------------------------------------------- terms
-    def begin(self, epoch: int, hw: int) -> None:
-        """This broker leads from now on, in ``epoch``; ``hw``: the high watermark it
-        knew as a follower."""
+    def begin(self, term: Leadership, hw: int, published: tuple[str, ...],
+              live: set[str]) -> None:
+        """This broker leads from now on, in ``term``; ``hw``: the high watermark it
+        knew as a follower; ``published``: the ISR in etcd; ``live``: the registered
+        brokers."""
         end = self.store.log.end
-        self.epochs.set(assign(self.epochs.entries, epoch, end))
-        self.epoch = epoch
+        self.epochs.set(assign(self.epochs.entries, term.epoch, end))
+        self.epoch = term.epoch
+        self.term = term
         self.tracker = ReplicaTracker(self.role.broker_id, self.config.replica_lag_max_ms,
                                       min(hw, end))
+        self.tracker.seed(published, live, self._now_ms())
         self._advance()
 
     def end(self) -> None:
@@ -114,11 +123,46 @@ class LeaderReplication:
             return
         before = t.hw
         cfg = self.config
-        hw = t.advance(self.store.log.end, self._now_ms(),
-                       cfg.min_insync if cfg.acks == "all" else 1)
+        now_ms = self._now_ms()
+        hw = t.advance(self.store.log.end, now_ms, cfg.min_insync if cfg.acks == "all" else 1)
+        want = t.to_publish(now_ms)
+        if want is not None and not self._publishing:
+            self._publish(t, want)
         self._settle()
         if hw != before:
             self.on_hw(hw)
+
+    def _publish(self, t: ReplicaTracker, members: list[str]) -> None:
+        """Write the ISR to etcd; the high watermark counts the replicas etcd may elect
+        until then (``isr.py``), so a shrink is published before what it allows is
+        acknowledged."""
+        term = self.term
+        if term is None:
+            return
+        self._publishing = True
+
+        async def write() -> None:
+            try:
+                if await self.role.publish_isr(term, members):
+                    if self.tracker is t:
+                        log.warning("group %s: in-sync replicas of epoch %d: %s",
+                                    self.role.group, term.epoch, ", ".join(members))
+                        t.published = tuple(members)
+                        self.isr_changes += 1
+                else:
+                    log.warning("group %s: the ISR of epoch %d was not published: the "
+                                "term is over", self.role.group, term.epoch)
+            except (EtcdError, OSError) as exc:
+                log.warning("group %s: cannot publish the ISR: %s; retrying",
+                            self.role.group, exc)
+            finally:
+                self._publishing = False
+            if self.tracker is t:
+                self._advance()
+
+        task = asyncio.get_running_loop().create_task(write())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _settle(self) -> None:
         """Answer the writes below the high watermark, and those past their timeout."""

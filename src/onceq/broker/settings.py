@@ -192,6 +192,10 @@ _META: dict[str, tuple[str, float | None, float | None]] = {
              "tail may be lost at a failover).", None, None),
     "min_insync": ("In-sync replicas, the leader included, needed to accept a write with "
                    "acks=all (1..100).", 1, 100),
+    "unclean_election": ("Let any replica of the group be elected leader, not only the "
+                         "in-sync ones: the group gets a leader sooner when the in-sync "
+                         "replicas are gone, but acknowledged writes the new leader lacks "
+                         "are lost.", None, None),
     "replica_lag_max_ms": ("A follower not caught up with the leader for this long leaves "
                            "the in-sync replicas, ms (1..3600000).", 1, 3_600_000),
     "replica_ack_timeout_ms": ("A write not replicated within this is answered "

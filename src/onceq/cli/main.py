@@ -161,6 +161,7 @@ async def pull(topic_name: str, queues: tuple[int, ...], offset: int | None, max
 from .admin_cmds import register as register_admin  # noqa: E402 - status, message, trace
 from .audit_cmd import register as register_audit  # noqa: E402 - audit (Spark)
 from .broker_start import make_start_command  # noqa: E402 - broker start
+from .cluster_cmd import register as register_cluster  # noqa: E402 - cluster status
 from .console_cmd import register as register_console  # noqa: E402 - the web console
 from .consumer_cmds import register  # noqa: E402 - consume, group, dlq
 from .dedup_cmd import register as register_dedup  # noqa: E402 - dedup show/stats/purge
@@ -173,6 +174,7 @@ from .verify_cmd import register as register_verify  # noqa: E402 - broker verif
 register(main)
 register_admin(main)
 register_audit(main)
+register_cluster(main)
 register_dedup(main)
 register_security(main)
 register_console(main)

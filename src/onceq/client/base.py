@@ -1,15 +1,30 @@
-"""What every client has: one broker connection, opened on demand and reopened when lost."""
+"""What every client has: one broker connection, opened on demand and reopened when lost.
+
+A client given several brokers (``"h1:p1,h2:p2,h3:p3"``, a broker group) talks to the
+group's leader (``route.py``): a ``NOT_LEADER`` answer or a lost connection moves it to
+the leader, asked of the brokers when the answer does not name it, and ``_call`` tries
+the request again there within its timeout. A client given one address behaves as it
+always did: no retry, no redirect."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Self
 
+from ..protocol.errors import OnceqError
+from ..protocol.replies import StatusReply
+from ..protocol.requests import BrokerStatus
 from ..protocol.schema import Message
 from .connection import BrokerConnection, ConnectionLost, call
+from .route import BrokerRoute, follows
 from .security import ClientSecurity
+
+log = logging.getLogger("onceq.client")
+ELECTION_WAIT_S = 0.1  # between two looks for the leader while nobody leads
 
 # opens a connection to ``address`` that hands server pushes to the callback
 Connect = Callable[[str, Callable[[int, dict[str, Any]], None]], Awaitable[BrokerConnection]]
@@ -18,9 +33,10 @@ Connect = Callable[[str, Callable[[int, dict[str, Any]], None]], Awaitable[Broke
 class BrokerClient:
     def __init__(self, address: str, connect: Connect | None = None,
                  security: ClientSecurity | None = None) -> None:
-        """``security``: the user and TLS (``client/security.py``; None: from the
-        environment, ``ONCEQ_USER``...)."""
-        self.address = address
+        """``address``: ``host:port``, or a broker group's bootstrap list
+        ``"h1:p1,h2:p2,..."``; ``security``: the user and TLS (``client/security.py``;
+        None: from the environment, ``ONCEQ_USER``...)."""
+        self.route = BrokerRoute(address)
         self.security = ClientSecurity.from_env() if security is None else security
         # an in-memory connection in tests
         self._connect = connect or functools.partial(BrokerConnection.open,
@@ -28,6 +44,11 @@ class BrokerClient:
         self._conn: BrokerConnection | None = None
         self._connect_lock: asyncio.Lock | None = None
         self._no_reconnect = False  # set by clients that must not reopen after closing
+
+    @property
+    def address(self) -> str:
+        """The broker this client talks to (in a group: the leader as last known)."""
+        return self.route.current
 
     def _on_push(self, code: int, header: dict[str, Any]) -> None:
         """A push from the broker (clients that care override this)."""
@@ -46,10 +67,61 @@ class BrokerClient:
         # own (all but one leaked, never closed)
         async with self._connect_lock:
             if self._conn is None or self._conn.closed:
-                conn = await self._connect(self.address, self._on_push)
+                conn = await self._open()
                 await self._on_connected(conn)
                 self._conn = conn
         return self._conn
+
+    async def _open(self) -> BrokerConnection:
+        """A connection to the current broker; in a group, to the leader the others name
+        when the current one is out of reach."""
+        try:
+            return await self._connect(self.address, self._on_push)
+        except ConnectionLost:
+            if not self.route.group:
+                raise
+        leader = await self.route.find_leader(self._ask_status)
+        if leader is None:
+            raise ConnectionLost(f"no broker of {', '.join(self.route.addresses)} leads "
+                                 "the group (out of reach, or an election is going on)")
+        self._moved(leader, "the leader")
+        return await self._connect(self.address, self._on_push)
+
+    async def _ask_status(self, address: str) -> dict[str, Any] | None:
+        """The ``cluster`` section of the status of the broker at ``address`` (None when
+        it is out of reach or not in a group)."""
+        try:
+            conn = await BrokerConnection.open(address, timeout=1.0, security=self.security)
+        except OnceqError:
+            return None
+        try:
+            reply: StatusReply = await call(conn, BrokerStatus(), 1.0)
+            return reply.cluster
+        except OnceqError:
+            return None
+        finally:
+            conn.close()
+
+    def _moved(self, address: str, why: str) -> None:
+        if self.route.move(address):
+            log.info("talking to %s at %s from now on", why, address)
+
+    async def _follow(self, exc: OnceqError) -> bool:
+        """After ``exc`` from the current broker of a group: move to the leader (named by
+        the answer, or asked of the brokers); True when trying again may succeed."""
+        if not self.route.group or not follows(exc):
+            return False
+        if self._conn is not None:
+            self._conn.close()  # the next request connects to the (new) leader
+        if self.route.redirect(exc):
+            log.info("the leader is at %s now", self.address)
+            return True
+        leader = await self.route.find_leader(self._ask_status)
+        if leader is not None and leader != self.address:
+            self._moved(leader, "the leader")
+        else:  # nobody leads yet, or the current broker does: look again shortly
+            await asyncio.sleep(ELECTION_WAIT_S)
+        return True
 
     async def _request(self, code: int, header: dict[str, Any] | None = None,
                        payload: bytes = b"", timeout: float | None = 10.0
@@ -58,8 +130,19 @@ class BrokerClient:
         return await conn.request(code, header, payload, timeout)
 
     async def _call(self, request: Message, timeout: float | None = 10.0) -> Any:
-        """A typed request on this client's connection; its typed reply."""
-        return await call(await self._connection(), request, timeout)
+        """A typed request on this client's connection; its typed reply. In a group, tried
+        again on the leader after ``NOT_LEADER`` or a lost connection, within
+        ``timeout``."""
+        if not self.route.group:
+            return await call(await self._connection(), request, timeout)
+        deadline = time.monotonic() + (10.0 if timeout is None else timeout)
+        while True:
+            try:
+                left = max(deadline - time.monotonic(), 0.05)
+                return await call(await self._connection(), request, left)
+            except OnceqError as exc:
+                if time.monotonic() >= deadline or not await self._follow(exc):
+                    raise
 
     async def start(self) -> Self:
         """Connect now (otherwise the first request connects)."""

@@ -50,6 +50,14 @@ class Producer(BrokerClient):
     connection it goes at once. A retry carries the same unique key, so the broker's dedup window
     stores a message at most once and answers the retry with the first result.
 
+    ``address`` may be a broker group's bootstrap list (``"h1:p1,h2:p2,h3:p3"``): the
+    producer sends to the group's leader; after ``NOT_LEADER`` or a lost connection it
+    finds the new leader and sends again there (``base.py``) with the same unique keys,
+    until ``send_timeout`` (these attempts do not count against ``retries``): the new
+    leader answers a retry of a send it already has as a duplicate. Give a failover
+    room: a ``send_timeout`` above the group's election time (the session TTL and a
+    second).
+
     Ordering: messages sent one after the other (each send awaited) with the same sharding
     key, or to the queue the same ``selector`` picks, go to one queue and are stored in
     send order; an orderly consumer (see ``consume_orderly.py``) then handles them in that
@@ -144,9 +152,13 @@ class Producer(BrokerClient):
                     attempt -= 1
                     continue
                 retriable = exc.retriable or (exc.code in _REFRESH_ON and not pinned)
-                if not retriable or attempt > self.retries or time.monotonic() >= deadline:
+                if not retriable or time.monotonic() >= deadline:
                     raise
                 log.debug("send attempt %d to %s failed: %s; retrying", attempt, topic, exc)
+                if await self._follow(exc):  # a group: to its leader, within send_timeout
+                    continue
+                if attempt > self.retries:
+                    raise
                 if isinstance(exc, ConnectionLost):
                     if self._conn is not None:
                         self._conn.close()

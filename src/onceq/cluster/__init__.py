@@ -13,9 +13,18 @@ from ._etcd import (
     EtcdUnavailable,
     parse_endpoints,
 )
-from ._keys import LeaderRecord, Member, broker_key, epoch_key, leader_key
+from ._isr import publish_isr, read_isr
+from ._keys import IsrRecord, LeaderRecord, Member, broker_key, epoch_key, isr_key, leader_key
 from ._membership import MemberChange, Members, deregister, members, register, watch_members
-from ._role import Leadership, LeaseClock, Role, decide, default_margin, is_stale
+from ._role import (
+    Leadership,
+    LeaseClock,
+    Role,
+    decide,
+    default_margin,
+    is_stale,
+    may_campaign,
+)
 from ._session import Session
 
 __all__ = [
@@ -24,6 +33,7 @@ __all__ = [
     "EtcdError",
     "EtcdRequestError",
     "EtcdUnavailable",
+    "IsrRecord",
     "LeaderRecord",
     "Leadership",
     "LeaseClock",
@@ -39,9 +49,13 @@ __all__ = [
     "deregister",
     "epoch_key",
     "is_stale",
+    "isr_key",
     "leader_key",
+    "may_campaign",
     "members",
     "parse_endpoints",
+    "publish_isr",
+    "read_isr",
     "register",
     "watch_members",
 ]

@@ -9,6 +9,10 @@ A candidate becomes leader with one transaction::
     else range leader                                  # who leads instead
 
 so the group's epoch rises by exactly one per term, and two terms never share an epoch.
+With clean elections (the default) a broker runs only while it is in the in-sync
+replicas the last leader published (``_isr.py``), and the transaction also compares the
+ISR key's mod revision with the one it read: a broker that lacks acknowledged writes is
+never elected.
 Followers watch the leader key and campaign when it goes (lease expired, resigned). The
 leader stops being leader locally as soon as its session can no longer count on its lease,
 which is before etcd expires it and so before anyone else can be elected.
@@ -30,8 +34,16 @@ from ._etcd import (
     put_op,
     range_op,
 )
-from ._keys import LeaderRecord, decode_epoch, encode_epoch, epoch_key, leader_key
-from ._role import Leadership, Role, decide, next_epoch, retry_interval
+from ._keys import (
+    IsrRecord,
+    LeaderRecord,
+    decode_epoch,
+    encode_epoch,
+    epoch_key,
+    isr_key,
+    leader_key,
+)
+from ._role import Leadership, Role, decide, may_campaign, next_epoch, retry_interval
 from ._session import Session
 
 log = logging.getLogger("onceq.cluster")
@@ -44,14 +56,20 @@ class Election:
                  address: str, *,
                  on_elected: Callable[[Leadership], None] | None = None,
                  on_step_down: Callable[[Leadership, str], None] | None = None,
-                 on_leader: Callable[[LeaderRecord], None] | None = None) -> None:
+                 on_leader: Callable[[LeaderRecord], None] | None = None,
+                 clean: bool = True) -> None:
+        """``clean``: run only while in the published ISR (False: Kafka's unclean
+        election, which may lose acknowledged writes)."""
         self.session = session
+        self.clean = clean
         self.client = session.client
         self.group = group
         self.broker_id = broker_id
         self.address = address
         self.leader_key = leader_key(cluster, group)
         self.epoch_key = epoch_key(cluster, group)
+        self.isr_key = isr_key(cluster, group)
+        self.out_of_isr = False  # at the last campaign: not in the published ISR
         self.role = Role.CANDIDATE
         self.leader: LeaderRecord | None = None  # the leader as last observed
         self.elected = asyncio.Event()  # set while this broker leads
@@ -164,7 +182,9 @@ class Election:
         if role is Role.INACTIVE:
             return False
         if role is Role.CANDIDATE or observed is None:
-            return True  # the epoch moved between our read and our transaction: again
+            if observed is None and self.out_of_isr:  # nobody leads: look again soon
+                await asyncio.sleep(retry_interval(self.session.ttl))
+            return True  # the epoch or ISR moved between our read and our transaction
         if role is Role.LEADER:
             self._become_leader(observed)
         else:
@@ -177,11 +197,22 @@ class Election:
 
     async def _campaign(self) -> tuple[LeaderRecord | None, int]:
         epoch_kv, _ = await self.client.get(self.epoch_key)
+        isr_kv, _ = await self.client.get(self.isr_key)
+        out = not may_campaign(IsrRecord.from_kv(isr_kv), self.broker_id, self.clean)
+        if out and not self.out_of_isr:
+            log.warning("group %s: broker %s does not run for leader: it is not in the "
+                        "published in-sync replicas (it may lack acknowledged writes)",
+                        self.group, self.broker_id)
+        self.out_of_isr = out
+        if self.out_of_isr:
+            kvs, revision = await self.client.range(self.leader_key)
+            return (LeaderRecord.from_kv(kvs[0]) if kvs else None), revision
         epoch = next_epoch(decode_epoch(epoch_kv))
         value = LeaderRecord.encode(self.broker_id, epoch, self.address)
         result = await self.client.txn(
             [Compare(self.leader_key, "CREATE", "EQUAL", 0),
-             Compare(self.epoch_key, "MOD", "EQUAL", epoch_kv.mod_revision if epoch_kv else 0)],
+             Compare(self.epoch_key, "MOD", "EQUAL", epoch_kv.mod_revision if epoch_kv else 0),
+             Compare(self.isr_key, "MOD", "EQUAL", isr_kv.mod_revision if isr_kv else 0)],
             [put_op(self.leader_key, value, self.session.lease_id),
              put_op(self.epoch_key, encode_epoch(epoch))],
             [range_op(self.leader_key)])

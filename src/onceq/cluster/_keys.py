@@ -8,6 +8,8 @@
                                                   under the leader's session lease
     /onceq/<cluster>/groups/<group>/epoch         the group's last leader epoch: a JSON int,
                                                   no lease (it outlives every leader)
+    /onceq/<cluster>/groups/<group>/isr           the in-sync replicas the leader published:
+                                                  JSON {epoch, leader, members}, no lease
 
 Values are JSON so that ``etcdctl get --prefix /onceq/`` shows them as they are.
 """
@@ -52,6 +54,10 @@ def leader_key(cluster: str, group: str) -> bytes:
 
 def epoch_key(cluster: str, group: str) -> bytes:
     return _group_key(cluster, group, "epoch")
+
+
+def isr_key(cluster: str, group: str) -> bytes:
+    return _group_key(cluster, group, "isr")
 
 
 def _json(value: Any) -> bytes:
@@ -111,6 +117,32 @@ class LeaderRecord:
         value = _object(kv.value, f"leader {kv.key!r}")
         return cls(str(value["broker_id"]), int(value["epoch"]), str(value["address"]),
                    kv.lease, kv.create_revision)
+
+
+@dataclass(frozen=True)
+class IsrRecord:
+    """The in-sync replicas as the leader of ``epoch`` last published them (the leader
+    first). Only these may be elected leader (unless elections are unclean)."""
+
+    epoch: int
+    leader: str
+    members: tuple[str, ...]
+
+    def encode(self) -> bytes:
+        return _json({"epoch": self.epoch, "leader": self.leader,
+                      "members": list(self.members)})
+
+    @classmethod
+    def from_kv(cls, kv: KeyValue | None) -> IsrRecord | None:
+        """The record stored in ``kv``; None when the key is absent (no ISR published)."""
+        if kv is None:
+            return None
+        value = _object(kv.value, f"isr {kv.key!r}")
+        return cls(int(value["epoch"]), str(value["leader"]),
+                   tuple(str(m) for m in value["members"]))
+
+    def may_lead(self, broker_id: str) -> bool:
+        return broker_id in self.members
 
 
 def encode_epoch(epoch: int) -> bytes:

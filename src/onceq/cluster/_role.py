@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from ._keys import LeaderRecord
+from ._keys import IsrRecord, LeaderRecord
 
 
 def default_margin(ttl: float) -> float:
@@ -119,3 +119,11 @@ def is_stale(epoch: int, current_epoch: int) -> bool:
     """Whether a request made under ``epoch`` comes from a leader older than the current
     one: such a request is refused (a replica, a client)."""
     return epoch < current_epoch
+
+
+def may_campaign(isr: IsrRecord | None, broker_id: str, clean: bool = True) -> bool:
+    """Whether a broker may run for leader: with clean elections, only a member of the
+    in-sync replicas the last leader published (anyone while none was published: a new
+    group, or a group of one); with unclean ones, anyone (acknowledged writes it lacks
+    are then lost)."""
+    return not clean or isr is None or isr.may_lead(broker_id)

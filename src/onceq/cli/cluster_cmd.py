@@ -1,0 +1,131 @@
+"""``onceq cluster status``: the broker groups of a cluster as etcd and their leaders see
+them: each group's leader and epoch, the in-sync replicas published in etcd, and each
+member with its log end, its lag behind the leader and whether it is in sync (from the
+leader's ``BROKER_STATUS``, whose ``cluster`` section carries the ISR and the lags)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from ..client.connection import BrokerConnection, call
+from ..cluster import EtcdClient, EtcdError, current_leader, members, read_isr
+from ..cluster._keys import ROOT, check_name
+from ..protocol.errors import OnceqError
+from ..protocol.replies import StatusReply
+from ..protocol.requests import BrokerStatus
+from .common import async_command, fail
+
+
+async def _status(address: str) -> dict[str, Any] | None:
+    try:
+        conn = await BrokerConnection.open(address, timeout=1.0)
+    except OnceqError:
+        return None
+    try:
+        reply: StatusReply = await call(conn, BrokerStatus(), 2.0)
+        return reply.cluster
+    except OnceqError:
+        return None
+    finally:
+        conn.close()
+
+
+async def _groups(client: EtcdClient, cluster: str) -> list[str]:
+    prefix = f"{ROOT}/{check_name('cluster', cluster)}/".encode()
+    kvs, _ = await client.range(prefix, prefix=True)
+    names = set()
+    for kv in kvs:
+        parts = kv.key[len(prefix):].decode(errors="replace").split("/")
+        if len(parts) >= 2 and parts[0] in ("groups", "brokers"):
+            names.add(parts[1])
+    return sorted(names)
+
+
+async def cluster_view(endpoints: str, cluster: str) -> dict[str, Any]:
+    """Everything ``onceq cluster status`` shows, as one JSON-able dict."""
+    client = EtcdClient(endpoints)
+    try:
+        health = await client.call("maintenance/status", {})
+        etcd = {"healthy": True, "version": health.get("version"),
+                "leader": health.get("leader")}
+    except EtcdError as exc:
+        return {"cluster": cluster, "etcd": {"healthy": False, "error": str(exc)},
+                "groups": []}
+    groups = []
+    for name in await _groups(client, cluster):
+        leader, epoch = await current_leader(client, cluster, name)
+        isr = await read_isr(client, cluster, name)
+        found = await members(client, cluster, name)
+        lead_st = await _status(leader.address) if leader is not None else None
+        lags = (lead_st or {}).get("lag") or {}
+        in_sync = set((lead_st or {}).get("isr") or [])
+        rows = []
+        for bid, m in sorted(found.by_id.items()):
+            st = lead_st if leader is not None and bid == leader.broker_id else \
+                await _status(m.address)
+            rows.append({"broker_id": bid, "address": m.address,
+                         "role": (st or {}).get("role", "unreachable"),
+                         "log_end": (st or {}).get("log_end"),
+                         "hw": (st or {}).get("hw"),
+                         "lag": 0 if leader is not None and bid == leader.broker_id
+                         else lags.get(bid),
+                         "in_sync": bid in in_sync})
+        groups.append({"group": name, "leader": None if leader is None else leader.broker_id,
+                       "leader_address": None if leader is None else leader.address,
+                       "epoch": epoch,
+                       "hw": (lead_st or {}).get("hw"),
+                       "published_isr": None if isr is None else list(isr.members),
+                       "isr_epoch": None if isr is None else isr.epoch,
+                       "members": rows})
+    return {"cluster": cluster, "etcd": etcd, "groups": groups}
+
+
+def _print(view: dict[str, Any]) -> None:
+    console = Console()
+    etcd = view["etcd"]
+    console.print(f"cluster {view['cluster']}: etcd "
+                  + ("healthy" if etcd["healthy"] else f"UNREACHABLE ({etcd['error']})"))
+    if not view["groups"]:
+        console.print("no broker group registered")
+    for g in view["groups"]:
+        leader = g["leader"] or "none (an election is going on, or no replica may lead)"
+        console.print(f"\ngroup {g['group']}: leader {leader}, epoch {g['epoch']}, high "
+                      f"watermark {g['hw']}, published ISR "
+                      f"{', '.join(g['published_isr'] or []) or '-'}")
+        table = Table("broker", "address", "role", "log end", "lag (bytes)", "in sync")
+        for m in g["members"]:
+            table.add_row(m["broker_id"], m["address"], m["role"], str(m["log_end"]),
+                          "-" if m["lag"] is None else str(m["lag"]),
+                          "yes" if m["in_sync"] else "no")
+        console.print(table)
+
+
+def register(main: click.Group) -> None:
+    @main.group()
+    def cluster() -> None:
+        """Broker groups replicated through etcd (docs/cluster.md)."""
+
+    @cluster.command("status")
+    @click.option("--cluster", "endpoints", required=True, envvar="ONCEQ_CLUSTER",
+                  help="etcd endpoints, etcd://host:port[,host:port...]")
+    @click.option("--cluster-name", default="onceq", show_default=True,
+                  envvar="ONCEQ_CLUSTER_NAME", help="Name of the cluster in etcd.")
+    @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+    @async_command
+    async def status(endpoints: str, cluster_name: str, as_json: bool) -> None:
+        """Groups, leaders, epochs, members with their log end, lag and in-sync state."""
+        try:
+            view = await cluster_view(endpoints, cluster_name)
+        except ValueError as exc:
+            fail(str(exc))
+        if as_json:
+            click.echo(json.dumps(view, indent=2))
+        else:
+            _print(view)
+        if not view["etcd"]["healthy"]:
+            raise SystemExit(3)
