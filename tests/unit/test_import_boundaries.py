@@ -27,6 +27,12 @@ from the top package (``from onceq import Admin``) resolved to the module it com
   gateway, sessions, membership, election) imports from onceq only ``onceq.cluster`` and
   ``onceq.protocol``, and besides the standard library only ``msgpack``: the broker builds
   on it, never the other way round.
+* ``onceq.rocketmq`` (the RocketMQ 5 gRPC endpoint, a front end of the broker) reaches the
+  store through the broker's services only: it never imports ``onceq.storage``,
+  ``onceq.client``, ``onceq.idempotency``, ``onceq.spark``, ``onceq.console`` or
+  ``onceq.cli``; the broker never imports it (the command line hands it to the broker,
+  ``Broker.front_ends``).
+* Only ``onceq.rocketmq`` imports ``grpc`` and ``google`` (protobuf; the ``grpc`` extra).
 * ``onceq.cli`` may import anything.
 * Only ``onceq.spark`` imports ``pyspark``, ``pyarrow`` and ``numpy`` (the ``spark`` extra):
   every other module works without them.
@@ -89,6 +95,7 @@ class Rule:
 
 SPARK_ONLY = frozenset({"pyspark", "pyarrow", "numpy"})
 CONSOLE_ONLY = frozenset({"starlette", "jinja2", "markupsafe", "uvicorn", "multipart"})
+GRPC_ONLY = frozenset({"grpc", "google"})
 
 CLIENT_SIDE = frozenset({"storage", "broker", "cli"})
 
@@ -98,7 +105,8 @@ RULES = [
     Rule("onceq.log", allowed_onceq=frozenset({"log"}),
          allowed_third_party=frozenset({"msgpack", "zstandard", "lz4"})),
     Rule("onceq.storage", allowed_onceq=frozenset({"storage", "log"})),
-    Rule("onceq.broker", forbidden_onceq=frozenset({"client", "idempotency", "spark", "cli"})),
+    Rule("onceq.broker", forbidden_onceq=frozenset({"client", "idempotency", "spark", "cli",
+                                                     "rocketmq"})),
     Rule("onceq.client", forbidden_onceq=CLIENT_SIDE | {"idempotency", "spark"}),
     Rule("onceq.idempotency", forbidden_onceq=CLIENT_SIDE | {"spark"}),
     Rule("onceq.spark", forbidden_onceq=CLIENT_SIDE),
@@ -108,6 +116,10 @@ RULES = [
     Rule("onceq", forbidden_third_party=SPARK_ONLY, exempt=frozenset({"spark"})),
     Rule("onceq", forbidden_third_party=CONSOLE_ONLY, exempt=frozenset({"console"}),
          owner="onceq.console"),
+    Rule("onceq.rocketmq", forbidden_onceq=frozenset(
+        {"storage", "client", "idempotency", "spark", "console", "cli"})),
+    Rule("onceq", forbidden_third_party=GRPC_ONLY, exempt=frozenset({"rocketmq"}),
+         owner="onceq.rocketmq"),
 ]
 
 

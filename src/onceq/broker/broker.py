@@ -68,6 +68,7 @@ from .consumer_group import ConsumerGroupService
 from .durable import DurableReplies
 from .fields import Call, Handler
 from .flush import Flusher
+from .front_end import FrontEnd
 from .groups import GroupRegistry
 from .limits import ConnectionGuard
 from .metrics import BrokerMetrics, start_metrics
@@ -139,6 +140,8 @@ class Broker:
         self._closing = False
         self.port = config.port
         self.metrics: BrokerMetrics | None = None  # counters, when metrics_port is set
+        # other front ends on this loop (front_end.py: the RocketMQ gRPC endpoint)
+        self.front_ends: list[FrontEnd] = []
         # in a broker group (--cluster): its role and the log replication (docs/cluster.md)
         self.cluster: ClusterNode | None = None
         if config.clustered:
@@ -241,6 +244,8 @@ class Broker:
         try:
             self.metrics = await start_metrics(self)
             self.sends.metrics = self.pulls.metrics = self.metrics
+            for front in self.front_ends:
+                await front.start(self)
         except BaseException:  # e.g. the metrics port is in use
             await self.stop()
             raise
@@ -377,6 +382,11 @@ class Broker:
             return
         self._closing = True
         self.recent_errors.remove()
+        for front in reversed(self.front_ends):  # their requests end before the services'
+            try:
+                await front.stop()
+            except Exception:
+                log.exception("front end %s did not stop cleanly", front.name)
         if self._server is not None:
             self._server.close()
         if self.cluster is not None:  # resigns when leading: a successor is elected at once

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from .broker import Broker
 from .config import BrokerConfig
+from .front_end import FrontEnd
 
 
 def install_uvloop() -> bool:
@@ -21,8 +22,10 @@ def install_uvloop() -> bool:
     return True
 
 
-async def serve(config: BrokerConfig, on_ready: Callable[[Broker], None] | None = None) -> None:
+async def serve(config: BrokerConfig, on_ready: Callable[[Broker], None] | None = None,
+                front_ends: list[FrontEnd] | None = None) -> None:
     broker = Broker(config)
+    broker.front_ends.extend(front_ends or ())
     await broker.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -38,6 +41,7 @@ async def serve(config: BrokerConfig, on_ready: Callable[[Broker], None] | None 
         await broker.stop()
 
 
-def run(config: BrokerConfig, on_ready: Callable[[Broker], None] | None = None) -> None:
+def run(config: BrokerConfig, on_ready: Callable[[Broker], None] | None = None,
+        front_ends: list[FrontEnd] | None = None) -> None:
     install_uvloop()
-    asyncio.run(serve(config, on_ready))
+    asyncio.run(serve(config, on_ready, front_ends))

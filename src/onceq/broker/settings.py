@@ -165,6 +165,9 @@ _META: dict[str, tuple[str, float | None, float | None]] = {
     "metrics_host": ("Address the Prometheus endpoint listens on.", None, None),
     "metrics_tls": ("Serve /metrics over TLS with tls_cert and tls_key (no client "
                     "certificates asked).", None, None),
+    "grpc_port": ("Port of the RocketMQ 5 gRPC endpoint on host, for the official RocketMQ "
+                  "clients (0: off; at most 65535; the grpc extra; docs/rocketmq.md).", 0,
+                  65535),
     # security
     "acl": ("Users authenticate (SCRAM-SHA-256 or a client certificate) and every request "
             "is checked against the ACL grants (docs/security.md).", None, None),

@@ -85,6 +85,18 @@ def to_toml(loaded: Loaded) -> str:
     return "\n".join(lines)
 
 
+def _front_ends(cfg: Any) -> list[Any]:
+    """The front ends the settings ask for: the RocketMQ gRPC endpoint (``grpc_port``)."""
+    if not cfg.grpc_port:
+        return []
+    try:
+        from ..rocketmq.server import GrpcFrontEnd
+    except ImportError as exc:
+        raise ConfigProblem(f"grpc_port: the RocketMQ endpoint needs the grpc extra (pip "
+                            f"install 'onceq[grpc]'): {exc}") from None
+    return [GrpcFrontEnd(cfg.grpc_port)]
+
+
 def make_start_command() -> click.Command:
     def start(config: str | None, print_config: bool, **values: Any) -> None:
         """Start a broker in the foreground (SIGTERM or Ctrl-C flushes and stops it).
@@ -115,15 +127,18 @@ def make_start_command() -> click.Command:
         except ConfigError as exc:
             raise ConfigProblem(str(exc)) from None
 
+        front_ends = _front_ends(cfg)
+
         def ready(b: Any) -> None:
             if loaded.log_format == "json":  # stderr stays one JSON object per line
                 return
             metrics = f", metrics :{b.metrics.port}" if b.metrics is not None else ""
+            metrics += "".join(f", {f.name} :{f.port}" for f in b.front_ends)
             click.echo(f"onceq broker listening on {cfg.host}:{b.port} (data "
                        f"{cfg.store.data_dir}, flush {cfg.store.flush}{metrics})", err=True)
 
         try:
-            run(cfg, ready)
+            run(cfg, ready, front_ends)
         except OSError as exc:
             if _data_dir_error(exc, cfg.store.data_dir):
                 raise ConfigProblem(f"data_dir: {exc.strerror}: {exc.filename}") from None

@@ -1,0 +1,20 @@
+"""More front ends on the broker's event loop, beside its own port: each is handed the
+running broker and answers its clients through the broker's services with onceq's typed
+requests (the RocketMQ gRPC endpoint, ``onceq.rocketmq``). The broker starts them after
+its own port, and stops them first, before anything they call into closes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from .broker import Broker
+
+
+class FrontEnd(Protocol):
+    name: str
+    port: int  # the port it listens on, once started
+
+    async def start(self, broker: Broker) -> None: ...
+
+    async def stop(self) -> None: ...

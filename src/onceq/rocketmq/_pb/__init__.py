@@ -1,0 +1,1 @@
+"""Generated apache.rocketmq.v2 messages (scripts/rocketmq_stubs.py)."""

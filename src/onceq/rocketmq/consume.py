@@ -1,0 +1,271 @@
+"""POP consumption for RocketMQ's SimpleConsumer (and PushConsumer in POP mode): receive
+with an invisible duration, acknowledge by receipt handle, change the invisible duration.
+
+Everything reaches the store through the broker's services with onceq's typed requests
+(``bridge.py``): ``PULL`` reads (without a group: the front end keeps the group's
+in-flight state itself, ``pop.py``), ``GET_OFFSET`` and ``QUERY_OFFSETS`` place a
+queue's cursor, ``COMMIT_OFFSET`` moves the group's committed offset under the commit
+rule (forward only) once the messages below it are acknowledged. A receive waits for
+messages as onceq's long polling does: one held pull per queue of the topic, woken by a
+send; it also wakes when a delivery in flight becomes visible again.
+
+A receive serves any queue of the topic on this broker (as RocketMQ's POP does), whatever
+queue of the route the client named.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..log.message import MessageExt
+from ..log.record import RecordError, decode_records, tag_hash
+from ..protocol.codes import PullStatus
+from ..protocol.errors import OnceqError
+from ..protocol.replies import OffsetReply, PullReply, QueueOffsets, TopicInfo
+from ..protocol.requests import CommitOffset, GetOffset, GetTopic, Pull, QueryOffsets
+from ._pb import definition_pb2 as pb
+from .bridge import Bridge, FrontConnection
+from .mapping import Code, RmqError, to_pb
+from .pop import Delivery, PopTable, QueuePop, StaleReceipt
+from .receipt import BadReceipt, Receipt, ReceiptCodec
+
+log = logging.getLogger("onceq.rocketmq")
+
+MAX_INVISIBLE_S = 12 * 3600.0  # RocketMQ's longest invisible duration
+
+
+@dataclass(slots=True)
+class Receive:
+    """One ReceiveMessage: what it asks for."""
+
+    group: str
+    topic: str
+    tags: list[str] | None  # None: every message
+    batch: int
+    invisible_s: float
+    wait_s: float  # long polling: how long an empty receive may wait
+    namespace: str = ""
+
+
+def check_invisible(seconds: float) -> float:
+    if not 0 < seconds <= MAX_INVISIBLE_S:
+        raise RmqError(Code.ILLEGAL_INVISIBLE_TIME, f"invisible duration {seconds:g}s must "
+                       f"be above 0 and at most {MAX_INVISIBLE_S:g}s")
+    return seconds
+
+
+class PopService:
+    """Receives, acknowledgements and invisible-duration changes of RocketMQ consumers."""
+
+    def __init__(self, bridge: Bridge, codec: ReceiptCodec, *, store_host: str,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.bridge = bridge
+        self.codec = codec
+        self.store_host = store_host
+        self.clock = clock
+        self.table = PopTable()
+        self.conn = FrontConnection("rocketmq-pop")  # its own immediate requests
+        self._rotate = itertools.count()
+
+    # ---------------------------------------------------------------- cursors
+    async def _queue(self, group: str, topic: str, queue: int) -> QueuePop:
+        """The queue's POP state, (re)started at the group's committed offset when this
+        table has none or the offset was moved under it (``onceq offsets reset``)."""
+        call = self.bridge.call
+        stored = await call(self.conn, GetOffset(group, topic, queue))
+        assert isinstance(stored, OffsetReply)
+        q = self.table.queue(group, topic, queue)
+        if q is None or stored.offset != q.committed:
+            bounds = await call(self.conn, QueryOffsets(topic, queue))
+            assert isinstance(bounds, QueueOffsets)
+            q = self.table.queue(group, topic, queue)  # another receive may have placed it
+            if q is None or stored.offset != q.committed:
+                q = self.table.start(group, topic, queue, stored.offset, bounds.min)
+        return q
+
+    # ---------------------------------------------------------------- receive
+    async def receive(self, r: Receive) -> list[pb.Message]:
+        """Up to ``r.batch`` messages: deliveries visible again first, then new ones;
+        waits up to ``r.wait_s`` when there are none."""
+        check_invisible(r.invisible_s)
+        info = await self.bridge.call(self.conn, GetTopic(r.topic))
+        assert isinstance(info, TopicInfo)
+        deadline = self.clock() + r.wait_s
+        out: list[pb.Message] = []
+        while True:
+            await self._again(r, out)
+            await self._fresh(r, info.queues, out)
+            left = deadline - self.clock()
+            if out or left <= 0:
+                return out
+            due = self.table.next_visible(r.group, r.topic)
+            if due is not None:
+                left = min(left, max(due - self.clock(), 0.0) + 0.01)
+            await self._wait(r, info.queues, left, out)
+            if out:
+                return out
+
+    async def _again(self, r: Receive, out: list[pb.Message]) -> None:
+        """Deliver again the messages whose invisible duration ran out."""
+        for queue, offset in self.table.due(r.group, r.topic, self.clock()):
+            if len(out) >= r.batch:
+                return
+            reply = await self.bridge.call(self.conn, Pull(r.topic, queue, offset, 1))
+            assert isinstance(reply, PullReply)
+            msgs = _decode(reply, offset, offset + 1, None) if reply.payload else []
+            if not msgs:  # gone (retention, damage): nobody can have it any more
+                self.table.drop(r.group, r.topic, queue, offset)
+                await self._commit(r.group, r.topic, queue)
+                continue
+            out.append(self._deliver(r, msgs[0]))
+
+    async def _fresh(self, r: Receive, queues: int, out: list[pb.Message]) -> None:
+        """New messages from each queue's cursor (not waiting), starting at a rotating
+        queue so that no queue starves the others."""
+        first = next(self._rotate)
+        for i in range(queues):
+            if len(out) >= r.batch:
+                return
+            queue = (first + i) % queues
+            q = await self._queue(r.group, r.topic, queue)
+            if q.full:
+                continue
+            start = q.next
+            reply = await self.bridge.call(self.conn, Pull(
+                r.topic, queue, start, r.batch - len(out), tags=r.tags))
+            assert isinstance(reply, PullReply)
+            self._accept(r, queue, start, reply, out)
+
+    async def _wait(self, r: Receive, queues: int, seconds: float,
+                    out: list[pb.Message]) -> None:
+        """Hold one pull per queue at its cursor until a message comes or ``seconds``
+        pass; the messages of the pulls answered are taken."""
+        conn = FrontConnection("rocketmq-receive")  # its held pulls are dropped together
+        waits: dict[asyncio.Future[object], tuple[int, int]] = {}
+        ms = max(int(seconds * 1000), 1)
+        try:
+            for queue in range(queues):
+                q = await self._queue(r.group, r.topic, queue)
+                if q.full:
+                    continue
+                start = q.next
+                reply, corr, fut = self.bridge.submit(conn, Pull(
+                    r.topic, queue, start, r.batch, tags=r.tags, suspend_ms=ms))
+                if reply is not None:  # answered at once (a message came meanwhile)
+                    conn.forget(corr)
+                    assert isinstance(reply, PullReply)
+                    self._accept(r, queue, start, reply, out)
+                else:
+                    waits[fut] = (queue, start)  # type: ignore[index]
+            if out or not waits:
+                if not waits:
+                    await asyncio.sleep(seconds)
+                return
+            await asyncio.wait(list(waits), timeout=seconds + 1.0,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.bridge.broker.holds.drop_connection(conn)
+            conn.close()
+        for fut, (queue, start) in waits.items():
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                reply = fut.result()
+                assert isinstance(reply, PullReply)
+                self._accept(r, queue, start, reply, out)
+
+    def _accept(self, r: Receive, queue: int, start: int, reply: PullReply,
+                out: list[pb.Message]) -> None:
+        """Take the messages a pull from ``start`` found, from the queue's cursor on (a
+        concurrent receive may have taken some), up to the batch; move the cursor past
+        what was taken and what the filter passed over."""
+        q = self.table.queue(r.group, r.topic, queue)
+        if q is None or q.next < start:  # restarted meanwhile (an offsets reset)
+            return
+        if reply.status in (PullStatus.OFFSET_MOVED, PullStatus.DAMAGED):
+            q.next = max(q.next, reply.next)  # retention or damage: those offsets are gone
+            return
+        if reply.status != PullStatus.FOUND or not reply.payload:
+            if reply.status == PullStatus.NO_NEW_MESSAGE and q.next == start:
+                q.next = max(q.next, reply.next)  # the filter passed over these
+            return
+        wanted = None if r.tags is None else set(r.tags)
+        for m in _decode(reply, q.next, reply.next, r.tags):
+            if len(out) >= r.batch:
+                q.next = max(q.next, m.queue_offset)
+                return
+            if wanted is None or m.tags in wanted:
+                out.append(self._deliver(r, m))
+        q.next = max(q.next, reply.next)
+
+    def _deliver(self, r: Receive, m: MessageExt) -> pb.Message:
+        d: Delivery = self.table.deliver(r.group, r.topic, m.queue_id, m.queue_offset,
+                                         r.invisible_s, self.clock())
+        handle = self.codec.encode(Receipt(r.group, r.topic, m.queue_id, m.queue_offset,
+                                           d.generation))
+        log.debug("deliver %s %s:%d:%d generation %d attempt %d", r.group, r.topic,
+                  m.queue_id, m.queue_offset, d.generation, d.attempt)
+        return to_pb(m, namespace=r.namespace, receipt=handle, invisible_s=r.invisible_s,
+                     attempt=d.attempt, store_host=self.store_host)
+
+    # ---------------------------------------------------------------- ack, change
+    def _receipt(self, group: str, topic: str, handle: str) -> Receipt:
+        try:
+            rc = self.codec.decode(handle)
+        except BadReceipt as exc:
+            raise RmqError(Code.INVALID_RECEIPT_HANDLE, str(exc)) from None
+        if (rc.group, rc.topic) != (group, topic):
+            raise RmqError(Code.INVALID_RECEIPT_HANDLE, f"the receipt handle belongs to group "
+                           f"{rc.group} on topic {rc.topic}, not {group} on {topic}")
+        return rc
+
+    async def ack(self, group: str, topic: str, handle: str) -> None:
+        """Settle the delivery; the group's committed offset follows (durably) when the
+        message was the lowest in flight of its queue."""
+        rc = self._receipt(group, topic, handle)
+        try:
+            self.table.ack(group, topic, rc.queue, rc.offset, rc.generation)
+        except StaleReceipt as exc:
+            raise RmqError(Code.INVALID_RECEIPT_HANDLE, str(exc)) from None
+        await self._commit(group, topic, rc.queue)
+
+    async def _commit(self, group: str, topic: str, queue: int) -> None:
+        q = self.table.queue(group, topic, queue)
+        if q is None:
+            return
+        point = q.commit_point()
+        if point <= q.committed:
+            return
+        q.committed = point
+        try:
+            await self.bridge.call(self.conn, CommitOffset(group, topic, queue, point))
+        except OnceqError:  # e.g. moved by a reset meanwhile: the next receive restarts
+            q.committed = -2  # the queue from the stored offset
+            raise
+
+    def change(self, group: str, topic: str, handle: str, invisible_s: float) -> str:
+        """A new invisible duration from now; the new receipt handle."""
+        check_invisible(invisible_s)
+        rc = self._receipt(group, topic, handle)
+        try:
+            d = self.table.change(group, topic, rc.queue, rc.offset, rc.generation,
+                                  invisible_s, self.clock())
+        except StaleReceipt as exc:
+            raise RmqError(Code.INVALID_RECEIPT_HANDLE, str(exc)) from None
+        return self.codec.encode(Receipt(group, topic, rc.queue, rc.offset, d.generation))
+
+
+def _decode(reply: PullReply, first: int, end: int, tags: list[str] | None
+            ) -> list[MessageExt]:
+    """The messages of a pull's answer at offsets [first, end) (a pull answers whole
+    records: single records before ``first`` may be in it)."""
+    hashes = None if tags is None else frozenset(tag_hash(t) for t in tags)
+    try:
+        return [m for m in decode_records(reply.payload, True, first, end, hashes)
+                if first <= m.queue_offset < end]
+    except RecordError as exc:
+        raise RmqError(Code.INTERNAL_SERVER_ERROR, f"a stored record does not decode: {exc}"
+                       ) from None

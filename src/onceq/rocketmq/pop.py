@@ -1,0 +1,147 @@
+"""POP-style consumption on onceq's consumer-group offsets (pure: no I/O, time passed in).
+
+RocketMQ 5's SimpleConsumer receives messages that stay invisible to the rest of the group
+for an invisible duration, acknowledges them one by one with a receipt handle, and gets
+back a message it did not acknowledge in time. onceq keeps one committed offset per
+(group, topic, queue); this table keeps, beside it, per queue:
+
+* ``next``: the first offset never handed out. Every offset below it was delivered to
+  some consumer of the group or passed over by the group's tag filter;
+* ``inflight``: the offsets delivered and not acknowledged yet, each with its delivery
+  (generation, when it becomes visible again, delivery attempt).
+
+The offset the group may commit is the lowest offset still in flight, or ``next`` when
+none is (``QueuePop.commit_point``): the same rule as a push consumer's process queue, so
+the group's committed offset moves past a message only once it was acknowledged (or
+filtered out), never backwards. A message whose invisible duration ran out is delivered
+again with a new generation; the receipt handles of its earlier deliveries are then
+stale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_INFLIGHT_PER_QUEUE = 20_000  # beyond, a queue hands out nothing new until acks come
+
+
+class StaleReceipt(Exception):
+    """The delivery a receipt handle names is not the message's current one."""
+
+
+@dataclass(slots=True)
+class Delivery:
+    generation: int
+    visible_at: float  # when the message may be delivered again (the clock's seconds)
+    attempt: int  # 1 at the first delivery
+
+
+@dataclass(slots=True)
+class QueuePop:
+    next: int  # first offset never handed out
+    committed: int  # the group's committed offset, as last read or written here
+    inflight: dict[int, Delivery] = field(default_factory=dict)
+
+    def commit_point(self) -> int:
+        """The offset the group may commit: everything below it is acknowledged or
+        filtered out."""
+        return min(self.inflight) if self.inflight else self.next
+
+    @property
+    def full(self) -> bool:
+        return len(self.inflight) >= MAX_INFLIGHT_PER_QUEUE
+
+
+Key = tuple[str, str]  # (group, topic)
+
+
+class PopTable:
+    """The POP state of every (group, topic) consumed through the RocketMQ front end."""
+
+    def __init__(self, first_generation: int = 1) -> None:
+        self._topics: dict[Key, dict[int, QueuePop]] = {}
+        self._generation = first_generation
+
+    def _next_generation(self) -> int:
+        g = self._generation
+        self._generation += 1
+        return g
+
+    # ---------------------------------------------------------------- cursors
+    def queue(self, group: str, topic: str, queue: int) -> QueuePop | None:
+        return self._topics.get((group, topic), {}).get(queue)
+
+    def start(self, group: str, topic: str, queue: int, committed: int, first: int
+              ) -> QueuePop:
+        """(Re)start a queue at the group's committed offset (``first`` when it has none);
+        deliveries in flight are forgotten (their handles become stale)."""
+        start = committed if committed >= 0 else first
+        q = QueuePop(start, committed)
+        self._topics.setdefault((group, topic), {})[queue] = q
+        return q
+
+    def forget_topic(self, topic: str) -> None:
+        for key in [k for k in self._topics if k[1] == topic]:
+            del self._topics[key]
+
+    # ---------------------------------------------------------------- deliveries
+    def deliver(self, group: str, topic: str, queue: int, offset: int, invisible_s: float,
+                now: float) -> Delivery:
+        """Hand ``offset`` out (first time or again) for ``invisible_s`` seconds."""
+        q = self._topics[(group, topic)][queue]
+        prev = q.inflight.get(offset)
+        d = Delivery(self._next_generation(), now + invisible_s,
+                     1 if prev is None else prev.attempt + 1)
+        q.inflight[offset] = d
+        q.next = max(q.next, offset + 1)
+        return d
+
+    def due(self, group: str, topic: str, now: float) -> list[tuple[int, int]]:
+        """(queue, offset) of the deliveries visible again, the longest waiting first."""
+        out = [(d.visible_at, qid, off)
+               for qid, q in self._topics.get((group, topic), {}).items()
+               for off, d in q.inflight.items() if d.visible_at <= now]
+        return [(qid, off) for _t, qid, off in sorted(out)]
+
+    def next_visible(self, group: str, topic: str) -> float | None:
+        """When the next delivery in flight becomes visible again (None: none in flight)."""
+        times = [d.visible_at for q in self._topics.get((group, topic), {}).values()
+                 for d in q.inflight.values()]
+        return min(times) if times else None
+
+    def _current(self, group: str, topic: str, queue: int, offset: int, generation: int
+                 ) -> tuple[QueuePop, Delivery]:
+        q = self.queue(group, topic, queue)
+        d = None if q is None else q.inflight.get(offset)
+        if q is None or d is None:
+            raise StaleReceipt(f"message {topic}:{queue}:{offset} of group {group} is not in "
+                               "flight: acknowledged already, or the broker restarted")
+        if d.generation != generation:
+            raise StaleReceipt(f"message {topic}:{queue}:{offset} of group {group} was "
+                               "delivered again after its invisible duration: only the "
+                               "newest receipt handle counts")
+        return q, d
+
+    def ack(self, group: str, topic: str, queue: int, offset: int, generation: int
+            ) -> QueuePop:
+        """Settle a delivery; returns its queue (its ``commit_point`` may have moved)."""
+        q, _d = self._current(group, topic, queue, offset, generation)
+        del q.inflight[offset]
+        return q
+
+    def change(self, group: str, topic: str, queue: int, offset: int, generation: int,
+               invisible_s: float, now: float) -> Delivery:
+        """A new invisible duration from now, under a new generation (a new handle)."""
+        q, d = self._current(group, topic, queue, offset, generation)
+        nd = Delivery(self._next_generation(), now + invisible_s, d.attempt)
+        q.inflight[offset] = nd
+        return nd
+
+    def drop(self, group: str, topic: str, queue: int, offset: int) -> None:
+        """A delivery whose message is gone from the store (retention): settled."""
+        q = self.queue(group, topic, queue)
+        if q is not None:
+            q.inflight.pop(offset, None)
+
+    def inflight_count(self, group: str, topic: str) -> int:
+        return sum(len(q.inflight) for q in self._topics.get((group, topic), {}).values())

@@ -1,0 +1,333 @@
+"""The ``apache.rocketmq.v2.MessagingService`` RPCs onceq answers, each through the
+broker's services with onceq's typed requests (``bridge.py``).
+
+* ``QueryRoute``: the topic (``GET_TOPIC``: created on first use when
+  ``auto_create_topics`` is on) as message queues of one broker, id 0, at the endpoint the
+  client reached; ``Heartbeat`` and ``Telemetry`` settings: a consumer is a member of its
+  group (``HEARTBEAT``, ``UNREGISTER`` at ``NotifyClientTermination``);
+* ``SendMessage``: one ``SEND`` (the messages as onceq message parts, their message ids
+  as unique keys) to the topic's next queue, round robin;
+* ``ReceiveMessage``, ``AckMessage``, ``ChangeInvisibleDuration``: POP consumption
+  (``consume.py``); ``QueryAssignment``: one assignment per topic (a PushConsumer then
+  receives POP-style from every queue).
+
+Errors are statuses with RocketMQ's codes (``mapping.status_of``), never gRPC errors.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ..protocol.errors import OnceqError
+from ..protocol.replies import SendReply, TopicInfo
+from ..protocol.requests import CLUSTERING, GetTopic, GroupBeat, Heartbeat, Send, Unregister
+from ._pb import definition_pb2 as pb
+from ._pb import service_pb2 as sv
+from .bridge import Bridge, FrontConnection
+from .consume import PopService, Receive
+from .mapping import Code, RmqError, endpoints, parse_filter, route, status, status_of, to_part
+
+if TYPE_CHECKING:
+    from ..broker.config import BrokerConfig
+
+log = logging.getLogger("onceq.rocketmq")
+
+DEFAULT_INVISIBLE_S = 60.0  # a PushConsumer's receive names none
+DEFAULT_WAIT_S = 20.0  # a receive without a long polling timeout
+DEADLINE_MARGIN_S = 1.0  # a long poll answers this long before the client's deadline
+_U32 = struct.Struct("<I")
+R = TypeVar("R")
+
+
+@dataclass(slots=True)
+class Client:
+    """A RocketMQ client (its ``x-mq-client-id``) as the front end knows it."""
+
+    client_id: str
+    conn: FrontConnection
+    client_type: int = pb.CLIENT_TYPE_UNSPECIFIED
+    group: str = ""
+    subs: dict[str, str] = field(default_factory=dict)  # topic -> tag expression
+    seen: float = 0.0
+
+
+def _metadata(context: Any) -> dict[str, str]:
+    return {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+
+
+def _seconds(d: Any) -> float:
+    return d.seconds + d.nanos / 1e9
+
+
+class MessagingService:
+    def __init__(self, config: BrokerConfig, bridge: Bridge, pop: PopService,
+                 port: Callable[[], int], clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.bridge = bridge
+        self.pop = pop
+        self.port = port
+        self.clock = clock
+        self.clients: dict[str, Client] = {}
+        self.conn = FrontConnection("rocketmq")  # requests of no client in particular
+        self._next_queue: dict[str, int] = {}
+
+    # ---------------------------------------------------------------- clients
+    def _client(self, context: Any) -> Client:
+        md = _metadata(context)
+        cid = md.get("x-mq-client-id", "")
+        if not 1 <= len(cid) <= 255:
+            raise RmqError(Code.CLIENT_ID_REQUIRED, "the x-mq-client-id header (1-255 "
+                           "characters) is required")
+        c = self.clients.get(cid)
+        if c is None:
+            c = self.clients[cid] = Client(cid, FrontConnection(context.peer() or "grpc"))
+        c.seen = self.clock()
+        return c
+
+    def _sweep(self) -> None:
+        """Forget clients silent for longer than a member's expiry."""
+        limit = self.clock() - self.config.heartbeat_expiry_s
+        for cid in [cid for cid, c in self.clients.items() if c.seen < limit]:
+            self.clients.pop(cid).conn.close()
+
+    async def _join(self, c: Client) -> None:
+        """The consumer is a member of its group (onceq's member registry)."""
+        if not c.group or c.client_type == pb.PRODUCER:
+            return
+        beat = GroupBeat(c.group, dict(c.subs), CLUSTERING,
+                         {"rocketmq": pb.ClientType.Name(c.client_type),
+                          "access_lock": False})
+        await self.bridge.call(c.conn, Heartbeat(c.client_id, [beat]))
+
+    def _group_of_onceq(self, group: str) -> None:
+        """A group is consumed by onceq's own consumers or by RocketMQ clients, not both:
+        their offsets would move under each other."""
+        members = self.bridge.broker.groups.members(group)
+        others = [m.client_id for m in members if not m.meta.get("rocketmq")]
+        if others:
+            raise RmqError(Code.ILLEGAL_CONSUMER_GROUP, f"group {group} has onceq consumers "
+                           f"({', '.join(others[:3])}): a group is consumed either by "
+                           "onceq's own consumers or by RocketMQ clients")
+
+    # ---------------------------------------------------------------- routes, members
+    async def _topic(self, topic: str) -> int:
+        try:
+            info = await self.bridge.call(self.conn, GetTopic(topic))
+        except OnceqError as exc:
+            code, message = status_of(exc)
+            if code == Code.TOPIC_NOT_FOUND:
+                message = (f"topic {topic!r} does not exist on this onceq broker: create it "
+                           f"(onceq topic create {topic}) or turn auto_create_topics on")
+            raise RmqError(code, message) from None
+        assert isinstance(info, TopicInfo)
+        return info.queues
+
+    async def query_route(self, req: sv.QueryRouteRequest, context: Any
+                          ) -> sv.QueryRouteResponse:
+        self._client(context)
+        topic = req.topic.name
+        queues = await self._topic(topic)
+        given = list(req.endpoints.addresses)
+        where = (req.endpoints if given else endpoints(self.config.host, self.port()))
+        out = sv.QueryRouteResponse(status=status())
+        out.message_queues.extend(route(topic, queues, namespace=req.topic.resource_namespace,
+                                        broker=self.config.broker_id or "onceq", where=where))
+        return out
+
+    async def heartbeat(self, req: sv.HeartbeatRequest, context: Any) -> sv.HeartbeatResponse:
+        c = self._client(context)
+        c.client_type = req.client_type
+        if req.HasField("group"):
+            c.group = req.group.name
+        await self._join(c)
+        self._sweep()
+        return sv.HeartbeatResponse(status=status())
+
+    async def notify_client_termination(self, req: sv.NotifyClientTerminationRequest,
+                                        context: Any) -> sv.NotifyClientTerminationResponse:
+        c = self._client(context)
+        group = req.group.name if req.HasField("group") else c.group
+        if group and c.client_type != pb.PRODUCER:
+            await self.bridge.call(c.conn, Unregister(group, c.client_id))
+        self.clients.pop(c.client_id, None)
+        c.conn.close()
+        return sv.NotifyClientTerminationResponse(status=status())
+
+    async def telemetry(self, requests: AsyncIterator[sv.TelemetryCommand], context: Any
+                        ) -> AsyncIterator[sv.TelemetryCommand]:
+        """Answer each settings command with the broker's (the clients wait for them)."""
+        c = self._client(context)
+        async for cmd in requests:
+            if not cmd.HasField("settings"):
+                continue
+            s = cmd.settings
+            c.client_type = s.client_type
+            if s.HasField("subscription"):
+                sub = s.subscription
+                c.group = sub.group.name
+                c.subs = {e.topic.name: e.expression.expression or "*"
+                          for e in sub.subscriptions}
+                try:
+                    await self._join(c)
+                except OnceqError as exc:
+                    log.warning("rocketmq client %s: %s", c.client_id, exc)
+            yield sv.TelemetryCommand(status=status(), settings=self._settings(s))
+
+    def _settings(self, asked: pb.Settings) -> pb.Settings:
+        out = pb.Settings()
+        out.CopyFrom(asked)
+        if asked.HasField("publishing"):
+            out.publishing.max_body_size = self.config.store.max_body
+            out.publishing.validate_message_type = True
+        if asked.HasField("subscription"):
+            sub = out.subscription
+            sub.fifo = False
+            sub.receive_batch_size = 32
+            wait = _seconds(asked.subscription.long_polling_timeout) or DEFAULT_WAIT_S
+            sub.long_polling_timeout.FromMilliseconds(
+                int(min(wait, self.config.long_poll_max_s) * 1000))
+        return out
+
+    # ---------------------------------------------------------------- sends
+    async def send_message(self, req: sv.SendMessageRequest, context: Any
+                           ) -> sv.SendMessageResponse:
+        self._client(context)
+        msgs = list(req.messages)
+        out = sv.SendMessageResponse()
+        try:
+            if not msgs:
+                raise RmqError(Code.BAD_REQUEST, "a SendMessage needs at least one message")
+            topic = msgs[0].topic.name
+            if any(m.topic.name != topic for m in msgs):
+                raise RmqError(Code.BAD_REQUEST, "the messages of one SendMessage must be "
+                               "for one topic")
+            parts = [to_part(m) for m in msgs]
+            queues = await self._topic(topic)
+            n = self._next_queue.get(topic, 0)
+            self._next_queue[topic] = n + 1
+            payload = b"".join(_U32.pack(len(p)) + p for p in parts)
+            reply = await self.bridge.call(self.conn, Send(topic, n % queues, payload))
+            assert isinstance(reply, SendReply)
+        except (RmqError, OnceqError) as exc:
+            st = _status_of(exc)
+            out.status.CopyFrom(st)
+            for m in msgs:
+                out.entries.add(status=st, message_id=m.system_properties.message_id)
+            return out
+        out.status.CopyFrom(status())
+        for m, offset in zip(msgs, reply.offsets, strict=True):
+            out.entries.add(status=status(), message_id=m.system_properties.message_id,
+                            offset=offset)
+        return out
+
+    # ---------------------------------------------------------------- consumption
+    async def receive_message(self, req: sv.ReceiveMessageRequest, context: Any
+                              ) -> AsyncIterator[sv.ReceiveMessageResponse]:
+        try:
+            c = self._client(context)
+            group, topic = req.group.name, req.message_queue.topic.name
+            self._group_of_onceq(group)
+            await self._topic(topic)
+            wait = (_seconds(req.long_polling_timeout) if req.HasField("long_polling_timeout")
+                    else DEFAULT_WAIT_S)
+            remaining = context.time_remaining()
+            if remaining is not None:
+                wait = min(wait, remaining - DEADLINE_MARGIN_S)
+            invisible = (_seconds(req.invisible_duration) if req.HasField("invisible_duration")
+                         else DEFAULT_INVISIBLE_S)
+            tags = parse_filter(req.filter_expression if req.HasField("filter_expression")
+                                else None)
+            c.group = c.group or group
+            msgs = await self.pop.receive(Receive(
+                group, topic, tags, min(max(req.batch_size, 1), self.config.max_pull_msgs),
+                invisible, max(min(wait, self.config.long_poll_max_s), 0.0),
+                req.message_queue.topic.resource_namespace))
+        except (RmqError, OnceqError) as exc:
+            yield sv.ReceiveMessageResponse(status=_status_of(exc))
+            return
+        except Exception as exc:
+            log.exception("rocketmq ReceiveMessage failed")
+            yield sv.ReceiveMessageResponse(status=status(Code.INTERNAL_SERVER_ERROR,
+                                                          f"internal: {exc}"))
+            return
+        if not msgs:
+            yield sv.ReceiveMessageResponse(status=status(Code.MESSAGE_NOT_FOUND,
+                                                          "no new message"))
+            return
+        yield sv.ReceiveMessageResponse(status=status())
+        ts = sv.ReceiveMessageResponse()
+        ts.delivery_timestamp.GetCurrentTime()
+        yield ts
+        for m in msgs:
+            yield sv.ReceiveMessageResponse(message=m)
+
+    async def ack_message(self, req: sv.AckMessageRequest, context: Any
+                          ) -> sv.AckMessageResponse:
+        self._client(context)
+        out = sv.AckMessageResponse()
+        failed = 0
+        for e in req.entries:
+            try:
+                await self.pop.ack(req.group.name, req.topic.name, e.receipt_handle)
+                st = status()
+            except (RmqError, OnceqError) as exc:
+                st = _status_of(exc)
+                failed += 1
+            out.entries.add(message_id=e.message_id, receipt_handle=e.receipt_handle,
+                            status=st)
+        if failed and failed == len(req.entries):
+            out.status.CopyFrom(out.entries[0].status)
+        elif failed:
+            out.status.CopyFrom(status(Code.MULTIPLE_RESULTS, f"{failed} of "
+                                       f"{len(req.entries)} acknowledgements failed"))
+        else:
+            out.status.CopyFrom(status())
+        return out
+
+    async def change_invisible_duration(self, req: sv.ChangeInvisibleDurationRequest,
+                                        context: Any) -> sv.ChangeInvisibleDurationResponse:
+        self._client(context)
+        handle = self.pop.change(req.group.name, req.topic.name, req.receipt_handle,
+                                 _seconds(req.invisible_duration))
+        return sv.ChangeInvisibleDurationResponse(status=status(), receipt_handle=handle)
+
+    async def query_assignment(self, req: sv.QueryAssignmentRequest, context: Any
+                               ) -> sv.QueryAssignmentResponse:
+        """One assignment of the topic on this broker: a PushConsumer receives from it
+        POP-style, so every member may have it (each message is in flight to one)."""
+        c = self._client(context)
+        c.group = c.group or req.group.name
+        self._group_of_onceq(req.group.name)
+        topic = req.topic.name
+        queues = await self._topic(topic)
+        given = list(req.endpoints.addresses)
+        where = req.endpoints if given else endpoints(self.config.host, self.port())
+        out = sv.QueryAssignmentResponse(status=status())
+        mq = next(iter(route(topic, queues, namespace=req.topic.resource_namespace,
+                             broker=self.config.broker_id or "onceq", where=where)))
+        out.assignments.add().message_queue.CopyFrom(mq)
+        return out
+
+
+def _status_of(exc: RmqError | OnceqError) -> pb.Status:
+    if isinstance(exc, RmqError):
+        return status(exc.code, exc.message)
+    return status(*status_of(exc))
+
+
+async def guarded(kind: type[R], coro: Awaitable[R]) -> R:
+    """The response of a unary RPC, or one of ``kind`` with the status of its error (an
+    unexpected one is logged and answered INTERNAL_SERVER_ERROR)."""
+    try:
+        return await coro
+    except (RmqError, OnceqError) as exc:
+        return kind(status=_status_of(exc))  # type: ignore[call-arg]
+    except Exception as exc:
+        log.exception("rocketmq %s failed", kind.__name__)
+        return kind(status=status(Code.INTERNAL_SERVER_ERROR,  # type: ignore[call-arg]
+                                  f"internal: {exc}"))
