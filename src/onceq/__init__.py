@@ -1,7 +1,11 @@
-"""onceq: a Python message bus that ends repeated consumption."""
+"""onceq: a Python message bus that ends repeated consumption.
 
-from .broker.broker import Broker
-from .broker.config import BrokerConfig
+The clients import without the broker: ``Broker``, ``BrokerConfig`` and ``StoreConfig`` are
+imported when first used (a client process need not load the broker's modules).
+"""
+
+from typing import TYPE_CHECKING, Any
+
 from .client.admin import Admin
 from .client.consume import orderly
 from .client.message import Message, MessageExt, SendResult
@@ -14,7 +18,11 @@ from .client.sync import SyncProducer, SyncPullConsumer, SyncPushConsumer
 from .idempotency import option as _idempotency  # noqa: F401  (provides idempotency=)
 from .protocol.codes import PullStatus
 from .protocol.errors import ErrorCode, OnceqError
-from .storage.config import StoreConfig
+
+if TYPE_CHECKING:
+    from .broker.broker import Broker
+    from .broker.config import BrokerConfig
+    from .storage.config import StoreConfig
 
 __all__ = [
     "Admin",
@@ -44,3 +52,17 @@ __all__ = [
     "orderly",
 ]
 __version__ = "0.1.0"
+
+_LAZY = {"Broker": ".broker.broker", "BrokerConfig": ".broker.config",
+         "StoreConfig": ".storage.config"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'onceq' has no attribute {name!r}")
+    from importlib import import_module
+
+    value = getattr(import_module(module, __name__), name)
+    globals()[name] = value
+    return value

@@ -124,9 +124,10 @@ RULES = [
 
 
 def top_level_names(src: Path = SRC) -> dict[str, str]:
-    """What ``from onceq import NAME`` takes, per name: the module it is defined in."""
+    """What ``from onceq import NAME`` takes, per name: the module it is defined in (the
+    names imported when first used are named under ``TYPE_CHECKING``)."""
     out = {}
-    for node in ast.parse((src / "onceq" / "__init__.py").read_text()).body:
+    for node in ast.walk(ast.parse((src / "onceq" / "__init__.py").read_text())):
         if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
             for alias in node.names:
                 out[alias.asname or alias.name] = f"onceq.{node.module}"
