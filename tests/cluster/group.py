@@ -76,9 +76,13 @@ class Node:
             return ""
 
 
-def make_group(tmp: Path, etcd: str, cluster: str, n: int = 3, *extra: str) -> list[Node]:
+def make_group(tmp: Path, etcd: str, cluster: str, n: int = 3, *extra: str,
+               etcds: list[str] | None = None) -> list[Node]:
+    """``etcds``: one etcd endpoint per broker (a proxy each), instead of ``etcd``."""
     nodes = []
     for i in range(1, n + 1):
+        if etcds is not None:
+            etcd = etcds[i - 1]
         data = tmp / f"b{i}" / "data"
         data.parent.mkdir(parents=True, exist_ok=True)
         args = ["--cluster", f"etcd://{etcd}", "--cluster-name", cluster, "--group", "g1",
@@ -166,30 +170,66 @@ def _healthy(url: str) -> bool:
         return False
 
 
+class Etcd:
+    """A single-member etcd on loopback (``start`` / ``stop`` keep its data dir and ports),
+    with ``pause`` / ``resume`` (SIGSTOP / SIGCONT) to take it down without losing state."""
+
+    def __init__(self, binary: str, data: Path) -> None:
+        self.binary, self.data = binary, data
+        self.client = f"http://127.0.0.1:{free_port()}"
+        self.peer = f"http://127.0.0.1:{free_port()}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._new = True
+
+    @property
+    def endpoint(self) -> str:
+        return self.client.removeprefix("http://")
+
+    def start(self) -> str:
+        """Start it and wait until healthy; RuntimeError when it does not become so."""
+        log = (self.data / "etcd.log").open("ab")
+        # heartbeat 50 ms / election 500 ms: etcd's shortest lease is then 1 s (not 2 s)
+        self.proc = subprocess.Popen(
+            [self.binary, "--name", "onceq-test", "--data-dir", str(self.data / "member"),
+             "--listen-client-urls", self.client, "--advertise-client-urls", self.client,
+             "--listen-peer-urls", self.peer, "--initial-advertise-peer-urls", self.peer,
+             "--initial-cluster", f"onceq-test={self.peer}",
+             "--initial-cluster-state", "new" if self._new else "existing",
+             "--heartbeat-interval", "50", "--election-timeout", "500",
+             "--logger", "zap", "--log-outputs", "stderr", "--log-level", "warn"],
+            stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self._new = False
+        limit = time.monotonic() + 20
+        while not _healthy(self.client):
+            if self.proc.poll() is not None or time.monotonic() > limit:
+                tail = (self.data / "etcd.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"etcd did not become healthy at {self.client}:\n{tail}")
+            time.sleep(0.05)
+        return self.endpoint
+
+    def pause(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.resume()
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
 @contextlib.contextmanager
 def start_etcd(binary: str, data: Path) -> Iterator[str]:
     """A single-member etcd on free loopback ports with its data in ``data``, killed on
     exit; yields ``127.0.0.1:PORT``. RuntimeError when it does not become healthy."""
-    client, peer = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
-    log = (data / "etcd.log").open("wb")
-    # heartbeat 50 ms / election 500 ms: etcd's shortest lease is then 1 s (not 2 s)
-    proc = subprocess.Popen(
-        [binary, "--name", "onceq-test", "--data-dir", str(data / "member"),
-         "--listen-client-urls", client, "--advertise-client-urls", client,
-         "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-         "--initial-cluster", f"onceq-test={peer}", "--initial-cluster-state", "new",
-         "--heartbeat-interval", "50", "--election-timeout", "500",
-         "--logger", "zap", "--log-outputs", "stderr", "--log-level", "warn"],
-        stdout=log, stderr=subprocess.STDOUT)
+    etcd = Etcd(binary, data)
     try:
-        limit = time.monotonic() + 20
-        while not _healthy(client):
-            if proc.poll() is not None or time.monotonic() > limit:
-                tail = (data / "etcd.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"etcd did not become healthy at {client}:\n{tail}")
-            time.sleep(0.05)
-        yield client.removeprefix("http://")
+        yield etcd.start()
     finally:
-        proc.kill()
-        proc.wait()
-        log.close()
+        etcd.stop()

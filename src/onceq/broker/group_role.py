@@ -42,6 +42,7 @@ class GroupRole:
                  on_leader: Callable[[LeaderRecord], None], clean: bool = True) -> None:
         """``clean``: run for leader only while in the published ISR."""
         self.client = EtcdClient(endpoints)
+        self.endpoints = endpoints
         self.clean = clean
         self.cluster = cluster
         self.group = group
@@ -87,6 +88,11 @@ class GroupRole:
         else:
             msg = (f"broker {self.broker_id} does not lead group {self.group}, and no "
                    "leader is known yet: try again")
+            session = self.session
+            if session is None or not session.valid():
+                why = "" if session is None else session.lost_reason
+                msg += (f" (no valid etcd session{': ' + why if why else ''}; is etcd at "
+                        f"{self.endpoints} reachable?)")
         return OnceqError(ErrorCode.NOT_LEADER, msg, details)
 
     async def is_member(self, broker_id: str) -> bool:
