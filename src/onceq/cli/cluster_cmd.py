@@ -12,27 +12,14 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from ..client.connection import BrokerConnection, call
+from ..client.route import cluster_status
 from ..cluster import EtcdClient, EtcdError, current_leader, members, read_isr
 from ..cluster._keys import ROOT, check_name
-from ..protocol.errors import OnceqError
-from ..protocol.replies import StatusReply
-from ..protocol.requests import BrokerStatus
 from .common import async_command, fail
 
 
 async def _status(address: str) -> dict[str, Any] | None:
-    try:
-        conn = await BrokerConnection.open(address, timeout=1.0)
-    except OnceqError:
-        return None
-    try:
-        reply: StatusReply = await call(conn, BrokerStatus(), 2.0)
-        return reply.cluster
-    except OnceqError:
-        return None
-    finally:
-        conn.close()
+    return await cluster_status(address, timeout=2.0)
 
 
 async def _groups(client: EtcdClient, cluster: str) -> list[str]:

@@ -16,11 +16,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Self
 
 from ..protocol.errors import OnceqError
-from ..protocol.replies import StatusReply
-from ..protocol.requests import BrokerStatus
 from ..protocol.schema import Message
 from .connection import BrokerConnection, ConnectionLost, call
-from .route import BrokerRoute, follows
+from .route import BrokerRoute, cluster_status, follows
 from .security import ClientSecurity
 
 log = logging.getLogger("onceq.client")
@@ -88,19 +86,7 @@ class BrokerClient:
         return await self._connect(self.address, self._on_push)
 
     async def _ask_status(self, address: str) -> dict[str, Any] | None:
-        """The ``cluster`` section of the status of the broker at ``address`` (None when
-        it is out of reach or not in a group)."""
-        try:
-            conn = await BrokerConnection.open(address, timeout=1.0, security=self.security)
-        except OnceqError:
-            return None
-        try:
-            reply: StatusReply = await call(conn, BrokerStatus(), 1.0)
-            return reply.cluster
-        except OnceqError:
-            return None
-        finally:
-            conn.close()
+        return await cluster_status(address, self.security)
 
     def _moved(self, address: str, why: str) -> None:
         if self.route.move(address):

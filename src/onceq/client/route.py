@@ -13,7 +13,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..protocol.errors import ErrorCode, OnceqError
-from .connection import ConnectionLost, parse_address
+from ..protocol.replies import StatusReply
+from ..protocol.requests import BrokerStatus
+from .connection import BrokerConnection, ConnectionLost, call, parse_address
+from .security import ClientSecurity
 
 # address -> the ``cluster`` section of the broker's status (None: unreachable or
 # standalone)
@@ -89,3 +92,20 @@ def follows(exc: OnceqError) -> bool:
     """Whether a client of a group tries the leader again after ``exc``: the broker is
     not (or no longer) the leader, or out of reach."""
     return exc.code == ErrorCode.NOT_LEADER or isinstance(exc, ConnectionLost)
+
+
+async def cluster_status(address: str, security: ClientSecurity | None = None,
+                         timeout: float = 1.0) -> dict[str, Any] | None:
+    """The ``cluster`` section of the status of the broker at ``address`` (None when it is
+    out of reach or not in a group)."""
+    try:
+        conn = await BrokerConnection.open(address, timeout=1.0, security=security)
+    except OnceqError:
+        return None
+    try:
+        reply: StatusReply = await call(conn, BrokerStatus(), timeout)
+        return reply.cluster
+    except OnceqError:
+        return None
+    finally:
+        conn.close()
