@@ -169,6 +169,13 @@ class ClusterNode:
         if code in CLIENT_WRITES:
             leading.check_write()
 
+    def answer_epoch(self) -> int:
+        """The epoch answers are tagged with: this broker's term while it leads, else 0."""
+        leading = self.leading
+        if leading is None or leading.tracker is None:
+            return 0
+        return leading.epoch
+
     def replicated(self, end: int) -> asyncio.Future[None] | None:
         assert self.leading is not None
         return self.leading.replicated(end)

@@ -191,8 +191,13 @@ class Connection(asyncio.Protocol):
             self._write(head, payload)
 
     def answer(self, corr_id: int, reply: Message) -> None:
-        """Answer a request with its typed reply."""
-        self.respond(corr_id, 0, reply.encode(), getattr(reply, "payload", b""))
+        """Answer a request with its typed reply (in a broker group, tagged with the
+        leader's epoch: clients refuse answers of a leader older than one they saw)."""
+        header = reply.encode()
+        cluster = self.broker.cluster
+        if cluster is not None and (epoch := cluster.answer_epoch()):
+            header["ep"] = epoch
+        self.respond(corr_id, 0, header, getattr(reply, "payload", b""))
 
     def push(self, message: Message) -> None:
         """Queue a one-way push. Pushes of one code and group coalesce: while one is not

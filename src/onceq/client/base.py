@@ -23,6 +23,11 @@ from .security import ClientSecurity
 
 log = logging.getLogger("onceq.client")
 ELECTION_WAIT_S = 0.1  # between two looks for the leader while nobody leads
+# in a group, one attempt waits at most this share of a request's time budget (at least
+# ATTEMPT_MIN_S): an answer lost in a partition (the brokers still name a leader cut off
+# from them) leaves time to find the new leader and try there
+ATTEMPT_SHARE = 1 / 3
+ATTEMPT_MIN_S = 1.0
 
 # opens a connection to ``address`` that hands server pushes to the callback
 Connect = Callable[[str, Callable[[int, dict[str, Any]], None]], Awaitable[BrokerConnection]]
@@ -66,6 +71,8 @@ class BrokerClient:
         async with self._connect_lock:
             if self._conn is None or self._conn.closed:
                 conn = await self._open()
+                if self.route.group:  # answers of a leader older than one seen: refused
+                    conn.fence = self.route
                 await self._on_connected(conn)
                 self._conn = conn
         return self._conn
@@ -109,6 +116,14 @@ class BrokerClient:
             await asyncio.sleep(ELECTION_WAIT_S)
         return True
 
+    def _attempt_wait(self, deadline: float, budget: float) -> float:
+        """How long one attempt may wait for its answer: what is left of ``budget``
+        (which ends at ``deadline``); in a group at most its ``ATTEMPT_SHARE``."""
+        left = max(deadline - time.monotonic(), 0.05)
+        if self.route.group:
+            left = min(left, max(budget * ATTEMPT_SHARE, ATTEMPT_MIN_S))
+        return left
+
     async def _request(self, code: int, header: dict[str, Any] | None = None,
                        payload: bytes = b"", timeout: float | None = 10.0
                        ) -> tuple[dict[str, Any], bytes]:
@@ -121,11 +136,12 @@ class BrokerClient:
         ``timeout``."""
         if not self.route.group:
             return await call(await self._connection(), request, timeout)
-        deadline = time.monotonic() + (10.0 if timeout is None else timeout)
+        budget = 10.0 if timeout is None else timeout
+        deadline = time.monotonic() + budget
         while True:
             try:
-                left = max(deadline - time.monotonic(), 0.05)
-                return await call(await self._connection(), request, left)
+                wait = self._attempt_wait(deadline, budget)
+                return await call(await self._connection(), request, wait)
             except OnceqError as exc:
                 if time.monotonic() >= deadline or not await self._follow(exc):
                     raise

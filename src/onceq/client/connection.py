@@ -51,6 +51,10 @@ def parse_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+class EpochFence(Protocol):
+    epoch: int  # the highest leader epoch seen
+
+
 class BrokerConnection(asyncio.Protocol):
     def __init__(self, on_push: Callable[[int, dict[str, Any]], None] | None = None) -> None:
         self._decoder = FrameDecoder(DEFAULT_MAX_FRAME)
@@ -64,6 +68,9 @@ class BrokerConnection(asyncio.Protocol):
         self.closed = False
         self.user: str | None = None  # authenticated as (``authenticate``)
         self.error: OnceqError | None = None  # why the connection failed
+        # in a broker group: the highest leader epoch the client has seen (its route,
+        # ``route.py``); an answer from an older leader is refused (``_stale``)
+        self.fence: EpochFence | None = None
         self.lost = asyncio.get_event_loop().create_future()
 
     @classmethod
@@ -144,6 +151,11 @@ class BrokerConnection(asyncio.Protocol):
                         self._fail(ConnectionLost(f"broker closed the connection: "
                                                   f"{ErrorCode(code).name}"))
                         return
+                elif self.fence is not None and "ep" in hdr and self._stale(hdr["ep"]):
+                    fut.set_exception(OnceqError(ErrorCode.NOT_LEADER, (
+                        f"an answer from leader epoch {hdr['ep']}, older than epoch "
+                        f"{self.fence.epoch} the client has seen: the broker no longer "
+                        "leads its group")))
                 elif reply_type is None:
                     fut.set_result((hdr, payload))
                 else:
@@ -156,6 +168,18 @@ class BrokerConnection(asyncio.Protocol):
                     self._on_push(code, decode_header(header))
                 except Exception:  # a failing handler must not take the connection down
                     log.exception("push handler failed for push code %d", code)
+
+    def _stale(self, epoch: object) -> bool:
+        """Whether an answer of a leader of ``epoch`` comes from an older leader than one
+        the client has seen (the fence moves up to it otherwise)."""
+        fence = self.fence
+        assert fence is not None
+        if type(epoch) is not int:
+            return False
+        if epoch < fence.epoch:
+            return True
+        fence.epoch = epoch
+        return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail(ConnectionLost(f"connection to broker lost{': ' + str(exc) if exc else ''}"))

@@ -138,8 +138,8 @@ class Producer(BrokerClient):
                 qid = self._pick_queue(topic, n, sharding_key, queue, selector,
                                        messages[0]) if qid is None or not pinned else qid
                 conn = await self._connection()
-                left = max(deadline - time.monotonic(), 0.05)
-                reply = await call(conn, kind(topic, qid, payload), left)
+                wait = self._attempt_wait(deadline, self.send_timeout)
+                reply = await call(conn, kind(topic, qid, payload), wait)
                 return _results(topic, reply, keys)
             except OnceqError as exc:
                 if kind is SendRecords and exc.code == ErrorCode.UNKNOWN_REQUEST:

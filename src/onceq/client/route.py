@@ -42,6 +42,9 @@ class BrokerRoute:
         self.addresses = split_addresses(spec)
         self.current = self.addresses[0]  # the broker the client talks to (the leader)
         self.leader_changes = 0  # times the client moved to another broker
+        # the highest leader epoch seen in an answer: answers of older leaders are refused
+        # (``BrokerConnection.fence``)
+        self.epoch = 0
 
     @property
     def group(self) -> bool:
@@ -69,6 +72,9 @@ class BrokerRoute:
             parse_address(leader)
         except ValueError:
             return False
+        epoch = (exc.details or {}).get("epoch")
+        if type(epoch) is int and epoch > self.epoch:
+            self.epoch = epoch
         self.move(leader)
         return True
 

@@ -160,7 +160,8 @@ class SequencedWriter(BrokerClient):
             assert b.fut is not None
             with contextlib.suppress(OnceqError, TimeoutError):
                 await asyncio.wait_for(asyncio.shield(b.fut), 10.0)
-        if isinstance(exc, ConnectionLost) and self._conn is not None:
+        # in a group, to the leader from now on (NOT_LEADER, or the broker out of reach)
+        if not await self._follow(exc) and isinstance(exc, ConnectionLost) and self._conn:
             self._conn.close()
         await asyncio.sleep(delay)
         kept: deque[_Batch] = deque()
