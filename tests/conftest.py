@@ -1,4 +1,7 @@
 import os
+import shutil
+import uuid
+from collections.abc import Iterator
 
 import pytest
 
@@ -6,7 +9,31 @@ import pytest
 # disk is: the usage limit has its own tests, on a tmpfs of their own.
 os.environ.setdefault("ONCEQ_DISK_MAX_USED_RATIO", "1.0")
 
+from tests.cluster.group import start_etcd
 from tests.helpers import running_broker
+
+MISSING = "etcd is not installed (bash scripts/etcd.sh installs Debian's etcd-server)"
+
+
+@pytest.fixture(scope="session")
+def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``127.0.0.1:PORT`` of a single-member etcd started for this test session."""
+    binary = shutil.which("etcd")
+    if binary is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{MISSING}; CI must run the cluster tests", pytrace=False)
+        pytest.skip(MISSING)
+    try:
+        with start_etcd(binary, tmp_path_factory.mktemp("etcd")) as endpoint:
+            yield endpoint
+    except RuntimeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture
+def cluster_name() -> str:
+    """A cluster name of its own per test, so tests never see each other's keys."""
+    return f"t{uuid.uuid4().hex[:12]}"
 
 
 @pytest.fixture

@@ -77,8 +77,11 @@ class Node:
 
 
 def make_group(tmp: Path, etcd: str, cluster: str, n: int = 3, *extra: str,
-               etcds: list[str] | None = None) -> list[Node]:
-    """``etcds``: one etcd endpoint per broker (a proxy each), instead of ``etcd``."""
+               etcds: list[str] | None = None, ports: list[int] | None = None,
+               advertised: list[str] | None = None) -> list[Node]:
+    """``etcds``: one etcd endpoint per broker (a proxy each), instead of ``etcd``;
+    ``ports``: the brokers' ports (default: free ones); ``advertised``: the address each
+    broker gives the others and the clients (``--advertised-address``, e.g. a proxy)."""
     nodes = []
     for i in range(1, n + 1):
         if etcds is not None:
@@ -89,7 +92,9 @@ def make_group(tmp: Path, etcd: str, cluster: str, n: int = 3, *extra: str,
                 "--broker-id", str(i), "--session-ttl", "2", "--auto-create-topics",
                 "--replica-lag-max-ms", "1000", "--replica-ack-timeout-ms", "2000",
                 "--replica-fetch-wait-ms", "200", "--expiry-check", "0.2", *extra]
-        nodes.append(Node(str(i), free_port(), data, args))
+        if advertised is not None:
+            args += ["--advertised-address", advertised[i - 1]]
+        nodes.append(Node(str(i), free_port() if ports is None else ports[i - 1], data, args))
     for node in nodes:
         node.start()
     return nodes

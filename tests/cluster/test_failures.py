@@ -4,12 +4,14 @@ offset its acknowledgement named, and the replicas' logs equal up to the high wa
 
 * a follower SIGKILLed and started again on its data directory;
 * etcd down (SIGSTOP) for three session TTLs;
-* the leader cut off from etcd (a proxy per broker, ``partition.py``).
+* the leader cut off from etcd (a proxy per broker, ``partition.py``);
+* the leader cut off from etcd and from its followers, while a client still reaches it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -17,12 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from onceq.protocol.errors import ErrorCode
-from tests.cluster import chaos
+from onceq.client.message import Message
+from onceq.client.producer import Producer
+from onceq.protocol.errors import OnceqError
+from tests.cluster.failures import etcd_outage, final_check
 from tests.cluster.group import Etcd, Node, leader_of, make_group, status
-from tests.cluster.history import History, check, read_back
+from tests.cluster.history import TOPIC, History, read_back
 from tests.cluster.partition import PartitionProxy
-from tests.helpers import wait_until
+from tests.helpers import free_port, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,14 +36,6 @@ TTL = 2.0  # the groups' session TTL (make_group)
 async def _isr(node: Node) -> list[str] | None:
     st = await status(node)
     return None if st is None or st.get("role") != "leader" else list(st["isr"])
-
-
-async def _final_check(nodes: list[Node], history: History) -> None:
-    leader = await leader_of(nodes, timeout=10, isr=len(nodes))
-    problems = check(history, await read_back(leader.address))
-    assert problems == {"lost": [], "stored_twice": [], "moved": []}, problems
-    equal, hw = await chaos._replicas_equal(nodes, leader, 10)
-    assert equal and hw > 0, "the replicas' logs differ below the high watermark"
 
 
 def test_follower_killed_and_back_under_load(group: list[Node]) -> None:
@@ -75,7 +71,7 @@ def test_follower_killed_and_back_under_load(group: list[Node]) -> None:
         print({"acknowledged": len(history.acked), "failures": len(history.failures)})
         assert history.failures == [], history.failures
         assert await leader_of(group, isr=3) is leader
-        await _final_check(group, history)
+        await final_check(group, history)
 
     asyncio.run(go())
 
@@ -96,52 +92,11 @@ def own_etcd(tmp_path: Path) -> Iterator[Etcd]:
 
 
 def test_etcd_down(own_etcd: Etcd, tmp_path: Path, cluster_name: str) -> None:
-    """etcd stopped (SIGSTOP) for 3 TTLs under load: the leader stops serving within TTL of
-    the outage's start (TTL minus the margin after its last renewal), nobody leads while
-    etcd is down, and sends fail retriable (NOT_LEADER); etcd back, a leader is elected
-    and sends succeed again. Nothing acknowledged is lost or stored twice."""
+    """etcd stopped (SIGSTOP) for 3 TTLs under load (``failures.etcd_outage``;
+    ``benchmarks/cluster_etcd_outage.py`` runs it for 30 s)."""
     nodes = make_group(tmp_path, own_etcd.endpoint, cluster_name)
-
-    async def go() -> None:
-        await leader_of(nodes, isr=3)
-        history = History().start(",".join(n.address for n in nodes), send_timeout=1.0)
-        leaders_seen: list[tuple[float, str]] = []  # (when, broker) seen leading while down
-        try:
-            await history.wait_acked_after(0, 20, 10, "sends acknowledged")
-            down = time.monotonic()
-            own_etcd.pause()
-            try:
-                while time.monotonic() < down + 3 * TTL:
-                    for n in nodes:
-                        st = await status(n)
-                        if st is not None and st.get("role") == "leader":
-                            leaders_seen.append((time.monotonic() - down, n.broker_id))
-                    await asyncio.sleep(0.1)  # a status sample every 0.1 s
-            finally:
-                own_etcd.resume()
-            up = time.monotonic()
-            await leader_of(nodes, timeout=10)
-            await history.wait_acked_after(up, 10, 10, "sends acknowledged after etcd is back")
-        finally:
-            await history.finish()
-        print({"acknowledged": len(history.acked), "failures": len(history.failures),
-               "leader_seen_until_s": max((t for t, _ in leaders_seen), default=None),
-               "acknowledged_during_outage": sum(1 for _, _, a in history.acked.values()
-                                                 if down < a < up)})
-        late_acks = [k for k, (_, _, acked) in history.acked.items() if down + TTL < acked < up]
-        assert late_acks == [], "writes acknowledged after the lease could have expired"
-        assert all(t < TTL for t, _ in leaders_seen), leaders_seen
-        down_failures = [f for f in history.failures if down < f.at < up + 0.5]
-        assert down_failures, "no send failed while etcd was down"
-        assert all(f.retriable and f.code == ErrorCode.NOT_LEADER for f in down_failures), [
-            (f.code, f.message) for f in down_failures]
-        # the answer says why: the broker has no etcd session it can count on
-        assert any("no valid etcd session" in f.message for f in down_failures), [
-            f.message for f in down_failures]
-        await _final_check(nodes, history)
-
     try:
-        asyncio.run(go())
+        print(asyncio.run(etcd_outage(own_etcd, nodes, 3 * TTL, TTL)))
     finally:
         for n in nodes:
             n.kill()
@@ -196,12 +151,93 @@ def test_leader_cut_off_from_etcd(tmp_path: Path, etcd_endpoint: str,
             # the old leader answered nothing past its lease: all it acknowledged is on
             # the new leader, once, at the offset it named
             assert all(f.retriable for f in history.failures), history.failures
-            await _final_check(nodes, history)
+            await final_check(nodes, history)
         finally:
             await history.finish()
             for n in nodes:
                 n.kill()
             for p in proxies:
+                await p.close()
+
+    asyncio.run(go())
+
+
+async def _send_once(address: str, body: str, timeout: float) -> OnceqError | None:
+    """One send to the broker at ``address`` alone (no retry, no redirect): its error,
+    None when it was acknowledged."""
+    async with Producer(address, send_timeout=timeout, retries=0) as p:
+        try:
+            await p.send(TOPIC, Message(body.encode(), unique_key=body), queue=0)
+        except OnceqError as exc:
+            return exc
+    return None
+
+
+def test_leader_partitioned_from_etcd_and_followers(tmp_path: Path, etcd_endpoint: str,
+                                                    cluster_name: str) -> None:
+    """The leader cut off from etcd and from its followers (each broker is advertised
+    behind a proxy, which the followers fetch through), while the producer still reaches it
+    directly and keeps sending to it: what it stores after the cut is never acknowledged
+    (no follower can fetch it), it steps down within TTL, a follower leads with a higher
+    epoch and the producer moves there; healed, the old leader cuts its unreplicated tail
+    and follows. History: every acknowledged send read back once at its offset, the logs
+    equal up to the high watermark."""
+
+    async def go() -> None:
+        host, port = etcd_endpoint.rsplit(":", 1)
+        to_etcd = [await PartitionProxy(host, int(port)).start() for _ in range(3)]
+        ports = [free_port() for _ in range(3)]
+        to_broker = [await PartitionProxy("127.0.0.1", p).start() for p in ports]
+        nodes = make_group(tmp_path, etcd_endpoint, cluster_name,
+                           etcds=[p.endpoint for p in to_etcd], ports=ports,
+                           advertised=[p.endpoint for p in to_broker])
+        history = History()
+        try:
+            old = await leader_of(nodes, isr=3)
+            i = nodes.index(old)
+            epoch = (await status(old) or {})["epoch"]
+            # the producer's bootstrap list: the brokers' own ports, the old leader first
+            direct = [old.address] + [n.address for n in nodes if n is not old]
+            history.start(",".join(direct), send_timeout=8.0)
+            await history.wait_acked_after(0, 20, 10, "sends acknowledged")
+            cut = time.monotonic()
+            to_etcd[i].partition()
+            to_broker[i].partition()
+            # a client on the old leader's own port: what it sends now is stored there,
+            # where no follower can fetch it, and must never be acknowledged
+            lone = await _send_once(old.address, "lone", timeout=3.0)
+            others = [n for n in nodes if n is not old]
+            new = await leader_of(others, timeout=10)
+            st = await status(new)
+            assert st is not None and st["epoch"] > epoch
+            elected = time.monotonic()
+            await history.wait_acked_after(elected, 10, 10, "sends acknowledged by the new leader")
+            to_etcd[i].heal()
+            to_broker[i].heal()
+
+            async def rejoined() -> bool:
+                isr = await _isr(new)
+                return isr is not None and old.broker_id in isr
+
+            await wait_until(rejoined, 10, "the old leader back in the ISR")
+            await history.finish()
+            # what the old leader stored after the cut, never acknowledged, cut at the heal
+            cuts = re.findall(r"cutting the commit log at (\d+) \(was (\d+)\)",
+                              old.stderr.read_text(errors="replace"))
+            print({"acknowledged": len(history.acked), "failures": len(history.failures),
+                   "new_leader_s": round(elected - cut, 2),
+                   "old_leader_tail_cut_bytes": [int(b) - int(a) for a, b in cuts],
+                   "lone_send": None if lone is None else lone.message})
+            assert lone is not None, "the partitioned leader acknowledged a write"
+            assert cuts, "the old leader kept its unreplicated tail"
+            assert "lone" not in await read_back((await leader_of(nodes)).address)
+            assert all(f.retriable for f in history.failures), history.failures
+            await final_check(nodes, history)
+        finally:
+            await history.finish()
+            for n in nodes:
+                n.kill()
+            for p in to_etcd + to_broker:
                 await p.close()
 
     asyncio.run(go())
