@@ -8,4 +8,7 @@ bash scripts/chromium.sh
 bash scripts/etcd.sh  # the cluster tests start their own etcd from it
 bash scripts/services.sh redis mariadb postgresql
 .venv/bin/ruff check src tests benchmarks
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"
+# two workers: much of the suite waits on brokers, etcd and Spark rather than computing
+# (ONCEQ_TEST_WORKERS=0 runs it in this process)
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 \
+  -n "${ONCEQ_TEST_WORKERS:-2}" "$@"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
-import resource
 import socket
 import subprocess
 import sys
@@ -50,21 +49,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def with_fd_limit(argv: list[str], fd_limit: int | None) -> list[str]:
+    """``argv`` run under a limit on open file descriptors (``ulimit -n``), set by a small
+    parent of its own that then execs it (not by a ``preexec_fn``: a fork of the test
+    process, which may hold gRPC's threads, is not safe)."""
+    if fd_limit is None:
+        return argv
+    return [sys.executable, "-c", "import os, resource, sys; resource.setrlimit("
+            f"resource.RLIMIT_NOFILE, ({fd_limit}, {fd_limit})); "
+            "os.execv(sys.argv[1], sys.argv[1:])", *argv]
+
+
 def spawn_broker(data_dir: str, *args: str, port: int | None = None,
                  fd_limit: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """Start ``onceq broker start`` in a child process and wait until it accepts;
     ``fd_limit``: the child's limit on open file descriptors (``ulimit -n``)."""
     port = port or free_port()
-
-    def limit_fds() -> None:
-        if fd_limit is not None:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit))
-
     proc = subprocess.Popen(
-        [sys.executable, "-m", "onceq.cli.main", "broker", "start", "--data-dir", data_dir,
-         "--port", str(port), "--log-level", "WARNING", *args],
+        with_fd_limit([sys.executable, "-m", "onceq.cli.main", "broker", "start",
+                       "--data-dir", data_dir, "--port", str(port), "--log-level", "WARNING",
+                       *args], fd_limit),
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ},
-        preexec_fn=limit_fds,
     )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

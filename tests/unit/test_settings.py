@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ from onceq.broker.settings import (
     read_file,
 )
 from onceq.storage.config import StoreConfig
+from tests.helpers import with_fd_limit
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
@@ -291,15 +291,10 @@ def test_check_fds():
 
 def _start(*args: str, env: dict[str, str] | None = None, fd_limit: int | None = None
            ) -> subprocess.Popen[str]:
-    def limit() -> None:
-        if fd_limit is not None:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit))
-
     environ = {k: v for k, v in os.environ.items() if k != "ONCEQ_BROKER"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "onceq.cli.main", "broker", "start", "-p", "0", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**environ, **(env or {})}, preexec_fn=limit)
+    argv = [sys.executable, "-m", "onceq.cli.main", "broker", "start", "-p", "0", *args]
+    return subprocess.Popen(with_fd_limit(argv, fd_limit), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**environ, **(env or {})})
 
 
 def test_broker_start_host_data_dir_and_fd_errors_exit_2_naming_the_key(tmp_path):
