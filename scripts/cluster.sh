@@ -37,6 +37,10 @@ case "${1:-start}" in
       echo "already running (bash scripts/cluster.sh stop first)" >&2
       exit 1
     fi
+    if curl -fsS "http://127.0.0.1:$etcd_port/health" >/dev/null 2>&1; then
+      # e.g. started by scripts/services.sh etcd: used, and left running by stop
+      echo "using the etcd already running at 127.0.0.1:$etcd_port"
+    else
     etcd --name onceq --data-dir "$dir/etcd" \
       --listen-client-urls "http://127.0.0.1:$etcd_port" \
       --advertise-client-urls "http://127.0.0.1:$etcd_port" \
@@ -49,6 +53,7 @@ case "${1:-start}" in
       curl -fsS "http://127.0.0.1:$etcd_port/health" >/dev/null 2>&1 && break
       sleep 0.1
     done
+    fi
     bootstrap=""
     for i in 1 2 3; do
       p=$((port + i - 1))

@@ -15,13 +15,21 @@ start() {
     nats) start-stop-daemon --start --oknodo --background --exec /usr/sbin/nats-server -- \
             -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server -l /var/log/nats-server.log ;;
     rabbitmq) rabbitmq-server -detached ;;
+    etcd) bash "$(dirname "$0")/etcd.sh" >&2 &&
+          mkdir -p /var/lib/onceq-etcd &&
+          start-stop-daemon --start --oknodo --background --make-pidfile \
+            --pidfile /run/onceq-etcd.pid --exec "$(command -v etcd)" -- \
+            --name onceq --data-dir /var/lib/onceq-etcd \
+            --listen-client-urls http://127.0.0.1:2379 --advertise-client-urls http://127.0.0.1:2379 \
+            --listen-peer-urls http://127.0.0.1:2380 --initial-advertise-peer-urls http://127.0.0.1:2380 \
+            --initial-cluster onceq=http://127.0.0.1:2380 ;;
   esac
 }
 
 port_of() {
   case "$1" in
     redis) echo 6379 ;; mariadb) echo 3306 ;; postgresql) echo 5432 ;;
-    nats) echo 4222 ;; rabbitmq) echo 5672 ;;
+    nats) echo 4222 ;; rabbitmq) echo 5672 ;; etcd) echo 2379 ;;
     *) echo "unknown service $1" >&2; exit 2 ;;
   esac
 }
