@@ -149,8 +149,8 @@ REQUIRED: dict[type[Message], Callable[[Any], list[Need]]] = {
     rq.AclGrant: lambda r: [_c(U)],
     rq.AclRevoke: lambda r: [_c(U)],
     rq.AclList: lambda r: [_c(G)],
-    # a broker group's replication reads the whole log: the cluster's Update grant (a
-    # broker in a cluster refuses to start with acl on for now: docs/cluster.md)
+    # a broker group's replication reads the whole log: the cluster's Update grant (the
+    # user of a follower's replication_credentials_file: docs/cluster.md)
     rq.ReplicaFetch: lambda r: [_c(U)],
     rq.ReplicaEpochEnd: lambda r: [_c(U)],
 }
@@ -299,5 +299,21 @@ class AclStore(AclTable):
         super().__init__(grants)
 
     def save(self) -> None:
-        doc = {"version": 1, "grants": [g.to_json() for g in self.grants]}
-        write_atomic(self.path, json.dumps(doc, indent=1).encode())
+        write_atomic(self.path, json.dumps(self.export(), indent=1).encode())
+
+    def export(self) -> dict[str, Any]:
+        """The grants' document (as in ``acls.json``)."""
+        return {"version": 1, "grants": [g.to_json() for g in self.grants]}
+
+    def replace(self, doc: dict[str, Any]) -> bool:
+        """Take every grant of ``doc`` (an ``export``) in place of these, written to disk;
+        ValueError for a document that is not one; False when nothing changes."""
+        try:
+            grants = [Grant.from_json(d) for d in doc["grants"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a grants document: {exc}") from None
+        if grants == list(self.grants):
+            return False
+        self.grants = grants
+        self.save()
+        return True

@@ -78,6 +78,7 @@ from .recent_errors import RecentErrors
 from .retry import RetryService, parse_delay_levels
 from .security import Security
 from .send import SendService
+from .shared_security import SharedSecurity
 from .store_errors import StorageError, wire_error
 from .tls import server_context
 from .topic_admin import TopicAdmin
@@ -241,6 +242,10 @@ class Broker:
             node = self.cluster
             node.start(self.port)
             self.retry.paused = lambda: not node.is_leader()  # a follower writes nothing
+            if cfg.acl and node.role is not None:  # users and grants: the cluster's (etcd)
+                shared = SharedSecurity(node.role.client, cfg.cluster_name, self.security)
+                self.security.shared = shared
+                self._tasks.append(loop.create_task(shared.run()))
         try:
             self.metrics = await start_metrics(self)
             self.sends.metrics = self.pulls.metrics = self.metrics

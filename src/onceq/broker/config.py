@@ -80,6 +80,10 @@ class BrokerConfig:
     replica_ack_timeout_ms: int = 5_000  # a write not replicated this long: NOT_ENOUGH_...
     replica_fetch_wait_ms: int = 500  # a follower's fetch is held this long with no data
     replica_fetch_bytes: int = 1024 * 1024  # bytes of records per fetch answer (about)
+    # with acl on: the user:password a follower logs in to its leader with (a file), and
+    # the CA of the leader's certificate when the brokers speak TLS ("": the system's)
+    replication_credentials_file: str = ""
+    replication_tls_ca: str = ""
     extra: dict = field(default_factory=dict)
 
     def check_exposure(self) -> None:
@@ -170,10 +174,10 @@ class BrokerConfig:
             return
         if not (self.group and self.broker_id):
             raise ValueError("cluster needs group and broker_id (--group, --broker-id)")
-        if self.acl:
-            raise ValueError("cluster: replication between brokers does not authenticate "
-                             "yet, so a broker group cannot run with acl on "
-                             "(docs/cluster.md)")
+        if self.acl and not self.replication_credentials_file:
+            raise ValueError("replication_credentials_file: a broker group with acl on "
+                             "needs the user:password its followers log in to the leader "
+                             "with (a user with the cluster's Update grant: docs/cluster.md)")
         if self.acks not in ("all", "leader"):
             raise ValueError("acks must be 'all' or 'leader'")
         if self.min_insync < 1:

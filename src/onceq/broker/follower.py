@@ -21,14 +21,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from .._credentials import CredentialsError, read_credentials_file
 from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.frame import REQUEST, RESPONSE, FrameDecoder, decode_header, encode_frame
 from ..protocol.replies import REPLY_OF, EpochEnd, ReplicaData
-from ..protocol.requests import ReplicaEpochEnd, ReplicaFetch
+from ..protocol.requests import Authenticate, ReplicaEpochEnd, ReplicaFetch
 from ..protocol.schema import Message
+from ..protocol.scram import ScramClient, ScramError
 from ..storage.errors import StorageError
 from ..storage.leader_epochs import LeaderEpochs, epoch_end, merge_from_leader, truncate
 from ..storage.replica import ReplicaLog
@@ -42,6 +45,29 @@ if TYPE_CHECKING:
 log = logging.getLogger("onceq.broker")
 
 
+# what the leader answers a follower it does not let in (acl on): said in its status
+_REFUSED = (ErrorCode.AUTH_FAILED, ErrorCode.UNAUTHENTICATED, ErrorCode.ACCESS_DENIED)
+
+
+def replication_login(config: BrokerConfig) -> tuple[str, str] | None:
+    """With acl on: the user and password a follower logs in to its leader with
+    (``replication_credentials_file``); CredentialsError naming the file."""
+    if not config.acl:
+        return None
+    return read_credentials_file(config.replication_credentials_file)
+
+
+def replication_tls(config: BrokerConfig) -> ssl.SSLContext | None:
+    """When the brokers speak TLS (``tls_cert``): the context a follower connects to its
+    leader with, verifying the leader's certificate (``replication_tls_ca``)."""
+    if not config.tls_cert:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH,
+                                     cafile=config.replication_tls_ca or None)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    return ctx
+
+
 class LeaderChannel:
     """One connection to the leader, one request at a time."""
 
@@ -53,11 +79,30 @@ class LeaderChannel:
         self.corr = 0
 
     @classmethod
-    async def open(cls, address: str, max_frame: int, timeout: float) -> LeaderChannel:
+    async def open(cls, address: str, max_frame: int, timeout: float, *,
+                   tls: ssl.SSLContext | None = None,
+                   login: tuple[str, str] | None = None) -> LeaderChannel:
+        """Connect (with ``tls``) and, with ``login`` (user, password), authenticate
+        (SCRAM-SHA-256, the server's proof checked) before the channel is handed out."""
         host, _, port = address.rpartition(":")
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host.strip("[]"), int(port)), timeout)
-        return cls(reader, writer, max_frame)
+        host = host.strip("[]")
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(
+            host, int(port), ssl=tls, server_hostname=host if tls else None), timeout)
+        channel = cls(reader, writer, max_frame)
+        if login is not None:
+            try:
+                scram = ScramClient(*login)
+                first = await channel.call(Authenticate(scram.first()), timeout)
+                final = await channel.call(Authenticate(scram.final(first.message)), timeout)
+                scram.verify(final.message)
+            except ScramError as exc:
+                channel.close()
+                raise OnceqError(ErrorCode.AUTH_FAILED, f"the leader's answer does not "
+                                 f"prove it knows the user: {exc}") from None
+            except BaseException:
+                channel.close()
+                raise
+        return channel
 
     async def call(self, request: Message, timeout: float) -> Any:
         self.corr += 1
@@ -112,7 +157,9 @@ class Follower:
         while True:
             channel = None
             try:
-                channel = await LeaderChannel.open(leader.address, 64 * 1024 * 1024, 5.0)
+                channel = await LeaderChannel.open(leader.address, 64 * 1024 * 1024, 5.0,
+                                                   tls=replication_tls(self.config),
+                                                   login=replication_login(self.config))
                 if await self._cut_divergent_tail(channel, leader):
                     self.problem = ""
                     backoff = 0.1
@@ -122,11 +169,18 @@ class Follower:
             except OnceqError as exc:
                 level = logging.INFO if exc.code in (ErrorCode.NOT_LEADER,
                                                      ErrorCode.STALE_EPOCH) else logging.WARNING
+                if exc.code in _REFUSED:  # the leader will not have this broker replicate
+                    self.problem = f"{ErrorCode(exc.code).name}: {exc.message}"
+                    backoff = 2.0
                 log.log(level, "follower: leader %s at %s: %s", leader.broker_id,
                         leader.address, exc)
             except (OSError, ConnectionError, TimeoutError, ValueError) as exc:
                 log.info("follower: leader %s at %s: %s", leader.broker_id, leader.address,
                          exc)
+            except CredentialsError as exc:
+                self.problem = str(exc)
+                log.error("follower: cannot log in to the leader: %s", exc)
+                backoff = 2.0
             except StorageError as exc:
                 self.problem = exc.message
                 log.error("follower: cannot apply the leader's log: %s", exc.message)

@@ -20,10 +20,12 @@ managed, to be ready when it is turned on.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from ..cluster import EtcdError
 from ..protocol import requests as rq
 from ..protocol.codes import RequestCode
 from ..protocol.errors import ErrorCode, OnceqError
@@ -39,9 +41,11 @@ if TYPE_CHECKING:
     from .config import BrokerConfig
     from .connection import Connection
     from .fields import Call, Handler
+    from .shared_security import SharedSecurity
 
 log = logging.getLogger("onceq.broker")
 
+M = TypeVar("M", bound=Message)
 _CHANGES = (Action.CREATE, Action.UPDATE, Action.DELETE)  # allowed ones are audited
 _USER_ERRORS = {"exists": ErrorCode.USER_EXISTS, "unknown": ErrorCode.USER_NOT_EXIST,
                 "invalid": ErrorCode.INVALID_ARGUMENT, "damaged": ErrorCode.STORAGE_ERROR}
@@ -63,6 +67,9 @@ class Security:
         self.failed = FailedLogins()
         path = config.audit_log or (f"{data_dir}/audit.log" if config.acl else None)
         self.audit = AuditLog(path, clock)
+        # in a cluster: the users and grants shared through etcd (set by the broker)
+        self.shared: SharedSecurity | None = None
+        self._tasks: set[asyncio.Task[None]] = set()  # answers that wait for etcd
 
     def handlers(self) -> dict[type[Message], Handler]:
         return {rq.Authenticate: self.h_authenticate, rq.UserCreate: self.h_user_create,
@@ -120,12 +127,16 @@ class Security:
                               reason="client certificate")
 
     # ---------------------------------------------------------------- authentication
-    def h_authenticate(self, call: Call, req: rq.Authenticate) -> AuthReply:
+    def h_authenticate(self, call: Call, req: rq.Authenticate) -> AuthReply | None:
         conn = call.conn
         source = conn.source or "?"
         if conn.user is not None:
             raise OnceqError(ErrorCode.AUTH_FAILED, f"this connection is authenticated as "
                              f"{conn.user!r}: a connection has one user for its life")
+        if self.shared is not None and not self.shared.ready:
+            raise OnceqError(ErrorCode.SERVICE_UNAVAILABLE, (
+                "this broker has not read the cluster's users from etcd yet "
+                f"({self.shared.problem or 'none there yet'}): try again"))
         if req.mechanism != "SCRAM-SHA-256":
             raise OnceqError(ErrorCode.AUTH_FAILED, f"mechanism {req.mechanism!r} is not "
                              "supported: SCRAM-SHA-256")
@@ -135,6 +146,8 @@ class Security:
                 server = ScramServer(self.users.credentials)
                 answer = server.first(req.message)
                 self._locked_out(source, server.user)
+                if self.shared is not None and server.user not in self.users:
+                    return self._first_after_refresh(call, req)
                 conn.scram = server
                 return AuthReply(answer)
             user, answer = server.final(req.message)
@@ -146,6 +159,31 @@ class Security:
         conn.user = user
         self.audit.record("login", user=user, source=source, reason="SCRAM-SHA-256")
         return AuthReply(answer, user)
+
+    def _first_after_refresh(self, call: Call, req: rq.Authenticate) -> None:
+        """The first step of a login of a user this broker does not know, in a cluster:
+        answered once the cluster's users are read again (made on another broker a moment
+        ago, the user logs in here at once)."""
+        shared = self.shared
+        assert shared is not None
+
+        async def answer() -> None:
+            await shared.refresh()
+            server = ScramServer(self.users.credentials)
+            try:
+                reply = AuthReply(server.first(req.message))
+            except ScramError as exc:  # checked already: only a change of the users
+                call.fail(OnceqError(ErrorCode.AUTH_FAILED, f"authentication failed: {exc}"))
+                return
+            call.conn.scram = server
+            call.answer(reply)
+
+        self._spawn(answer())
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _locked_out(self, source: str, user: str | None) -> None:
         wait = self.failed.check(source, user)
@@ -159,43 +197,65 @@ class Security:
         self.audit.record("login-failed", user=user, source=source, reason=why)
 
     # ---------------------------------------------------------------- users and grants
-    def h_user_create(self, call: Call, req: rq.UserCreate) -> UserInfo:
+    def h_user_create(self, call: Call, req: rq.UserCreate) -> UserInfo | None:
         try:
-            return UserInfo(self.users.create(req.name, _credentials(req.credentials),
+            info = UserInfo(self.users.create(req.name, _credentials(req.credentials),
                                               super=req.super))
         except UserError as exc:
             raise _user_error(exc) from None
+        return self._shared(call, info)
 
-    def h_user_update(self, call: Call, req: rq.UserUpdate) -> UserInfo:
+    def h_user_update(self, call: Call, req: rq.UserUpdate) -> UserInfo | None:
         creds = None if req.credentials is None else _credentials(req.credentials)
         try:
-            return UserInfo(self.users.update(req.name, password=creds, super=req.super))
+            info = UserInfo(self.users.update(req.name, password=creds, super=req.super))
         except UserError as exc:
             raise _user_error(exc) from None
+        return self._shared(call, info)
 
-    def h_user_delete(self, call: Call, req: rq.UserDelete) -> Empty:
+    def h_user_delete(self, call: Call, req: rq.UserDelete) -> Empty | None:
         try:
             self.users.delete(req.name)
         except UserError as exc:
             raise _user_error(exc) from None
         if self.acls.revoke_user(req.name):  # a user made again later starts with none
             self.acls.save()
-        return Empty()
+        return self._shared(call, Empty())
 
     def h_user_list(self, call: Call, req: rq.UserList) -> Users:
         return Users(self.users.list())
 
-    def h_acl_grant(self, call: Call, req: rq.AclGrant) -> AclChanged:
+    def h_acl_grant(self, call: Call, req: rq.AclGrant) -> AclChanged | None:
         changed = self.acls.grant(_grant(req))
         if changed:
             self.acls.save()
-        return AclChanged(changed)
+        return self._shared(call, AclChanged(changed))
 
-    def h_acl_revoke(self, call: Call, req: rq.AclRevoke) -> AclChanged:
+    def h_acl_revoke(self, call: Call, req: rq.AclRevoke) -> AclChanged | None:
         changed = self.acls.revoke(_grant(req))
         if changed:
             self.acls.save()
-        return AclChanged(changed)
+        return self._shared(call, AclChanged(changed))
+
+    def _shared(self, call: Call, reply: M) -> M | None:
+        """A change made: in a cluster (``shared``), answered once etcd has it (the
+        cluster's users and grants: ``shared_security.py``); else now."""
+        shared = self.shared
+        if shared is None:
+            return reply
+
+        async def publish() -> None:
+            try:
+                await shared.publish()
+            except (EtcdError, OSError) as exc:
+                call.fail(OnceqError(ErrorCode.SERVICE_UNAVAILABLE, (
+                    f"the change could not be written to etcd ({exc}): it is not the "
+                    "cluster's; try again")))
+                return
+            call.answer(reply)
+
+        self._spawn(publish())
+        return None
 
     def h_acl_list(self, call: Call, req: rq.AclList) -> Grants:
         return Grants([g.to_json() for g in self.acls.list(req.user)])

@@ -195,6 +195,14 @@ _META: dict[str, tuple[str, float | None, float | None]] = {
              "tail may be lost at a failover).", None, None),
     "min_insync": ("In-sync replicas, the leader included, needed to accept a write with "
                    "acks=all (1..100).", 1, 100),
+    "replication_credentials_file": ("With acl on: a file whose first line is "
+                                     "user:password, the user this broker logs in to its "
+                                     "group's leader with to replicate (it needs the "
+                                     "cluster's Update grant, or is a super user).",
+                                     None, None),
+    "replication_tls_ca": ("CA certificate (PEM) of the leader's certificate when the "
+                           "brokers speak TLS (tls_cert): followers verify it (empty: the "
+                           "system's CAs).", None, None),
     "unclean_election": ("Let any replica of the group be elected leader, not only the "
                          "in-sync ones: the group gets a leader sooner when the in-sync "
                          "replicas are gone, but acknowledged writes the new leader lacks "

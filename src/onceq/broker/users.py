@@ -183,6 +183,22 @@ class UserStore:
             raise UserError("unknown", f"no user {name!r}")
         self._commit({n: e for n, e in self._users.items() if n != name})
 
+    # ------------------------------------------------------------------ a group's users
+    def export(self) -> dict[str, Any]:
+        """The whole user file's document (secrets included: SCRAM keys, no password), as
+        a broker group shares it through etcd (``shared_security.py``)."""
+        return {"version": VERSION, "users": self._users}
+
+    def replace(self, doc: dict[str, Any]) -> bool:
+        """Take every user of ``doc`` (an ``export``) in place of this store's; written to
+        disk first. ValueError for a document that is not a user file; False when it holds
+        what the store holds already."""
+        users = _parse(json.dumps(doc).encode())
+        if users == self._users:
+            return False
+        self._commit(users)
+        return True
+
     # ------------------------------------------------------------------ internals
     def _make(self, password: object) -> Credentials:
         if isinstance(password, Credentials):

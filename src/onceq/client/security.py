@@ -22,9 +22,9 @@ import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from .._credentials import CredentialsError, read_credentials_file
 
-class CredentialsError(ValueError):
-    """The credentials file cannot be read or is not ``user:password``."""
+__all__ = ["ClientSecurity", "CredentialsError", "read_credentials_file"]
 
 
 @dataclass(frozen=True)
@@ -61,18 +61,3 @@ class ClientSecurity:
         if self.cert_file:
             ctx.load_cert_chain(self.cert_file, self.key_file)
         return ctx
-
-
-def read_credentials_file(path: str) -> tuple[str, str]:
-    """``user:password`` from the first line of ``path``; ``CredentialsError`` naming the
-    file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            line = f.readline().rstrip("\r\n")
-    except OSError as exc:
-        raise CredentialsError(f"credentials file {path}: {exc.strerror or exc}") from None
-    user, sep, password = line.partition(":")
-    if not sep or not user or not password:
-        raise CredentialsError(f"credentials file {path}: the first line must be "
-                               "user:password")
-    return user, password

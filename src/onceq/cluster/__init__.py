@@ -14,7 +14,16 @@ from ._etcd import (
     parse_endpoints,
 )
 from ._isr import publish_isr, read_isr
-from ._keys import IsrRecord, LeaderRecord, Member, broker_key, epoch_key, isr_key, leader_key
+from ._keys import (
+    IsrRecord,
+    LeaderRecord,
+    Member,
+    broker_key,
+    epoch_key,
+    isr_key,
+    leader_key,
+    security_key,
+)
 from ._membership import MemberChange, Members, deregister, members, register, watch_members
 from ._role import (
     Leadership,
@@ -57,5 +66,6 @@ __all__ = [
     "publish_isr",
     "read_isr",
     "register",
+    "security_key",
     "watch_members",
 ]

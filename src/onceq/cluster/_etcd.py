@@ -202,6 +202,11 @@ class EtcdClient:
         answer = await self.call("kv/put", put_op(key, value, lease)["request_put"])
         return int(answer["header"]["revision"])
 
+    async def create(self, key: bytes, value: bytes) -> int | None:
+        """Put the key only if it does not exist: the revision, None when it existed."""
+        result = await self.txn([Compare(key, "VERSION", "EQUAL", 0)], [put_op(key, value)])
+        return result.revision if result.succeeded else None
+
     async def delete(self, key: bytes, *, prefix: bool = False) -> int:
         """Delete the key (or every key under the prefix); the number deleted."""
         body = {"key": _b64(key)}

@@ -10,6 +10,8 @@
                                                   no lease (it outlives every leader)
     /onceq/<cluster>/groups/<group>/isr           the in-sync replicas the leader published:
                                                   JSON {epoch, leader, members}, no lease
+    /onceq/<cluster>/security                     with acl on: the cluster's users and
+                                                  grants, JSON {users, grants}, no lease
 
 Values are JSON so that ``etcdctl get --prefix /onceq/`` shows them as they are.
 """
@@ -58,6 +60,10 @@ def epoch_key(cluster: str, group: str) -> bytes:
 
 def isr_key(cluster: str, group: str) -> bytes:
     return _group_key(cluster, group, "isr")
+
+
+def security_key(cluster: str) -> bytes:
+    return f"{ROOT}/{check_name('cluster', cluster)}/security".encode()
 
 
 def _json(value: Any) -> bytes:
