@@ -32,6 +32,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..cluster import EtcdClient, EtcdError, security_key
+from .acl import Grant
 
 if TYPE_CHECKING:
     from .security import Security
@@ -53,6 +54,10 @@ def apply_document(security: Security, raw: bytes) -> bool:
         users, grants = doc["users"], doc["grants"]
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"not a security document: {exc}") from None
+    try:  # both checked before either is taken: never half a document
+        [Grant.from_json(d) for d in grants["grants"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"not a grants document: {exc}") from None
     changed = security.users.replace(users)
     return security.acls.replace(grants) or changed
 
