@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from ..storage.store import MessageStore
     from .config import BrokerConfig
     from .fields import Handler
+    from .fuse import QueueFuse
     from .ownership_service import OwnershipService
     from .recent_errors import RecentErrors
     from .retry import RetryService
@@ -93,6 +94,7 @@ class AdminOps:
         self.recent_errors = recent_errors
         # in a broker group: its role and replication state (cluster_node.py)
         self.cluster_status: Callable[[], dict[str, Any]] | None = None
+        self.fuse: QueueFuse | None = None  # the queue-depth fuse, when on (set by the broker)
         self.retry: RetryService | None = None
         self._scans: set[asyncio.Task[None]] = set()
         self.max_scans = MAX_SCANS
@@ -118,7 +120,8 @@ class AdminOps:
                            recent_errors=(self.recent_errors.recent()
                                           if self.recent_errors is not None else []),
                            cluster=None if self.cluster_status is None
-                           else self.cluster_status())
+                           else self.cluster_status(),
+                           fuse=None if self.fuse is None else self.fuse.summary())
 
     def h_query_access_locks(self, call: Call, req: QueryAccessLocks) -> AccessLocks:
         """A group's access-lock holders and orderly queue locks."""

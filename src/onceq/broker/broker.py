@@ -69,6 +69,7 @@ from .durable import DurableReplies
 from .fields import Call, Handler
 from .flush import Flusher
 from .front_end import FrontEnd
+from .fuse import store_fuse
 from .groups import GroupRegistry
 from .limits import ConnectionGuard
 from .metrics import BrokerMetrics, start_metrics
@@ -119,6 +120,7 @@ class Broker:
             client_ids=self.client_ids)
         self.sends = SendService(config, self.store, self.sequences, self.durable,
                                  self._on_internal_put)
+        self.sends.fuse = store_fuse(config, self.store)  # the queue-depth fuse, when on
         topics = TopicAdmin(self.store, config.default_queues,
                             topic_for_write=self.sends.topic_for_write,
                             forget_topic=self._forget_topic, off_loop=self._off_loop,
@@ -128,6 +130,7 @@ class Broker:
         self.admin = AdminOps(config, self.store, clock, owners=self.owners, trace=self.trace,
                               closing=lambda: self._closing,
                               recent_errors=self.recent_errors)
+        self.admin.fuse = self.sends.fuse
         self._locks_dirty: asyncio.Event | None = None
         self._hold_timer: asyncio.TimerHandle | None = None
         self.flusher: Flusher | None = None
@@ -520,4 +523,6 @@ class Broker:
         """A deleted topic: drop it from every table that names its queues."""
         self.sequences.table.drop_topic(topic)
         self.owners.drop_topic(topic)
+        if self.sends.fuse is not None:
+            self.sends.fuse.forget_topic(topic)
         self.pulls.wake_topic(topic)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from .._net import is_loopback
 from ..protocol.frame import HEADER_ALLOWANCE, max_frame_for_body
 from ..storage.config import StoreConfig
+from .fuse import parse_topic_limits
 from .retry import DEFAULT_DELAY_LEVELS, parse_delay_levels
 
 WRITE_HIGH_WATER = 8 * 1024 * 1024  # a client's requests wait while this much output is unsent
@@ -30,6 +31,11 @@ class BrokerConfig:
     retention_check_s: float = 60.0
     auto_create_topics: bool = False
     default_queues: int = 8
+    # the queue-depth fuse (fuse.py): refuse sends to a queue the slowest consumer group is
+    # this many messages behind on (0: off), per topic, closing again below the ratio
+    fuse_depth: int = 0
+    fuse_topics: str = ""  # "topic=depth,..." (0: no fuse for that topic)
+    fuse_resume_ratio: float = 0.8
     max_pull_msgs: int = 1024
     max_pull_bytes: int = 8 * 1024 * 1024
     delay_levels: str = DEFAULT_DELAY_LEVELS  # retry delays, level 1 first
@@ -121,6 +127,11 @@ class BrokerConfig:
             raise ValueError("long_poll_max_s must be >= 0 and heartbeat_expiry_s > 0")
         if not 1 <= self.offsets_journal_ms <= 60_000:
             raise ValueError("offsets_journal_ms must be 1..60000")
+        if self.fuse_depth < 0:
+            raise ValueError("fuse_depth must be >= 0 (0: off)")
+        if not 0 <= self.fuse_resume_ratio < 1:
+            raise ValueError("fuse_resume_ratio must be in [0, 1)")
+        parse_topic_limits(self.fuse_topics)
         if not 1 <= self.default_queues <= 1024:
             raise ValueError("default_queues must be 1..1024")
         parse_delay_levels(self.delay_levels)

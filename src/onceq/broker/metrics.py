@@ -173,6 +173,15 @@ class BrokerMetrics:
         yield from self._retries(b)
         if b.cluster is not None:
             yield from _cluster(b.cluster.status(), b.cluster.leader_changes)
+        if b.sends.fuse is not None:  # the queue-depth fuse (fuse.py)
+            c = CounterMetricFamily("onceq_sends_refused_queue_full",
+                                    "Sends refused QUEUE_FULL by the queue-depth fuse.")
+            c.add_metric([], b.sends.fuse.refused)
+            yield c
+            g = GaugeMetricFamily("onceq_queue_fuses_tripped",
+                                  "Queues whose queue-depth fuse refuses sends now.")
+            g.add_metric([], len(b.sends.fuse.tripped))
+            yield g
         c = CounterMetricFamily("onceq_access_lock_handovers",
                                 "Queues the access lock handed from one member to another.")
         c.add_metric([], b.owners.handovers)

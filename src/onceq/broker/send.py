@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from .config import BrokerConfig
     from .durable import DurableReplies
     from .fields import Call
+    from .fuse import QueueFuse
     from .metrics import BrokerMetrics
     from .retry import RetryService
 
@@ -50,6 +51,7 @@ class SendService:
         self.on_put = on_put
         self.retry: RetryService | None = None
         self.metrics: BrokerMetrics | None = None
+        self.fuse: QueueFuse | None = None  # the queue-depth fuse, when on (fuse.py)
 
     def topic_for_write(self, topic: str) -> None:
         """Make sure a topic a client names exists (sends, ``GET_TOPIC``): refuse the
@@ -70,6 +72,8 @@ class SendService:
         topic = client_written_topic(req.topic)
         qid = req.queue
         self.topic_for_write(topic)
+        if self.fuse is not None:
+            self.fuse.check(topic, qid)
         parts = split_parts(req.payload)
         refuse_sequenced(parts)
         res = self.store.put(topic, qid, parts)
@@ -84,6 +88,8 @@ class SendService:
         topic = client_written_topic(req.topic)
         qid = req.queue
         self.topic_for_write(topic)
+        if self.fuse is not None:
+            self.fuse.check(topic, qid)
         try:
             checked = check_batch(req.payload)
         except RecordError as exc:
@@ -107,6 +113,8 @@ class SendService:
             raise OnceqError(ErrorCode.INVALID_SEQUENCE, str(exc)) from None
         self.writers.claim(call.conn, writer)
         self.topic_for_write(topic)
+        if self.fuse is not None:
+            self.fuse.check(topic, req.queue)
         parts = split_parts(req.payload)
         reply, end = send_sequenced(self.store, self.sequences, req, parts, topic=topic)
         if reply.n:

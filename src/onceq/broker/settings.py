@@ -130,6 +130,14 @@ _META: dict[str, tuple[str, float | None, float | None]] = {
     "retention_check_s": ("How often retention runs, seconds (0.001..86400).", 0.001, DAY_S),
     "auto_create_topics": ("Create a topic on its first send.", None, None),
     "default_queues": ("Queues of a topic created without a count (1..1024).", 1, 1024),
+    "fuse_depth": ("Queue-depth fuse: refuse sends (QUEUE_FULL, retriable) to a queue its "
+                   "slowest consumer group is this many messages behind on (0: off; at "
+                   "most 2**40).",
+                   0, 1 << 40),
+    "fuse_topics": ("The fuse's depth per topic, 'topic=depth,...' (0: none for that "
+                    "topic), over fuse_depth.", None, None),
+    "fuse_resume_ratio": ("A tripped fuse takes sends again once the depth is at most this "
+                          "share of its limit (0..0.99).", 0, 0.99),
     "max_pull_msgs": ("Most messages one pull returns (1..65536).", 1, 65536),
     "max_pull_bytes": ("Most bytes one pull returns (1..1 GiB).", 1, 1 * GIB),
     "delay_levels": ("Retry delay levels, level 1 first (RocketMQ's 18 levels; 1..1024 "

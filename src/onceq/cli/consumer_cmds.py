@@ -286,16 +286,22 @@ async def group_status(group: str, as_json: bool, broker: str) -> None:
         console.print("no queue to show (no subscribed topic, no committed offset)")
         return
     table = Table("topic", "queue", "max offset", "deliver", "committed (ack)", "lag",
-                  "lock holder", "handover", "expected owner (AVERAGE)")
+                  "lock holder", "handover", "expected owner (AVERAGE)", "fuse")
     for q in st.queues:
         table.add_row(q.topic, str(q.queue_id), str(q.max_offset),
                       "-" if q.deliver_offset is None else str(q.deliver_offset),
                       "-" if q.committed is None else str(q.committed), str(q.lag),
                       Text(_holder(q)),
                       "pending" if q.handover_pending else "-",
-                      Text(q.expected_owner or "-"))
+                      Text(q.expected_owner or "-"), _fuse(q))
     console.print(table)
     console.print(f"total lag: {st.lag}")
+
+
+def _fuse(q: QueueStatus) -> str:
+    if q.fuse_limit is None:
+        return "-"
+    return f"TRIPPED (at {q.fuse_limit})" if q.fuse_tripped else f"{q.fuse_limit}"
 
 
 def _holder(q: QueueStatus) -> str:

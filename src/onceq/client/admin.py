@@ -25,6 +25,7 @@ from ..protocol.replies import (
     QueueOffsets,
     ResetReply,
     SendBackReply,
+    StatusReply,
     TopicInfo,
     TopicList,
     TopicStatusReply,
@@ -87,6 +88,8 @@ class QueueStatus:
     handover_pending: bool = False  # another member was refused: a handover is waiting
     orderly_holder: str | None = None  # orderly queue-lock holder (None: not locked)
     orderly_age_s: float | None = None  # seconds since that lock was granted
+    fuse_limit: int | None = None  # the queue-depth fuse's limit (None: no fuse)
+    fuse_tripped: bool = False  # sends to the queue refused QUEUE_FULL now
 
     @property
     def lag(self) -> int:
@@ -139,6 +142,25 @@ class Admin(BrokerClient):
                            ) -> dict[str, Any]:
         """Create a topic, or grow its queue count (``exclusive``: fail if it exists)."""
         return _fields(await self._call(CreateTopic(topic, queues, exclusive)))
+
+    async def follow_group(self, topic: str, group: str | None, *, min_queues: int = 1,
+                           max_queues: int | None = None, queues: int | None = None,
+                           key_order: bool = True) -> dict[str, Any]:
+        """Make ``topic`` (created when missing, with ``queues`` or ``min_queues`` queues)
+        read and write as many queues as ``group`` has members, as a power of two within
+        ``min_queues..max_queues`` (default: the topic's queue count); ``group`` None
+        freezes its counts where they are. ``key_order``: a queue that receives moved keys
+        waits until the queues they come from are consumed (docs/queue_scaling.md). The
+        topic's ``queues`` (read) and ``write_queues`` as they are now."""
+        return _fields(await self._call(CreateTopic(
+            topic, queues, False, group or "", min_queues, max_queues, key_order)))
+
+    async def topic_scaling(self, topic: str) -> dict[str, Any] | None:
+        """The queue scaling of ``topic`` (None when it follows no group): ``group``,
+        ``members``, ``read``, ``write``, ``draining`` queues and the groups they wait
+        for, ``gates``."""
+        reply: TopicStatusReply = await self._call(TopicStatus(topic))
+        return reply.scaling
 
     async def delete_topic(self, topic: str) -> None:
         await self._call(DeleteTopic(topic))
@@ -234,6 +256,9 @@ class Admin(BrokerClient):
         broadcast = bool(members) and all(m.model == "BROADCASTING" for m in members)
         status = GroupStatus(group, members)
         held: AccessLocks = await self._call(QueryAccessLocks(group))
+        fuse = await self._fuse()
+        limits = {} if fuse is None else dict(fuse.get("topics") or {})
+        tripped = set() if fuse is None else {tuple(k) for k in fuse.get("tripped", [])}
         locks = {(r["topic"], r["queue"]): r for r in held.queues}
         orderly = {(r["topic"], r["queue"]): r for r in held.orderly}
         for topic in topics:
@@ -255,11 +280,24 @@ class Admin(BrokerClient):
                 who = "(every member)" if broadcast else owner.get(mq)
                 lock = locks.get((topic, mq.queue_id), {})
                 ordered = orderly.get((topic, mq.queue_id), {})
+                limit = None if fuse is None else limits.get(topic, fuse.get("limit"))
                 status.queues.append(QueueStatus(
                     topic, mq.queue_id, lo, hi, committed, who, lock.get("holder"),
                     lock.get("deliver"), bool(lock.get("pending_handover")),
-                    ordered.get("holder"), ordered.get("age_s")))
+                    ordered.get("holder"), ordered.get("age_s"), limit or None,
+                    (topic, mq.queue_id) in tripped))
         return status
+
+    async def _fuse(self) -> dict[str, Any] | None:
+        """The broker's queue-depth fuse (None when it is off, or when this user may not
+        read the broker's status)."""
+        try:
+            reply: StatusReply = await self._call(BrokerStatus())
+        except OnceqError as exc:
+            if exc.code == ErrorCode.ACCESS_DENIED:
+                return None
+            raise
+        return reply.fuse
 
     async def access_locks(self, group: str) -> list[dict[str, Any]]:
         """The broker's transition-state access locks of ``group``: per locked queue the

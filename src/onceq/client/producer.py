@@ -18,6 +18,7 @@ from ..protocol.requests import GetTopic, Send, SendBatch, SendRecords
 from .base import BrokerClient, Connect
 from .connection import ConnectionLost, call
 from .message import Message, SendResult, UniqueKeyGenerator, encode_message
+from .queue_health import QueueHealth
 from .security import ClientSecurity
 
 log = logging.getLogger("onceq.client")
@@ -67,6 +68,12 @@ class Producer(BrokerClient):
     racing a retry) have no defined order; nor do messages of one key while the topic's
     queue count changes.
 
+    A queue whose sends fail (its fuse is tripped: ``QUEUE_FULL``; the broker is busy or
+    its write failed) is avoided by unkeyed sends for a back-off (``queue_health.py``,
+    ``health``); a ``QUEUE_FULL`` moves an unkeyed send to another queue at once, not
+    counted against ``retries``, while a keyed (pinned) send waits and tries its queue
+    again within ``send_timeout``: a key is never reordered.
+
     ``send_batch`` of two or more messages sends them as one record batch, which the
     broker stores as it is sent; ``compression`` ("zstd" or "lz4", with the
     ``compression`` extra installed here and on the broker) compresses its messages as one
@@ -86,6 +93,7 @@ class Producer(BrokerClient):
         self._queues: dict[str, int] = {}
         self._rr: dict[str, int] = {}
         self._keys = UniqueKeyGenerator()
+        self.health = QueueHealth()  # queues unkeyed sends avoid for a while
 
     async def queue_count(self, topic: str, refresh: bool = False) -> int:
         n = self._queues.get(topic)
@@ -108,7 +116,7 @@ class Producer(BrokerClient):
             return zlib.crc32(sharding_key.encode()) % n
         i = self._rr.get(topic, -1) + 1
         self._rr[topic] = i
-        return i % n
+        return self.health.pick(topic, n, i)
 
     async def send(self, topic: str, message: Message | bytes | str, *,
                    sharding_key: str | None = None, queue: int | None = None,
@@ -129,8 +137,9 @@ class Producer(BrokerClient):
         kind, payload, keys = self._encode(messages)
         pinned = sharding_key is not None or queue is not None or selector is not None
         deadline = time.monotonic() + self.send_timeout
-        attempt = 0
+        attempt = full = 0
         qid: int | None = None
+        n = 0
         while True:
             attempt += 1
             try:
@@ -139,7 +148,9 @@ class Producer(BrokerClient):
                                        messages[0]) if qid is None or not pinned else qid
                 conn = await self._connection()
                 wait = self._attempt_wait(deadline, self.send_timeout)
+                started = time.monotonic()
                 reply = await call(conn, kind(topic, qid, payload), wait)
+                self.health.succeeded(topic, qid, time.monotonic() - started)
                 return _results(topic, reply, keys)
             except OnceqError as exc:
                 if kind is SendRecords and exc.code == ErrorCode.UNKNOWN_REQUEST:
@@ -151,10 +162,19 @@ class Producer(BrokerClient):
                     kind, payload, keys = self._encode(messages, keys)
                     attempt -= 1
                     continue
+                if qid is not None:
+                    self.health.failed(topic, qid, exc.code)
                 retriable = exc.retriable or (exc.code in _REFRESH_ON and not pinned)
                 if not retriable or time.monotonic() >= deadline:
                     raise
                 log.debug("send attempt %d to %s failed: %s; retrying", attempt, topic, exc)
+                if exc.code == ErrorCode.QUEUE_FULL:  # the queue's fuse, not counted against
+                    attempt -= 1  # retries: unkeyed, to a healthy queue at once; keyed (or
+                    if pinned or self.health.all_unhealthy(topic, n):  # none healthy), wait
+                        full += 1
+                        await asyncio.sleep(min(RETRY_BACKOFF_S * 2 ** full, 1.0,
+                                                max(deadline - time.monotonic(), 0) / 2))
+                    continue
                 if await self._follow(exc):  # a group: to its leader, within send_timeout
                     continue
                 if attempt > self.retries:

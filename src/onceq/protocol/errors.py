@@ -50,6 +50,7 @@ class ErrorCode(IntEnum):
     ACCESS_DENIED = 52  # the user has no grant for the request (or a deny)
     USER_NOT_EXIST = 53
     USER_EXISTS = 54
+    QUEUE_FULL = 56  # the queue's fuse: its slowest consumer group is too far behind
 
 
 RETRIABLE: frozenset[ErrorCode] = frozenset(
@@ -66,6 +67,7 @@ RETRIABLE: frozenset[ErrorCode] = frozenset(
         ErrorCode.STALE_EPOCH,
         ErrorCode.CLIENT_ID_IN_USE,
         ErrorCode.WRITER_IN_USE,
+        ErrorCode.QUEUE_FULL,
     }
 )
 
@@ -111,6 +113,8 @@ DEFAULT_MESSAGES: dict[ErrorCode, str] = {
     ErrorCode.ACCESS_DENIED: "access denied",
     ErrorCode.USER_NOT_EXIST: "no such user",
     ErrorCode.USER_EXISTS: "the user already exists",
+    ErrorCode.QUEUE_FULL: "the queue's backlog is past its fuse: send to another queue, "
+                          "or later",
 }
 
 

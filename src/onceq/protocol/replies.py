@@ -225,6 +225,9 @@ class StatusReply(Message):
     recent_errors: list[Any] = field(factory=list)  # {ts_ms, level, logger, message}
     # in a broker group: group, broker_id, role, epoch, hw, log_end, isr, lag, leader
     cluster: dict[str, Any] | None = None
+    # the queue-depth fuse when on: limit, topics (per-topic limits), resume_ratio,
+    # tripped ([topic, queue] of the queues refusing sends), refused (sends refused)
+    fuse: dict[str, Any] | None = None
 
 
 @message()
