@@ -44,6 +44,7 @@ SAMPLES: dict[type, rq.Message] = {s.__class__: s for s in (
     rq.UserList(), rq.AclGrant("x", "Topic", "T", ["Pub"]),
     rq.AclRevoke("x", "Topic", "T", ["Pub"]), rq.AclList(),
     rq.ReplicaFetch("g1", "2", 1, 0), rq.ReplicaEpochEnd("g1", "2", 1),
+    rq.ReplyChannel("rc-1"), rq.RouteReply("rc-gone", "1", "T", payload=b"r"),
 )}
 ROWS = ("none", "wrong password", "without", "with", "super")
 

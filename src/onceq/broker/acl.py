@@ -153,6 +153,10 @@ REQUIRED: dict[type[Message], Callable[[Any], list[Need]]] = {
     # user of a follower's replication_credentials_file: docs/cluster.md)
     rq.ReplicaFetch: lambda r: [_c(U)],
     rq.ReplicaEpochEnd: lambda r: [_c(U)],
+    # request-reply: naming one's reply channel needs a user only; a reply needs Sub on the
+    # request's topic (its responder consumed the request there)
+    rq.ReplyChannel: lambda r: [],
+    rq.RouteReply: lambda r: [_t(r.topic, S)],
 }
 
 

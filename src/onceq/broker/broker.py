@@ -76,6 +76,7 @@ from .metrics import BrokerMetrics, start_metrics
 from .ownership_service import OwnershipService
 from .pull import PullService
 from .recent_errors import RecentErrors
+from .reply_route import ReplyRoutes
 from .retry import RetryService, parse_delay_levels
 from .security import Security
 from .send import SendService
@@ -127,6 +128,7 @@ class Broker:
                             log_durable=self._log_durable)
         self.security = Security(config, clock)  # users, grants, the audit log
         self.recent_errors = RecentErrors()  # for BROKER_STATUS, while the broker runs
+        self.replies = ReplyRoutes(clock)  # request-reply: reply channels, replies routed
         self.admin = AdminOps(config, self.store, clock, owners=self.owners, trace=self.trace,
                               closing=lambda: self._closing,
                               recent_errors=self.recent_errors)
@@ -181,6 +183,7 @@ class Broker:
             **topics.handlers(),
             **self.admin.handlers(),
             **self.security.handlers(),
+            **self.replies.handlers(),
         }
         # request code -> (its request type, its handler)
         self.handlers: dict[int, tuple[type[Message], Handler]] = {
@@ -478,6 +481,7 @@ class Broker:
         self.connections.discard(conn)
         self.holds.drop_connection(conn)
         self.client_ids.drop(conn)
+        self.replies.drop(conn)
         self.sends.writers.drop(conn)
         for group, cid in self.groups.drop_connection(conn):
             log.info("group %s: member %s left (connection closed)", group, cid)

@@ -232,6 +232,11 @@ class Connection(asyncio.Protocol):
             self._out.append(frame)
             self._out_size += len(frame)
 
+    def write_frame(self, frame: bytes) -> None:
+        """Queue a frame made elsewhere (a reply pushed to its requester, ``reply_route.py``):
+        written with this loop pass's answers, under the connection's output limits."""
+        self._write(frame)
+
     def _write(self, frame: bytes, payload: bytes = b"") -> None:
         """Queue a frame (its head and payload, when apart); frames written in one loop
         pass go out in one write."""

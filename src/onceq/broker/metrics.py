@@ -171,6 +171,7 @@ class BrokerMetrics:
                          self.pull_latency)
         yield from self._lag(b)
         yield from self._retries(b)
+        yield from b.replies.metrics()  # request-reply
         if b.cluster is not None:
             yield from _cluster(b.cluster.status(), b.cluster.leader_changes)
         if b.sends.fuse is not None:  # the queue-depth fuse (fuse.py)

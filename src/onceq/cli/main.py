@@ -168,6 +168,7 @@ from .dedup_cmd import register as register_dedup  # noqa: E402 - dedup show/sta
 from .demo.command import demo  # noqa: E402 - the main job
 from .offsets_cmds import offsets  # noqa: E402 - offsets show/reset
 from .pipeline_cmd import pipeline  # noqa: E402 - the Spark pipeline
+from .request_cmd import register as register_request  # noqa: E402 - request (RPC)
 from .security_cmds import register as register_security  # noqa: E402 - user, acl, tls
 from .verify_cmd import register as register_verify  # noqa: E402 - broker verify/status
 
@@ -178,6 +179,7 @@ register_cluster(main)
 register_dedup(main)
 register_security(main)
 register_console(main)
+register_request(main)
 main.add_command(offsets)
 main.add_command(demo)
 main.add_command(pipeline)

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from ..log.record import MessageExt
 from .allocation import MessageQueue
+from .request_reply import is_request
 
 __all__ = ["ConsumeContext", "ConsumeResult", "ConsumeStatus", "Listener", "Rest",
            "is_orderly", "orderly"]
@@ -41,6 +42,7 @@ class ConsumeContext:
     1 on the first call with these messages, 2 on the first retry in place, ...
     ``dlq_reasons``: batch index -> why that message is given up; the broker stores it in
     the message's ``DLQ_REASON`` property when the retry takes it to the DLQ.
+    ``replies``: queue offset -> the reply body of each request answered with :meth:`reply`.
     """
 
     queue: MessageQueue
@@ -50,6 +52,21 @@ class ConsumeContext:
     suspend_ms: int = 0
     attempt: int = 1
     dlq_reasons: dict[int, str] = field(default_factory=dict)
+    replies: dict[int, bytes] = field(default_factory=dict)
+
+    def reply(self, message: MessageExt, body: bytes | str) -> None:
+        """Answer ``message``, a request (``Producer.request``), with ``body``. The reply
+        goes to the requester once this call acknowledges the message (``ack_index`` covers
+        it; a message retried is answered by the call that acknowledges it); with the
+        idempotency layer, once the message's dedup record is stored with the reply, so a
+        redelivered copy is answered with the same reply. ``ValueError`` for a message that
+        is no request."""
+        if not is_request(message):
+            raise ValueError(f"{message.topic}@{message.queue_offset} is no request (no "
+                             "reply channel): only messages sent by Producer.request have "
+                             "a requester to answer")
+        self.replies[message.queue_offset] = body.encode() if isinstance(body, str) \
+            else bytes(body)
 
     def acked(self, size: int) -> int:
         """How many of a batch of ``size`` messages a SUCCESS acknowledges: those up to

@@ -164,6 +164,8 @@ class ConcurrentConsumeService(ConsumeService):
                 self._expired[w] = False
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
         done, failed = batch[:result.acked], batch[result.acked:]
+        if ctx.replies and done:  # requests answered: their effect is done, whoever commits
+            self.send_replies(done, ctx.replies)
         if not self.assignment.current(pq, generation):
             # finished after the queue was released (the drain timeout passed) or dropped:
             # its next owner re-reads these messages from the committed offset; a send-back

@@ -195,6 +195,8 @@ class OrderlyConsumeService(ConsumeService):
             async with self._sem:
                 result = await self.runner.run_bounded(batch, ctx)
             acked = result.acked
+            if acked and ctx.replies:  # requests answered
+                self.send_replies(batch[:acked], ctx.replies)
             if acked:
                 pq.remove(batch[:acked])
                 r.stats["consumed"] += acked

@@ -12,6 +12,8 @@ and calls the listener through a :class:`~onceq.client.runner.ListenerRunner`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..log.record import MessageExt
 from ..protocol.codes import MAX_DLQ_REASON
 from ..protocol.requests import SendBack
@@ -39,9 +41,17 @@ class ConsumeService:
         self.offsets = offsets
         self.runner = runner
         self.clustering = config.model == MessageModel.CLUSTERING
+        # request-reply: sends the replies of acknowledged requests (responder.py)
+        self.replier: Callable[[list[MessageExt], dict[int, bytes]], None] | None = None
 
     def start(self) -> None:
         """Start background work (the consumer is running)."""
+
+    def send_replies(self, done: list[MessageExt], replies: dict[int, bytes]) -> None:
+        """The listener acknowledged ``done`` and answered requests (``ctx.replies``):
+        send those replies."""
+        if self.replier is not None:
+            self.replier(done, replies)
 
     async def stop(self) -> None:
         """Stop background work (after every queue was released)."""

@@ -36,6 +36,17 @@ class SendResult:
     duplicate: bool = False  # the broker had already stored this message (producer retry)
 
 
+def as_message(m: Message | bytes | str) -> Message:
+    """What ``send`` takes, as a ``Message``: bytes and str become its body."""
+    if isinstance(m, Message):
+        return m
+    if isinstance(m, str):
+        return Message(m.encode())
+    if isinstance(m, bytes | bytearray | memoryview):
+        return Message(bytes(m))
+    raise TypeError(f"cannot send {type(m).__name__}: use bytes, str or onceq.Message")
+
+
 def _local_ip() -> bytes:
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:

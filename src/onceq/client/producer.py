@@ -16,9 +16,11 @@ from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.replies import SendReply, TopicInfo
 from ..protocol.requests import GetTopic, Send, SendBatch, SendRecords
 from .base import BrokerClient, Connect
-from .connection import ConnectionLost, call
-from .message import Message, SendResult, UniqueKeyGenerator, encode_message
+from .connection import BrokerConnection, ConnectionLost, call
+from .message import Message, SendResult, UniqueKeyGenerator, as_message, encode_message
 from .queue_health import QueueHealth
+from .request_client import RequestChannel
+from .request_reply import Reply
 from .security import ClientSecurity
 
 log = logging.getLogger("onceq.client")
@@ -28,16 +30,6 @@ RETRY_BACKOFF_S = 0.05  # the first wait after a retriable broker code, doubled 
 
 # (number of queues of the topic, the message) -> queue id; for ordered messages
 QueueSelector = Callable[[int, Message], int]
-
-
-def _as_message(m: Message | bytes | str) -> Message:
-    if isinstance(m, Message):
-        return m
-    if isinstance(m, str):
-        return Message(m.encode())
-    if isinstance(m, bytes | bytearray | memoryview):
-        return Message(bytes(m))
-    raise TypeError(f"cannot send {type(m).__name__}: use bytes, str or onceq.Message")
 
 
 class Producer(BrokerClient):
@@ -94,6 +86,8 @@ class Producer(BrokerClient):
         self._rr: dict[str, int] = {}
         self._keys = UniqueKeyGenerator()
         self.health = QueueHealth()  # queues unkeyed sends avoid for a while
+        # request-reply: the reply channel and the requests waiting (request_client.py)
+        self.requests = RequestChannel(self.send, self._connection)
 
     async def queue_count(self, topic: str, refresh: bool = False) -> int:
         n = self._queues.get(topic)
@@ -107,7 +101,7 @@ class Producer(BrokerClient):
         if queue is not None:
             return queue
         if selector is not None:
-            qid = selector(n, _as_message(first))
+            qid = selector(n, as_message(first))
             if not isinstance(qid, int) or isinstance(qid, bool) or not 0 <= qid < n:
                 raise ValueError(f"selector returned {qid!r}: topic {topic!r} has queues "
                                  f"0..{n - 1}")
@@ -207,7 +201,7 @@ class Producer(BrokerClient):
             if type(m) is bytes:
                 add(encode_part(m, keys[i], now_ms))
             else:
-                msg = _as_message(m)
+                msg = as_message(m)
                 if msg.unique_key:
                     keys[i] = msg.unique_key
                 add(encode_message(msg, keys[i], now_ms))
@@ -215,6 +209,24 @@ class Producer(BrokerClient):
             return (Send if n == 1 else SendBatch), b"".join(
                 b"".join((_U32.pack(len(p)), p)) for p in parts), keys
         return SendRecords, encode_batch(parts, self.compression), keys
+
+    async def request(self, topic: str, message: Message | bytes | str, timeout: float = 3.0,
+                      *, sharding_key: str | None = None, queue: int | None = None,
+                      selector: QueueSelector | None = None) -> Reply:
+        """Send ``message`` as a request and return its reply (docs/request_reply.md). The
+        request is an ordinary durable message (sent like ``send``, to the queue chosen the
+        same way) carrying this producer's reply channel, a request id and its deadline; a
+        responder answers it with ``ctx.reply``. ``RequestTimeout`` (``REQUEST_TIMEOUT``)
+        when no reply comes within ``timeout`` seconds: the request may still be carried
+        out. Counters and round-trip percentiles: ``requests.stats``."""
+        return await self.requests.request(topic, message, timeout, sharding_key=sharding_key,
+                                           queue=queue, selector=selector)
+
+    def _on_push(self, code: int, header: dict[str, Any]) -> None:
+        self.requests.on_push(code, header)
+
+    async def _on_connected(self, conn: BrokerConnection) -> None:
+        await self.requests.on_connected(conn)
 
     async def send_oneway(self, topic: str, message: Message | bytes | str, *,
                           sharding_key: str | None = None, queue: int | None = None,

@@ -36,6 +36,7 @@ from .local_offsets import LocalOffsetStore
 from .offset_store import BrokerOffsets, LocalOffsets, OffsetStore
 from .pull import default_client_id
 from .push_config import MessageModel, PushConsumerConfig
+from .responder import ReplySender
 from .runner import ListenerRunner
 from .security import ClientSecurity
 
@@ -138,6 +139,7 @@ class PushConsumer(BrokerClient):
         assert listener is not None
         self.runner = ListenerRunner.start(listener, cfg.concurrency, cfg.consume_timeout_s)
         self.service = wire_service(self, self.runner)
+        self.service.replier = ReplySender(lambda: self._conn, self.stats).send
         coordinator.orderly = self.orderly
         coordinator.offsets, coordinator.service = self.offsets, self.service
         coordinator.fetcher = Fetcher(coordinator, cfg, self.owned, self.offsets,

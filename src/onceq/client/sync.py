@@ -15,6 +15,7 @@ from .producer import Producer
 from .pull import PullConsumer, PullResult
 from .push import Listener, PushConsumer
 from .push_config import PushConsumerConfig
+from .request_reply import Reply
 
 T = TypeVar("T")
 
@@ -74,6 +75,20 @@ class SyncProducer:
 
     def send_oneway(self, topic: str, message: Message | bytes | str, **kw: Any) -> None:
         self._lt.run(self._p.send_oneway(topic, message, **kw))
+
+    def request(self, topic: str, message: Message | bytes | str, timeout: float = 3.0,
+                **kw: Any) -> Reply:
+        """``Producer.request``: send a request, block until its reply (or
+        ``RequestTimeout``)."""
+        return self._lt.run(self._p.request(topic, message, timeout, **kw))
+
+    @property
+    def request_stats(self) -> dict[str, Any]:
+        """The request-reply counters and round-trip percentiles."""
+        return self._lt.run(self._request_stats())
+
+    async def _request_stats(self) -> dict[str, Any]:
+        return self._p.requests.stats
 
     def close(self) -> None:
         self._lt.close(self._p.close())

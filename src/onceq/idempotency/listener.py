@@ -70,9 +70,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..client.consume import ConsumeContext, ConsumeResult, ConsumeStatus, Listener, Rest
+from ..client.request_reply import is_request
 from ..log.record import MessageExt
 from .policy import Action, Ambiguous, Verdict, batch_reply, decide_action
 from .record import ClaimResult, FencingToken, Outcome, Record, Ticket, payload_hash
+from .replies import get_replies, put_replies
 from .retention import RetentionChecked
 from .store import (
     MAX_KEY_LEN,
@@ -295,6 +297,7 @@ class IdempotentListener(RetentionChecked):
             run_items: list[KeyClaim] = []
             run_index: list[int] = []
             overrides: dict[int, Record] = {}
+            answered: list[tuple[int, KeyClaim]] = []  # requests consumed before
             claimed = 0
             for j, item in enumerate(items):
                 i = j if where is None else where[j]
@@ -304,6 +307,9 @@ class IdempotentListener(RetentionChecked):
                                                   ctx.dlq_reasons, i)
                     if verdict is not None:
                         verdicts[i] = verdict
+                        if (res.outcome is Outcome.DUPLICATE and verdict is Verdict.ACK
+                                and is_request(msgs[i])):
+                            answered.append((i, item))
                         continue
                 else:
                     claimed += 1
@@ -313,6 +319,8 @@ class IdempotentListener(RetentionChecked):
                 run_index.append(i)
             if claimed:
                 self.stats["claimed"] += claimed
+            if answered:
+                await self._stored_replies(msgs, ctx, group, answered, verdicts)
             if run_items:
                 records = _FreshRecords(group, now, self.lease_s, self.retention_s, run_items,
                                         overrides)
@@ -378,7 +386,7 @@ class IdempotentListener(RetentionChecked):
         complete what it acknowledged and release the rest; the number acknowledged.
         ``index``: each message's index in the listener's batch (None: the same)."""
         sub = IdempotentContext(ctx.queue, len(batch) - 1, ctx.delay_level, ctx.group,
-                                records=records)
+                                replies=ctx.replies, records=records)
         token = self._hold(group, items)
         try:
             result = await self._call(batch, sub)
@@ -397,6 +405,8 @@ class IdempotentListener(RetentionChecked):
         self.stats["handled"] += acked
         if acked:
             done = items if acked == len(items) else items[:acked]
+            if ctx.replies:  # requests answered: their replies go into their records first
+                await self._keep_replies(group, done, batch, ctx.replies)
             won = await self._complete(group, done)
             if not all(won):
                 for item, ok in zip(done, won, strict=True):
@@ -414,6 +424,49 @@ class IdempotentListener(RetentionChecked):
                 self.stats["store_errors"] += 1
                 log.warning("could not release %d claim(s): %s", len(failed), exc)
         return acked
+
+    async def _keep_replies(self, group: str, done: list[KeyClaim], batch: list[MessageExt],
+                            replies: dict[int, bytes]) -> None:
+        """Store the replies of the requests of ``done`` (their claims, still
+        ``CONSUMING``) in their dedup records, before their completion
+        (``replies.py``)."""
+        rows = [(t, k, o, replies[m.queue_offset])
+                for (t, k, o, _), m in zip(done, batch[:len(done)], strict=True)
+                if m.queue_offset in replies]
+        if not rows:
+            return
+        try:
+            kept = await put_replies(self.store, group, rows)
+        except StoreError as exc:
+            self.stats["store_errors"] += 1
+            log.warning("%d reply(ies) sent but not kept: a redelivered copy of those "
+                        "requests gets no reply: %s", len(rows), exc)
+            return
+        self.stats["replies_kept"] += sum(kept)
+        if not all(kept):
+            self.stats["replies_not_kept"] += len(kept) - sum(kept)
+
+    async def _stored_replies(self, msgs: list[MessageExt], ctx: ConsumeContext, group: str,
+                              answered: list[tuple[int, KeyClaim]],
+                              verdicts: list[Verdict | None]) -> None:
+        """Copies of requests consumed before: answer them with the replies their records
+        keep (``ctx.replies``). When the store cannot say, they are consumed later."""
+        try:
+            stored = await get_replies(self.store, group, [(t, k) for _, (t, k, _, _)
+                                                            in answered])
+        except StoreError as exc:
+            self.stats["store_errors"] += 1
+            log.warning("stored replies of %d request(s) unavailable, consumed later: %s",
+                        len(answered), exc)
+            for i, _ in answered:
+                verdicts[i] = Verdict.LATER
+            return
+        for (i, _), reply in zip(answered, stored, strict=True):
+            if reply is None:
+                self.stats["replies_missing"] += 1
+            else:
+                ctx.replies[msgs[i].queue_offset] = reply
+                self.stats["replies_replayed"] += 1
 
     async def _complete(self, group: str, items: list[KeyClaim]) -> list[bool]:
         """Mark ``CONSUMED``, retrying a failing store briefly: a record left ``CONSUMING``
@@ -497,7 +550,8 @@ class IdempotentListener(RetentionChecked):
             log.warning("fail_open: consuming %s@%d key %s WITHOUT dedup (store error: %s)",
                         m.topic, m.queue_offset, m.unique_key, exc)
         sub = IdempotentContext(ctx.queue, ctx.ack_index, ctx.delay_level, ctx.group,
-                                ctx.suspend_ms, ctx.attempt, ctx.dlq_reasons, unguarded=True)
+                                ctx.suspend_ms, ctx.attempt, ctx.dlq_reasons, ctx.replies,
+                                unguarded=True)
         result = await self._call(msgs, sub)
         if not result.acked and result.rest is Rest.RETRY and not result.delay_level:
             return ConsumeStatus.RECONSUME_LATER

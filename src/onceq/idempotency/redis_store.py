@@ -18,6 +18,7 @@ one Redis server (no cross-slot batches on a cluster).
 from __future__ import annotations
 
 import asyncio
+import base64
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -225,6 +226,24 @@ class _Lane:
         self.queue: list[tuple[list[Any], asyncio.Future[Any]]] = []
 
 
+# request-reply (replies.py): the reply of each key (base64, field ``rp``) if the owner still
+# holds its CONSUMING claim. ARGV: now, then owner and reply per key.
+_PUT_REPLIES = """
+local now = tonumber(ARGV[1])
+local out = {}
+for i, k in ipairs(KEYS) do
+  local r = redis.call('HMGET', k, 'st', 'own', 'ex')
+  if r[1] == 'CONSUMING' and r[2] == ARGV[2 * i] and r[3] and tonumber(r[3]) > now then
+    redis.call('HSET', k, 'rp', ARGV[2 * i + 1])
+    out[i] = 1
+  else
+    out[i] = 0
+  end
+end
+return out
+"""
+
+
 def _size(batch: Any) -> int:
     """Keys in a waiting batch: a list of claims or tickets, or a listener operation
     (``("claim" | "complete", group, items, ...)``)."""
@@ -265,6 +284,7 @@ class RedisStore:
         self._claim = self._redis.register_script(_CLAIM)
         self._cas_script = self._redis.register_script(_CAS)
         self._ops_script = self._redis.register_script(_OPS)
+        self._put_replies_script = self._redis.register_script(_PUT_REPLIES)
         self._lanes: dict[tuple[Any, ...], _Lane] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -515,6 +535,34 @@ class RedisStore:
             raise StoreError(f"redis dedup store: {type(exc).__name__}: {exc}") from exc
         rec = self._record(group, topic, key, f)
         return rec if rec is not None and rec.alive(self.clock()) else None
+
+    async def put_replies(self, group: str, items: Sequence[tuple[str, str, str, bytes]]
+                          ) -> list[bool]:
+        """``replies.put_replies``: one script call for the batch."""
+        if not items:
+            return []
+        args: list[Any] = [repr(self.clock())]
+        for _, _, owner, reply in items:
+            args += [owner, base64.b64encode(reply).decode()]
+        out = await self._call(self._put_replies_script,
+                               [self._key(group, t, k) for t, k, _, _ in items], args)
+        return [bool(int(x)) for x in out]
+
+    async def get_replies(self, group: str, keys: Sequence[tuple[str, str]]
+                          ) -> list[bytes | None]:
+        """``replies.get_replies``: the reply field of each ``CONSUMED`` record."""
+        if not keys:
+            return []
+        now = self.clock()
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for t, k in keys:
+                    pipe.hmget(self._key(group, t, k), ["st", "ex", "rp"])
+                rows = await pipe.execute()
+        except self._errors as exc:
+            raise StoreError(f"redis dedup store: {type(exc).__name__}: {exc}") from exc
+        return [base64.b64decode(rp) if st == Status.CONSUMED.value and rp is not None
+                and ex is not None and float(ex) > now else None for st, ex, rp in rows]
 
     async def purge_expired(self, limit: int = 1000, updated_before: float = 0.0) -> int:
         """Redis removes records itself when their TTL ends; records whose expiry passed on

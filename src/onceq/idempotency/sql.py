@@ -201,6 +201,7 @@ class SqlStore:
                     cur.execute(stmt)
                 conn.commit()
                 self._add_history_column(conn)
+                self._add_reply_column(conn)
                 break
             except self.dialect.errors:
                 # another process created the table at the same instant: look again
@@ -222,6 +223,25 @@ class SqlStore:
             cur = conn.cursor()
             cur.execute(self._sql("ALTER TABLE {t} ADD COLUMN history TEXT"))
             conn.commit()
+
+    def _add_reply_column(self, conn: Any) -> None:
+        """The ``reply`` column (request-reply, ``replies.py``): added to a table that has
+        none, whenever it was made; the other statements never name it."""
+        cur = conn.cursor()
+        try:
+            cur.execute(self._sql("SELECT reply FROM {t} WHERE 1 = 0"))
+            cur.fetchall()
+            conn.commit()
+            return
+        except self.dialect.errors:
+            conn.rollback()
+        blob = {"sqlite": "BLOB", "postgresql": "BYTEA"}.get(self.dialect.name, "LONGBLOB")
+        cur = conn.cursor()
+        try:
+            cur.execute(self._sql(f"ALTER TABLE {{t}} ADD COLUMN reply {blob}"))
+            conn.commit()
+        except self.dialect.errors:  # another process added it at the same instant
+            conn.rollback()
 
     def _tx(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(cursor, now, *args)`` in one transaction on this thread's connection."""
@@ -738,6 +758,45 @@ class SqlStore:
         return [st == Status.CONSUMING.value for st in self._cas_update(
             cur, now, tickets, "extended", "lease_until = ?, updated_at = ?, expires_at = ?",
             (now + lease_s, now, now + lease_s + retention_s))]
+
+    # ------------------------------------------------------------------ replies
+    async def put_replies(self, group: str, items: Sequence[tuple[str, str, str, bytes]]
+                          ) -> list[bool]:
+        """``replies.put_replies``: each reply into its record while the owner token holds
+        its ``CONSUMING`` claim (one statement per reply, in one transaction)."""
+        if not items:
+            return []
+        return await self._run(self._put_replies_tx, group, list(items))
+
+    def _put_replies_tx(self, cur: Any, now: float, group: str,
+                        items: list[tuple[str, str, str, bytes]]) -> list[bool]:
+        out = [False] * len(items)
+        sql = self._sql("UPDATE {t} SET reply = ? WHERE grp = ? AND topic = ? AND dkey = ? "
+                        "AND owner = ? AND status = ? AND expires_at > ?")
+        for i in sorted(range(len(items)), key=lambda i: items[i][:2]):  # the lock order
+            topic, key, owner, reply = items[i]
+            cur.execute(sql, (bytes(reply), group, topic, key, owner,
+                              Status.CONSUMING.value, now))
+            out[i] = cur.rowcount == 1
+        return out
+
+    async def get_replies(self, group: str, keys: Sequence[tuple[str, str]]
+                          ) -> list[bytes | None]:
+        """``replies.get_replies``: the reply kept in each ``CONSUMED`` record."""
+        if not keys:
+            return []
+
+        def tx(cur: Any, now: float) -> list[bytes | None]:
+            out: list[bytes | None] = []
+            sql = self._sql("SELECT reply FROM {t} WHERE grp = ? AND topic = ? AND dkey = ? "
+                            "AND status = ? AND expires_at > ?")
+            for topic, key in keys:
+                cur.execute(sql, (group, topic, key, Status.CONSUMED.value, now))
+                row = cur.fetchone()
+                out.append(None if row is None or row[0] is None else bytes(row[0]))
+            return out
+
+        return await self._run(tx)
 
     # ------------------------------------------------------------------ operator view
     async def get(self, group: str, topic: str, key: str) -> Record | None:

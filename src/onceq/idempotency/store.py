@@ -191,6 +191,7 @@ class MemoryStore:
     def __init__(self, clock: Clock = time.time) -> None:
         self.clock = clock
         self._recs: dict[tuple[str, str, str], Record] = {}
+        self._replies: dict[tuple[str, str, str], bytes] = {}  # request-reply (replies.py)
 
     async def claim_many(self, claims: Sequence[Claim]) -> list[ClaimResult]:
         now = self.clock()
@@ -237,7 +238,33 @@ class MemoryStore:
                 if not r.alive(now) or r.updated_at < updated_before][:limit]
         for k in dead:
             del self._recs[k]
+            self._replies.pop(k, None)
         return len(dead)
+
+    async def put_replies(self, group: str, items: Sequence[tuple[str, str, str, bytes]]
+                          ) -> list[bool]:
+        now = self.clock()
+        out = []
+        for topic, key, owner, reply in items:
+            k = (group, topic, key)
+            rec = self._recs.get(k)
+            ok = (rec is not None and rec.owner == owner and rec.alive(now)
+                  and rec.status is Status.CONSUMING)
+            if ok:
+                self._replies[k] = bytes(reply)
+            out.append(ok)
+        return out
+
+    async def get_replies(self, group: str, keys: Sequence[tuple[str, str]]
+                          ) -> list[bytes | None]:
+        now = self.clock()
+        out: list[bytes | None] = []
+        for topic, key in keys:
+            k = (group, topic, key)
+            rec = self._recs.get(k)
+            done = rec is not None and rec.alive(now) and rec.status is Status.CONSUMED
+            out.append(self._replies.get(k) if done else None)
+        return out
 
     async def stats(self) -> StoreStats:
         now = self.clock()

@@ -46,6 +46,10 @@ class RequestCode(IntEnum):
     # where an epoch of the leader's log ends (to cut a divergent tail after a failover)
     REPLICA_FETCH = 80
     REPLICA_EPOCH_END = 81
+    # request-reply (docs/request_reply.md): a requester names its reply channel on its
+    # connection; a responder's reply goes to that connection as a REPLY push
+    REPLY_CHANNEL = 90
+    REPLY = 91
 
 
 class PushCode(IntEnum):
@@ -53,6 +57,7 @@ class PushCode(IntEnum):
 
     GROUP_CHANGED = 100
     OFFSETS_RESET = 101  # a forced offset reset: drop those queues and take them again
+    REPLY = 102  # the reply to a request this client made (request-reply), never coalesced
 
 
 SYSTEM_PREFIX = "%"  # topic names the broker keeps for itself start with it (below)

@@ -50,6 +50,7 @@ class ErrorCode(IntEnum):
     ACCESS_DENIED = 52  # the user has no grant for the request (or a deny)
     USER_NOT_EXIST = 53
     USER_EXISTS = 54
+    REQUEST_TIMEOUT = 55  # request-reply: no reply within the request's timeout
     QUEUE_FULL = 56  # the queue's fuse: its slowest consumer group is too far behind
 
 
@@ -113,6 +114,8 @@ DEFAULT_MESSAGES: dict[ErrorCode, str] = {
     ErrorCode.ACCESS_DENIED: "access denied",
     ErrorCode.USER_NOT_EXIST: "no such user",
     ErrorCode.USER_EXISTS: "the user already exists",
+    ErrorCode.REQUEST_TIMEOUT: "no reply within the request's timeout: the request may "
+                               "still be carried out",
     ErrorCode.QUEUE_FULL: "the queue's backlog is past its fuse: send to another queue, "
                           "or later",
 }

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .codes import PullStatus, PushCode, RequestCode
-from .schema import Message, field, invalid, message, p_int, p_int_list
+from .schema import Message, field, invalid, message, p_any, p_int, p_int_list
 
 
 def p_status(name: str, value: Any) -> PullStatus:
@@ -276,6 +276,16 @@ class Grants(Message):
     grants: list[Any]  # {"user", "kind", "pattern", "actions", "decision", "sources"}
 
 
+@message()
+class Routed(Message):
+    """Where a reply went: to its requester's connection (``delivered``), else dropped and
+    why (``reason``: ``late``, past the request's deadline; ``gone``, no connection has
+    the reply channel)."""
+
+    delivered: bool
+    reason: str = ""
+
+
 # ------------------------------------------------------------------ pushes
 @message()
 class ReplicaData(Message):
@@ -318,8 +328,18 @@ class OffsetsReset(Message):
     queues: list[Any]  # [topic, queue]
 
 
+@message(PushCode.REPLY)
+class ReplyPush(Message):
+    """The reply to request ``id`` (``body``: bytes) on the requester's reply ``channel``."""
+
+    channel: str
+    id: str
+    body: Any = field(None, parse=p_any)
+
+
 PUSHES: dict[int, type[Message]] = {GroupChanged.CODE: GroupChanged,
-                                    OffsetsReset.CODE: OffsetsReset}
+                                    OffsetsReset.CODE: OffsetsReset,
+                                    ReplyPush.CODE: ReplyPush}
 
 R = RequestCode
 REPLY_OF: dict[int, type[Message]] = {
@@ -337,4 +357,5 @@ REPLY_OF: dict[int, type[Message]] = {
     R.USER_UPDATE: UserInfo, R.USER_DELETE: Empty, R.USER_LIST: Users,
     R.ACL_GRANT: AclChanged, R.ACL_REVOKE: AclChanged, R.ACL_LIST: Grants,
     R.REPLICA_FETCH: ReplicaData, R.REPLICA_EPOCH_END: EpochEnd,
+    R.REPLY_CHANNEL: Empty, R.REPLY: Routed,
 }

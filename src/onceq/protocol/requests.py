@@ -441,6 +441,29 @@ class ReplicaEpochEnd(Message):
     epoch: int
 
 
+# ------------------------------------------------------------------ request-reply
+@message(RequestCode.REPLY_CHANNEL)
+class ReplyChannel(Message):
+    """A requester's reply channel (its own name, unique per requester): the broker sends
+    the replies of its requests to this connection until it closes."""
+
+    channel: str
+
+
+@message(RequestCode.REPLY)
+class RouteReply(Message):
+    """A responder's reply to request ``id`` of reply channel ``channel`` (both from the
+    request's properties), with the request's ``topic``, its ``deadline`` and the time it
+    was sent (``born``), ms since the epoch (0: none); ``payload`` is the reply's body."""
+
+    channel: str
+    id: str
+    topic: str = ""
+    deadline: int = 0
+    born: int = 0
+    payload: bytes = b""
+
+
 REQUESTS: dict[int, type[Message]] = {
     cls.CODE: cls for cls in (
         Send, SendBatch, SendRecords, SendSequenced, SendBack, Pull, QueryOffsets, SearchOffset,
@@ -448,5 +471,6 @@ REQUESTS: dict[int, type[Message]] = {
         ListTopics, GetTopic, TopicStatus, Heartbeat, Unregister, ListGroupMembers,
         ListGroups, QueryAccessLocks, LockQueues, UnlockQueues, Ping, BrokerStatus,
         QueryMessage, GroupTrace, Authenticate, UserCreate, UserUpdate, UserDelete, UserList,
-        AclGrant, AclRevoke, AclList, ReplicaFetch, ReplicaEpochEnd)
+        AclGrant, AclRevoke, AclList, ReplicaFetch, ReplicaEpochEnd, ReplyChannel,
+        RouteReply)
 }
