@@ -75,6 +75,7 @@ from .limits import ConnectionGuard
 from .metrics import BrokerMetrics, start_metrics
 from .ownership_service import OwnershipService
 from .pull import PullService
+from .queue_scaler import QueueScaler
 from .recent_errors import RecentErrors
 from .reply_route import ReplyRoutes
 from .retry import RetryService, parse_delay_levels
@@ -126,6 +127,12 @@ class Broker:
                             topic_for_write=self.sends.topic_for_write,
                             forget_topic=self._forget_topic, off_loop=self._off_loop,
                             log_durable=self._log_durable)
+        # queues that follow a consumer group (queue_scaler.py)
+        self.scaling = topics.scaling = QueueScaler(
+            self.store, self.groups, clock, grace_s=config.queue_scaling_grace_s,
+            settle_s=config.queue_scaling_settle_s,
+            start_hold_s=config.access_lock_restore_hold_s, wake=self.pulls.wake)
+        self.consumer_groups.on_members = self.scaling.on_members
         self.security = Security(config, clock)  # users, grants, the audit log
         self.recent_errors = RecentErrors()  # for BROKER_STATUS, while the broker runs
         self.replies = ReplyRoutes(clock)  # request-reply: reply channels, replies routed
@@ -185,6 +192,8 @@ class Broker:
             **self.security.handlers(),
             **self.replies.handlers(),
         }
+        self.scaling.guard(handlers, Send, SendBatch, SendRecords, SendSequenced)
+        self.pulls.visible_end = self.scaling.read_limit(self.pulls.visible_end)
         # request code -> (its request type, its handler)
         self.handlers: dict[int, tuple[type[Message], Handler]] = {
             cls.CODE: (cls, h) for cls, h in handlers.items()}
@@ -242,6 +251,7 @@ class Broker:
             loop.create_task(self._every(cfg.retention_check_s, self._retention)),
             loop.create_task(self._save_locks()),
             loop.create_task(self._every(self.guard.interval, self._sweep_connections)),
+            loop.create_task(self._every(self.scaling.tick_s, self.scaling.tick)),
         ]
         log.info("broker listening on %s:%d (flush=%s)", cfg.host, self.port, cfg.store.flush)
         if self.cluster is not None:

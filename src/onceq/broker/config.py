@@ -47,6 +47,11 @@ class BrokerConfig:
     # it re-asserts or gives it up first; covers the clients' reconnect and first heartbeat
     access_lock_restore_hold_s: float = 20.0
     queue_lock_expiry_s: float = 60.0  # orderly queue locks not renewed this long are free
+    # queues that follow a consumer group (queue_scaler.py, docs/queue_scaling.md): how long
+    # producers may write with a topic's old write count (above their 5 s refresh of it),
+    # and how long a group's size must hold before the counts follow it
+    queue_scaling_grace_s: float = 10.0
+    queue_scaling_settle_s: float = 5.0
     # per-connection limits (broker/connection.py, broker/limits.py; docs/broker.md)
     max_output_bytes: int = 64 * 1024 * 1024  # queued for one client: above, it is dropped
     read_timeout_s: float = 30.0  # a frame started must be complete within this (0: off)
@@ -161,6 +166,8 @@ class BrokerConfig:
                              f"1..65535, not {self.metrics_port}")
         self.validate_grpc()
         self.validate_cluster()
+        if self.queue_scaling_grace_s < 0 or self.queue_scaling_settle_s < 0:
+            raise ValueError("queue_scaling_grace_s and queue_scaling_settle_s must be >= 0")
         if self.access_lock_stable_checks < 1:
             raise ValueError("access_lock_stable_checks must be >= 1")
 

@@ -79,6 +79,8 @@ class ConsumerGroupService:
         self.started = clock()
         self.max_groups = MAX_GROUPS
         self.max_groups_per_client = MAX_GROUPS_PER_CLIENT
+        # told of every membership change first (queue_scaler.py: topics following a group)
+        self.on_members: Callable[[str], None] | None = None
 
     # ---------------------------------------------------------------- membership
     def h_heartbeat(self, call: Call, req: Heartbeat) -> HeartbeatReply:
@@ -169,6 +171,8 @@ class ConsumerGroupService:
         self.trace.member(group, client_id, reason)
         if reason in ("leave", "disconnect", "expired"):
             self.owners.member_gone(group, client_id, reason)
+        if self.on_members is not None:
+            self.on_members(group)
         for m in self.groups.members(group):
             m.conn.push(GroupChanged(group, client_id, reason))
 

@@ -150,6 +150,13 @@ _META: dict[str, tuple[str, float | None, float | None]] = {
     "access_lock_restore_hold_s": ("After a restart, a saved holder keeps its queues this "
                                    "long unless it re-asserts or gives them up, seconds "
                                    "(0.001..86400).", 0.001, DAY_S),
+    "queue_scaling_grace_s": ("After a topic that follows a group changes its write "
+                              "count, producers may write with the old count this long, "
+                              "seconds (keep it above the producers' 5 s refresh; at most "
+                              "86400).", 0, DAY_S),
+    "queue_scaling_settle_s": ("A group's size must hold this long before the queues of "
+                               "the topics following it change, seconds (at most 86400).",
+                               0, DAY_S),
     "max_output_bytes": ("Bytes queued for one client above which it is disconnected as a "
                          "slow consumer (at most 16 GiB).", 1, 16 * GIB),
     "read_timeout_s": ("A frame once started must be complete within this, seconds "

@@ -1,8 +1,10 @@
 """Topic administration: ``CREATE_TOPIC``, ``DELETE_TOPIC``, ``LIST_TOPICS``, ``GET_TOPIC``
-and ``TOPIC_STATUS`` (per queue: offsets and store times). System topics (``%...``) are
-created and deleted by the broker only: a client deleting ``%SCHEDULE%`` would drop every
-pending retry, ``%TRACE%`` the audit's evidence. The internal offsets journal topic is not
-listed either."""
+and ``TOPIC_STATUS`` (per queue: offsets and store times). A ``CREATE_TOPIC`` naming a
+``follow_group`` makes the topic's queues follow that group (``queue_scaler.py``).
+
+System topics (``%...``) are created and deleted by the broker only: a client deleting
+``%SCHEDULE%`` would drop every pending retry, ``%TRACE%`` the audit's evidence. The
+internal offsets journal topic is not listed either."""
 
 from __future__ import annotations
 
@@ -17,13 +19,14 @@ from ..protocol.replies import Empty, TopicInfo, TopicList, TopicStatusReply
 from ..protocol.requests import CreateTopic, DeleteTopic, GetTopic, ListTopics, TopicStatus
 from ..storage.errors import StorageError
 from ..storage.failures import storage_error
-from ..storage.topics import MAX_QUEUES, check_name
+from ..storage.topics import MAX_QUEUES, TopicConfig, check_name
 from .fields import Call, Handler, client_written_topic
 from .store_errors import wire_error
 
 if TYPE_CHECKING:
     from ..protocol.schema import Message
     from ..storage.store import MessageStore
+    from .queue_scaler import QueueScaler
 
 log = logging.getLogger("onceq.broker")
 
@@ -50,6 +53,7 @@ class TopicAdmin:
         self._serial = asyncio.Lock()  # one client's topic change at a time, in order
         self._pending = 0  # client topic changes waiting or running
         self._tasks: set[asyncio.Task[None]] = set()
+        self.scaling: QueueScaler | None = None  # set by the broker
 
     def handlers(self) -> dict[type[Message], Handler]:
         return {CreateTopic: self.h_create_topic, DeleteTopic: self.h_delete_topic,
@@ -60,6 +64,9 @@ class TopicAdmin:
         """A topic already as asked (or a refusal) is answered at once; a new or grown one
         once the topics table is written, in a thread (``_change``)."""
         name = client_written_topic(req.topic)
+        if req.follow_group is not None:
+            self._later(call, self._change(self._follow, name, req))
+            return None
         queues = self.default_queues if req.queues is None else req.queues
         old = self.store.topics.get(name)
         if not self._pending:  # else after the changes that came before it
@@ -118,7 +125,32 @@ class TopicAdmin:
     def _create(self, name: str, queues: int) -> TopicInfo:
         t = self.store.create_topic(name, queues)
         log.info("topic %s created/updated with %d queues", name, t.queues)
-        return TopicInfo(t.name, t.queues)
+        return topic_info(t)
+
+    async def _follow(self, name: str, req: CreateTopic) -> TopicInfo:
+        """Make topic ``name`` (created when missing, with ``min_queues`` queues or the
+        count asked) follow ``req.follow_group`` ("": its counts stay as they are)."""
+        if self.scaling is None:
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "queue scaling is not available")
+        group = req.follow_group or None
+        if group is not None:
+            check_name("group", group)
+        old = self.store.topics.get(name)
+        lo = 1 if req.min_queues is None else req.min_queues
+        hi = req.max_queues
+        if hi is None:
+            hi = max(lo, old.queues if old is not None else
+                     (req.queues or self.default_queues))
+        if not 1 <= lo <= hi <= MAX_QUEUES:
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT, f"queue bounds must be 1 <= min "
+                             f"<= max <= {MAX_QUEUES} (got {lo}..{hi})")
+        if old is None or (req.queues is not None and req.queues > old.queues):
+            await self._grow(name, req.queues or lo, req.exclusive)
+        elif req.exclusive:
+            raise OnceqError(ErrorCode.TOPIC_EXISTS, f"topic {name!r} already exists")
+        t = self.scaling.follow(name, group, lo, hi, req.key_order)
+        log.info("topic %s follows group %s: %d..%d queues", name, group, lo, hi)
+        return topic_info(t)
 
     async def _delete(self, name: str) -> Empty:
         self.store.get_topic(name)  # deleted meanwhile: TOPIC_NOT_EXIST
@@ -173,7 +205,7 @@ class TopicAdmin:
     def h_get_topic(self, call: Call, req: GetTopic) -> TopicInfo:
         self.topic_for_write(req.topic)
         t = self.store.get_topic(req.topic)
-        return TopicInfo(t.name, t.queues)
+        return topic_info(t)
 
     def h_topic_status(self, call: Call, req: TopicStatus) -> TopicStatusReply:
         """Per queue: min and max offsets, store times of the first and last message."""
@@ -186,4 +218,11 @@ class TopicAdmin:
             first, last = store.reader.store_times(topic, q)
             queues.append({"queue": q, "min": lo, "max": hi, "first_store_ms": first,
                            "last_store_ms": last})
-        return TopicStatusReply(topic, queues)
+        scaling = None if self.scaling is None else self.scaling.status(topic)
+        return TopicStatusReply(topic, queues, scaling)
+
+
+def topic_info(t: TopicConfig) -> TopicInfo:
+    """A topic as ``GET_TOPIC`` and ``CREATE_TOPIC`` answer it: the queues read, and the
+    queues written when fewer (a topic that follows a group, ``queue_scaler.py``)."""
+    return TopicInfo(t.name, t.readable, t.write_queues)

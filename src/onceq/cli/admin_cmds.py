@@ -34,11 +34,13 @@ def iso_ms(ms: int | None) -> str:
 @broker_option
 @async_command
 async def topic_status(topic_name: str, as_json: bool, broker: str) -> None:
-    """Queues of TOPIC: min and max offsets, messages, last store time (UTC)."""
+    """Queues of TOPIC: min and max offsets, messages, last store time (UTC); for a topic
+    whose queues follow a group, the queues read and written and what is draining."""
     async with Admin(broker) as admin:
         queues = await admin.topic_status(topic_name)
+        scaling = await admin.topic_scaling(topic_name)
     if as_json:
-        click.echo(json.dumps({"topic": topic_name, "queues": queues}))
+        click.echo(json.dumps({"topic": topic_name, "queues": queues, "scaling": scaling}))
         return
     table = Table("queue", "min offset", "max offset", "messages", "first store time",
                   "last store time", title=f"topic {topic_name}")
@@ -48,6 +50,65 @@ async def topic_status(topic_name: str, as_json: bool, broker: str) -> None:
     console.print(table)
     console.print(f"{sum(q['max'] - q['min'] for q in queues)} message(s) in "
                   f"{len(queues)} queue(s)")
+    if scaling is not None:
+        print_scaling(scaling)
+
+
+def print_scaling(s: dict[str, Any]) -> None:
+    """The queue scaling of a topic, as ``topic status`` and ``topic follow`` show it."""
+    who = (f"follows group {s['group']} ({s['members']} member(s))" if s["group"]
+           else "follows no group (counts frozen)")
+    grace = f"; old write count usable {s['grace_left_s']:.1f}s more" if s[
+        "grace_left_s"] else ""
+    console.print(Text(f"{who}, {s['min']}..{s['max']} queues: reads {s['read']}, writes "
+                       f"{s['write']}{grace}; key order across changes: "
+                       f"{'kept' if s['key_order'] else 'per queue only'}"))
+    for d in s["draining"]:
+        end = "(grace)" if d["end"] is None else d["end"]
+        console.print(Text(f"  draining queue {d['queue']} to {end}: waiting for "
+                           f"{', '.join(d['waiting']) or 'nobody'}"))
+    for g in s["gates"]:
+        parents = ", ".join(f"{p['queue']}@{'(grace)' if p['end'] is None else p['end']}"
+                            + (f" [{', '.join(p['waiting'])}]" if p["waiting"] else "")
+                            for p in g["parents"])
+        console.print(Text(f"  queue {g['queue']} read up to {g['start']} until consumed: "
+                           f"{parents}"))
+
+
+@click.command("follow")
+@click.argument("topic_name", metavar="TOPIC")
+@click.option("--group", "-g", default=None,
+              help="The consumer group whose size the queue counts follow.")
+@click.option("--off", is_flag=True, help="Follow no group: the counts stay as they are.")
+@click.option("--min-queues", default=1, show_default=True, type=click.IntRange(1, 1024))
+@click.option("--max-queues", default=None, type=click.IntRange(1, 1024),
+              help="[default: the topic's queue count]")
+@click.option("--queues", "-q", default=None, type=click.IntRange(1, 1024),
+              help="Queues of a topic created by this command [default: --min-queues].")
+@click.option("--key-order/--no-key-order", default=True, show_default=True,
+              help="A queue that receives moved keys waits until the queues they left are "
+                   "consumed (else key order holds per queue only).")
+@json_option
+@broker_option
+@async_command
+async def topic_follow(topic_name: str, group: str | None, off: bool, min_queues: int,
+                       max_queues: int | None, queues: int | None, key_order: bool,
+                       as_json: bool, broker: str) -> None:
+    """Make TOPIC's read and write queue counts follow a consumer group's size (created
+    when missing): a power of two at least the group's member count, within
+    --min-queues..--max-queues. Queues grow for writing at once and leave reading only
+    once every reading group has consumed them (docs/queue_scaling.md)."""
+    if (group is None) == (not off):
+        raise click.UsageError("give exactly one of --group and --off")
+    async with Admin(broker) as admin:
+        await admin.follow_group(topic_name, group, min_queues=min_queues,
+                                 max_queues=max_queues, queues=queues, key_order=key_order)
+        scaling = await admin.topic_scaling(topic_name)
+    if as_json:
+        click.echo(json.dumps({"topic": topic_name, "scaling": scaling}))
+    elif scaling is not None:
+        console.print(f"topic {topic_name}:")
+        print_scaling(scaling)
 
 
 # ---------------------------------------------------------------- message show
@@ -178,6 +239,7 @@ async def group_trace(group: str, state: str | None, broker: str) -> None:
 
 def register(main: click.Group) -> None:
     main.commands["topic"].add_command(topic_status)  # type: ignore[attr-defined]
+    main.commands["topic"].add_command(topic_follow)  # type: ignore[attr-defined]
     group = main.commands["group"]
     group.add_command(group_trace)  # type: ignore[attr-defined]
     group.add_command(offsets_reset, "reset-offsets")  # type: ignore[attr-defined]

@@ -141,7 +141,10 @@ class Admin(BrokerClient):
     async def create_topic(self, topic: str, queues: int = 8, *, exclusive: bool = False
                            ) -> dict[str, Any]:
         """Create a topic, or grow its queue count (``exclusive``: fail if it exists)."""
-        return _fields(await self._call(CreateTopic(topic, queues, exclusive)))
+        t = _fields(await self._call(CreateTopic(topic, queues, exclusive)))
+        if t.get("write_queues") is None:  # all its queues written: not said
+            t.pop("write_queues", None)
+        return t
 
     async def follow_group(self, topic: str, group: str | None, *, min_queues: int = 1,
                            max_queues: int | None = None, queues: int | None = None,

@@ -27,6 +27,7 @@ log = logging.getLogger("onceq.client")
 _U32 = struct.Struct("<I")
 _REFRESH_ON = (ErrorCode.TOPIC_NOT_EXIST, ErrorCode.INVALID_QUEUE)
 RETRY_BACKOFF_S = 0.05  # the first wait after a retriable broker code, doubled each time
+QUEUE_REFRESH_S = 5.0  # a topic's write queue count is fetched again this often
 
 # (number of queues of the topic, the message) -> queue id; for ordered messages
 QueueSelector = Callable[[int, Message], int]
@@ -83,6 +84,8 @@ class Producer(BrokerClient):
         self.retries = retries
         self.send_timeout = send_timeout
         self._queues: dict[str, int] = {}
+        self._queues_until: dict[str, float] = {}  # when each topic's count is fetched again
+        self.queue_refresh_s = QUEUE_REFRESH_S
         self._rr: dict[str, int] = {}
         self._keys = UniqueKeyGenerator()
         self.health = QueueHealth()  # queues unkeyed sends avoid for a while
@@ -91,9 +94,10 @@ class Producer(BrokerClient):
 
     async def queue_count(self, topic: str, refresh: bool = False) -> int:
         n = self._queues.get(topic)
-        if n is None or refresh:
+        if n is None or refresh or time.monotonic() >= self._queues_until[topic]:
             info: TopicInfo = await self._call(GetTopic(topic))
-            n = self._queues[topic] = info.queues
+            n = self._queues[topic] = info.write_queues or info.queues  # the written ones
+            self._queues_until[topic] = time.monotonic() + self.queue_refresh_s
         return n
 
     def _pick_queue(self, topic: str, n: int, sharding_key: str | None, queue: int | None,

@@ -80,7 +80,7 @@ class SequencedWriter(BrokerClient):
         while True:
             try:
                 info: TopicInfo = await self._call(GetTopic(topic))
-                return info.queues
+                return info.write_queues or info.queues  # the queues written
             except OnceqError as exc:
                 if not retriable(exc) or time.monotonic() + delay >= deadline:
                     raise

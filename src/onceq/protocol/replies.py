@@ -158,7 +158,8 @@ class ResetReply(Message):
 @message()
 class TopicInfo(Message):
     topic: str
-    queues: int
+    queues: int  # queues consumers read (0..queues - 1)
+    write_queues: int | None = None  # queues producers write (None: all ``queues``)
 
 
 @message()
@@ -170,6 +171,8 @@ class TopicList(Message):
 class TopicStatusReply(Message):
     topic: str
     queues: list[Any]  # per queue {"queue", "min", "max", "first_store_ms", "last_store_ms"}
+    # a topic whose queues follow a group: its counts, draining queues, gates
+    scaling: dict[str, Any] | None = None
 
 
 @message()

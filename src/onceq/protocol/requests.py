@@ -241,6 +241,12 @@ class CreateTopic(Message):
     topic: str
     queues: int | None = None  # None: the broker's default
     exclusive: bool = False  # refuse a topic that exists
+    # queues that follow a consumer group (docs/queue_scaling.md): "" stops following;
+    # min and max bound the write count (default 1 and the topic's queue count)
+    follow_group: str | None = None
+    min_queues: int | None = None
+    max_queues: int | None = None
+    key_order: bool = True  # a queue receiving moved keys waits for the queues they left
 
 
 @message(RequestCode.DELETE_TOPIC)

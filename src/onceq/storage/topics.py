@@ -13,6 +13,11 @@ Each entry of the table is checked at open against the bounds of a topic creatio
 name, 1..``MAX_QUEUES`` queues, a position and a time >= 0): an entry out of them is
 skipped (logged at ERROR), nothing is created for it, its index directory is left alone and
 the entry is kept as it is when the table is written again, for the operator to repair.
+
+A topic whose queues follow a consumer group (``broker/queue_scaling.py``) also keeps its
+read and write queue counts (``read_queues``, ``write_queues``: None when all ``queues`` are
+read and written) and the broker's scaling state (``scaling``, kept as written); an entry
+without them is a topic as older versions wrote it.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from .consumequeue import ConsumeQueue
@@ -59,6 +64,21 @@ class TopicConfig:
     queues: int
     created_position: int  # records before this commit-log position belong to older topics
     created_ms: int
+    # queues consumers read and producers write (None: all ``queues``): a topic that
+    # follows a consumer group reads and writes fewer while it scales (queue_scaling.py)
+    read_queues: int | None = None
+    write_queues: int | None = None
+    scaling: dict[str, Any] | None = None  # the broker's queue-scaling state, as written
+
+    @property
+    def readable(self) -> int:
+        """How many queues consumers read (queues 0..readable - 1)."""
+        return self.queues if self.read_queues is None else self.read_queues
+
+    @property
+    def writable(self) -> int:
+        """How many queues producers write (queues 0..writable - 1)."""
+        return self.queues if self.write_queues is None else self.write_queues
 
     @classmethod
     def from_json(cls, name: object, raw: object) -> TopicConfig:
@@ -79,11 +99,28 @@ class TopicConfig:
             raise ValueError(f"created_position {position!r} is not an integer >= 0")
         if not _count(ms):
             raise ValueError(f"created_ms {ms!r} is not an integer >= 0")
-        return cls(name, queues, position, ms)
+        read, write, scaling = (raw.get(k) for k in ("read_queues", "write_queues",
+                                                     "scaling"))
+        for key, n in (("read_queues", read), ("write_queues", write)):
+            if n is not None and (not _count(n) or not 1 <= n <= queues):
+                raise ValueError(f"{key} {n!r} is not 1..{queues}")
+        if read is not None and write is not None and write > read:
+            raise ValueError(f"write_queues {write} is above read_queues {read}")
+        if scaling is not None and not isinstance(scaling, dict):
+            raise ValueError(f"scaling {scaling!r} is not a map")
+        return cls(name, queues, position, ms, read, write, scaling)
 
     def to_json(self) -> dict:
-        return {"queues": self.queues, "created_position": self.created_position,
-                "created_ms": self.created_ms}
+        out: dict[str, Any] = {"queues": self.queues,
+                               "created_position": self.created_position,
+                               "created_ms": self.created_ms}
+        if self.read_queues is not None:
+            out["read_queues"] = self.read_queues
+        if self.write_queues is not None:
+            out["write_queues"] = self.write_queues
+        if self.scaling is not None:
+            out["scaling"] = self.scaling
+        return out
 
 
 def _count(value: object) -> bool:
@@ -98,8 +135,7 @@ def _merge_topic(table: dict[str, TopicConfig], t: TopicConfig
     cur = table.get(t.name)
     if cur is not None and cur.queues >= t.queues:
         return None
-    table[t.name] = t if cur is None else TopicConfig(
-        t.name, t.queues, cur.created_position, cur.created_ms)
+    table[t.name] = t if cur is None else replace(cur, queues=t.queues)
     return table
 
 
@@ -194,6 +230,36 @@ class Topics(Mapping[str, TopicConfig]):
         return {n: t.created_position for n, t in self._topics.items()}
 
     # ------------------------------------------------------------------ changes
+    def set_layout(self, name: str, read: int | None, write: int | None,
+                   scaling: dict[str, Any] | None) -> TopicConfig:
+        """Set the read and write queue counts of topic ``name`` (None: all its queues) and
+        its scaling state; written to the table (on the calling thread) before it changes
+        in memory. ``InvalidArgument`` when a count is outside 1..queues or write > read."""
+        t = self.lookup(name)
+        for n in (read, write):
+            if n is not None and not 1 <= n <= t.queues:
+                raise InvalidArgument(f"a read or write queue count must be 1..{t.queues}")
+        if (read if read is not None else t.queues) < (write if write is not None
+                                                        else t.queues):
+            raise InvalidArgument("a topic cannot write more queues than it reads")
+        self.gate.check_writable(space=False)
+
+        def change(table: dict[str, TopicConfig]) -> dict[str, TopicConfig] | None:
+            cur = table.get(name)
+            if cur is None:  # deleted meanwhile
+                return None
+            table[name] = replace(cur, read_queues=read, write_queues=write, scaling=scaling)
+            return table
+
+        try:
+            self._commit(change)
+        except OSError as exc:
+            self.errors.error("topics", "store: cannot change topic %s: %s", name, exc)
+            raise storage_error(exc, f"topic {name!r} was not changed") from None
+        new = self._topics[name] = replace(self._topics[name], read_queues=read,
+                                           write_queues=write, scaling=scaling)
+        return new
+
     def create(self, name: str, queues: int) -> TopicConfig:
         """Create topic ``name`` with ``queues`` queues, or grow it to that many.
 
@@ -218,7 +284,7 @@ class Topics(Mapping[str, TopicConfig]):
             if written is not None and written.queues >= queues:
                 t = written
             elif old is not None:
-                t = TopicConfig(name, queues, old.created_position, old.created_ms)
+                t = replace(old, queues=queues)
             else:
                 # the log must be durable up to created_position first: a log that ended
                 # below it after a power loss would make the new topic's records look like
