@@ -6,6 +6,8 @@ order per key."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from onceq.client.admin import Admin
@@ -90,6 +92,12 @@ async def test_a_slow_group_holds_the_backlog_at_the_fuse(tmp_path) -> None:
             metrics = await ascrape(f"http://127.0.0.1:{b.metrics.port}/metrics")
             assert get(metrics, "onceq_sends_refused_queue_full_total") == b.sends.fuse.refused
             assert get(metrics, "onceq_queue_fuses_tripped") == len(b.sends.fuse.tripped) > 0
+
+            if importlib.util.find_spec("starlette") is not None:  # the console extra
+                from tests.console.world import ConsoleConfig, console_client, text_of
+                async with console_client(ConsoleConfig(broker=addr)) as web:
+                    page = text_of((await web.get("/groups/slow/lag")).text)
+                assert f"TRIPPED (at {LIMIT})" in page
 
             stored = await _read_all(slow)
             bodies = [b for q in sorted(stored) for b in stored[q]]

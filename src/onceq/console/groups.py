@@ -35,7 +35,8 @@ def queue_rows(status: GroupStatus) -> list[dict[str, Any]]:
                      "owner": q.expected_owner, "lock_holder": q.lock_holder,
                      "deliver": q.deliver_offset, "in_flight": in_flight,
                      "handover_pending": q.handover_pending,
-                     "orderly_holder": q.orderly_holder, "orderly_age_s": q.orderly_age_s})
+                     "orderly_holder": q.orderly_holder, "orderly_age_s": q.orderly_age_s,
+                     "fuse_limit": q.fuse_limit, "fuse_tripped": q.fuse_tripped})
     return rows
 
 
