@@ -78,17 +78,18 @@ class Node:
 
 def make_group(tmp: Path, etcd: str, cluster: str, n: int = 3, *extra: str,
                etcds: list[str] | None = None, ports: list[int] | None = None,
-               advertised: list[str] | None = None) -> list[Node]:
+               advertised: list[str] | None = None, group: str = "g1") -> list[Node]:
     """``etcds``: one etcd endpoint per broker (a proxy each), instead of ``etcd``;
     ``ports``: the brokers' ports (default: free ones); ``advertised``: the address each
-    broker gives the others and the clients (``--advertised-address``, e.g. a proxy)."""
+    broker gives the others and the clients (``--advertised-address``, e.g. a proxy);
+    ``group``: the group's name (its brokers' data under ``tmp/b<i>``)."""
     nodes = []
     for i in range(1, n + 1):
         if etcds is not None:
             etcd = etcds[i - 1]
         data = tmp / f"b{i}" / "data"
         data.parent.mkdir(parents=True, exist_ok=True)
-        args = ["--cluster", f"etcd://{etcd}", "--cluster-name", cluster, "--group", "g1",
+        args = ["--cluster", f"etcd://{etcd}", "--cluster-name", cluster, "--group", group,
                 "--broker-id", str(i), "--session-ttl", "2", "--auto-create-topics",
                 "--replica-lag-max-ms", "1000", "--replica-ack-timeout-ms", "2000",
                 "--replica-fetch-wait-ms", "200", "--expiry-check", "0.2", *extra]

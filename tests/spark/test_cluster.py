@@ -52,3 +52,33 @@ def test_stream_through_a_group_across_a_leader_kill(spark, tmp_path, etcd_endpo
     finally:
         for n in nodes:
             n.kill()
+
+
+def test_the_source_and_sink_across_two_groups(spark, tmp_path, etcd_endpoint,
+                                               cluster_name):
+    """A topic spread over two broker groups: the sink writes each row to its queue's
+    group (writer sequences per (writer, queue) there), the source reads one partition per
+    queue wherever it lives; a re-run of the same writer id stores nothing more."""
+    from pyspark.sql import functions as F
+
+    from .test_sink import write
+
+    groups = [make_group(tmp_path / g, etcd_endpoint, cluster_name, 1, "--min-insync", "1",
+                         group=g) for g in ("g1", "g2")]
+    nodes = [n for ns in groups for n in ns]
+    try:
+        for ns in groups:
+            asyncio.run(leader_of(ns, timeout=20))
+        servers = ",".join(n.address for n in nodes)
+        create_topic(servers, "spread", 4)
+        df = spark.range(0, 1000, 1, 4).select(  # one queue per partition: all four
+            F.concat(F.lit("r"), F.col("id").cast("string")).alias("body"))
+        write(df, servers, "spread", writerId="spread-job-1")
+        write(df, servers, "spread", writerId="spread-job-1")  # a re-run: stored once
+        rows = read_all(spark, servers, "spread")
+        assert sorted(bytes(r["body"]) for r in rows) == sorted(
+            f"r{i}".encode() for i in range(1000))
+        assert {r["queue"] for r in rows} == {0, 1, 2, 3}
+    finally:
+        for n in nodes:
+            n.kill()

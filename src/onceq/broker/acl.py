@@ -155,6 +155,7 @@ REQUIRED: dict[type[Message], Callable[[Any], list[Need]]] = {
     rq.ReplicaEpochEnd: lambda r: [_c(U)],
     # request-reply: naming one's reply channel needs a user only; a reply needs Sub on the
     # request's topic (its responder consumed the request there)
+    rq.GetRoute: lambda r: [_t(r.topic, G)],
     rq.ReplyChannel: lambda r: [],
     rq.RouteReply: lambda r: [_t(r.topic, S)],
 }

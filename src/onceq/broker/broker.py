@@ -33,6 +33,8 @@ from ..protocol.replies import GroupChanged, Pong
 from ..protocol.requests import (
     REQUESTS,
     CommitOffset,
+    CreateTopic,
+    DeleteTopic,
     GetOffset,
     Heartbeat,
     ListGroupMembers,
@@ -79,6 +81,7 @@ from .queue_scaler import QueueScaler
 from .recent_errors import RecentErrors
 from .reply_route import ReplyRoutes
 from .retry import RetryService, parse_delay_levels
+from .routes import Routes
 from .security import Security
 from .send import SendService
 from .shared_security import SharedSecurity
@@ -164,6 +167,11 @@ class Broker:
             self.durable.replicated = node.replicated
             self.pulls.visible_end = node.visible_end
             self.admin.cluster_status = node.status
+        # topics over several broker groups: their routes in etcd (routes.py)
+        self.routes = Routes(self.store, config.default_queues,
+                             config.group if config.clustered else None,
+                             is_leader=lambda: self.cluster is not None
+                             and self.cluster.is_leader(), create_local=topics.ensure)
         groups, pulls, sends = self.consumer_groups, self.pulls, self.sends
         handlers: dict[type[Message], Handler] = {
             Ping: self.h_ping,
@@ -191,7 +199,13 @@ class Broker:
             **self.admin.handlers(),
             **self.security.handlers(),
             **self.replies.handlers(),
+            **self.routes.handlers(),
         }
+        if config.clustered:
+            self.routes.guard(handlers, Send, SendBatch, SendRecords, SendSequenced, Pull,
+                              QueryOffsets, SearchOffset, GetOffset, CommitOffset)
+            handlers[CreateTopic] = self.routes.creating(handlers[CreateTopic])
+            handlers[DeleteTopic] = self.routes.deleting(handlers[DeleteTopic])
         self.scaling.guard(handlers, Send, SendBatch, SendRecords, SendSequenced)
         self.pulls.visible_end = self.scaling.read_limit(self.pulls.visible_end)
         # request code -> (its request type, its handler)
@@ -258,6 +272,9 @@ class Broker:
             node = self.cluster
             node.start(self.port)
             self.retry.paused = lambda: not node.is_leader()  # a follower writes nothing
+            if node.role is not None:  # the topics' routes (etcd)
+                self.routes.attach(node.role.client, cfg.cluster_name)
+                self._tasks.append(loop.create_task(self.routes.run()))
             if cfg.acl and node.role is not None:  # users and grants: the cluster's (etcd)
                 shared = SharedSecurity(node.role.client, cfg.cluster_name, self.security)
                 self.security.shared = shared

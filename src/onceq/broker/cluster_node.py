@@ -36,7 +36,7 @@ log = logging.getLogger("onceq.broker")
 
 # what a follower answers itself; everything else is the leader's
 FOLLOWER_SERVES = frozenset({R.PING, R.AUTHENTICATE, R.BROKER_STATUS, R.LIST_TOPICS,
-                             R.REPLICA_FETCH, R.REPLICA_EPOCH_END})
+                             R.REPLICA_FETCH, R.REPLICA_EPOCH_END, R.GET_ROUTE})
 # client writes: refused before they are made while too few replicas are in sync
 CLIENT_WRITES = frozenset({R.SEND, R.SEND_BATCH, R.SEND_RECORDS, R.SEND_SEQUENCED,
                            R.CONSUMER_SEND_BACK})

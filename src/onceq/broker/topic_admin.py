@@ -99,6 +99,12 @@ class TopicAdmin:
                 self._pending -= 1
         return run()
 
+    async def ensure(self, name: str, queues: int) -> TopicInfo:
+        """Create topic ``name`` with ``queues`` queues (or grow it to them), as
+        ``CREATE_TOPIC`` does, in turn with the clients' changes (a broker group's leader
+        creating a topic its route places here: ``routes.py``)."""
+        return await self._change(self._grow, name, queues, False)  # type: ignore[return-value]
+
     async def _grow(self, name: str, queues: int, exclusive: bool) -> TopicInfo:
         """Create topic ``name`` or grow it: the index directories of its new queues, then
         (a new topic) the commit log durable up to where it starts, then the topics table,

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..client.route import cluster_status
-from ..cluster import EtcdClient, EtcdError, current_leader, members, read_isr
+from ..cluster import EtcdClient, EtcdError, current_leader, members, read_isr, read_routes
 from ..cluster._keys import ROOT, check_name
 from .common import async_command, fail
 
@@ -69,7 +69,10 @@ async def cluster_view(endpoints: str, cluster: str) -> dict[str, Any]:
                        "published_isr": None if isr is None else list(isr.members),
                        "isr_epoch": None if isr is None else isr.epoch,
                        "members": rows})
-    return {"cluster": cluster, "etcd": etcd, "groups": groups}
+    routes = {t: {"queues": r.queues, "placement": list(r.placement),
+                  "by_group": {g: r.queues_of(g) for g in r.groups}}
+              for t, r in sorted((await read_routes(client, cluster)).items())}
+    return {"cluster": cluster, "etcd": etcd, "groups": groups, "routes": routes}
 
 
 def _print(view: dict[str, Any]) -> None:
@@ -90,6 +93,24 @@ def _print(view: dict[str, Any]) -> None:
                           "-" if m["lag"] is None else str(m["lag"]),
                           "yes" if m["in_sync"] else "no")
         console.print(table)
+    if view.get("routes"):
+        table = Table("topic", "queues", "placement (group: queues)",
+                      title="topics spread over groups")
+        for topic, r in view["routes"].items():
+            table.add_row(topic, str(r["queues"]), "; ".join(
+                f"{g}: {_ranges(qs)}" for g, qs in r["by_group"].items()))
+        console.print(table)
+
+
+def _ranges(queues: list[int]) -> str:
+    """[0, 2, 4] -> "0, 2, 4"; [0, 1, 2, 5] -> "0-2, 5"."""
+    out: list[str] = []
+    for q in queues:
+        if out and out[-1].split("-")[-1] == str(q - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{q}"
+        else:
+            out.append(str(q))
+    return ", ".join(out)
 
 
 def register(main: click.Group) -> None:

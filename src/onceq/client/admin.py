@@ -173,11 +173,14 @@ class Admin(BrokerClient):
         return reply.topics
 
     async def queue_count(self, topic: str) -> int:
+        route = await self.links.route(topic)  # spread over groups: its placement
+        if route is not None:
+            return len(route.placement)
         reply: TopicInfo = await self._call(GetTopic(topic))
         return reply.queues
 
     async def queue_offsets(self, topic: str, queue: int) -> tuple[int, int]:
-        reply: QueueOffsets = await self._call(QueryOffsets(topic, queue))
+        reply: QueueOffsets = await self.links.call_at(topic, queue, QueryOffsets(topic, queue))
         return reply.min, reply.max
 
     async def topic_offsets(self, topic: str) -> list[tuple[int, int]]:
@@ -186,7 +189,8 @@ class Admin(BrokerClient):
 
     async def group_offset(self, group: str, topic: str, queue: int) -> int | None:
         """``group``'s committed offset on the queue, None when it has none."""
-        reply: OffsetReply = await self._call(GetOffset(group, topic, queue))
+        reply: OffsetReply = await self.links.call_at(topic, queue,
+                                                      GetOffset(group, topic, queue))
         return reply.committed
 
     async def reset_offsets(self, group: str, topic: str, *, to_offset: int | None = None,

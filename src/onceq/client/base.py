@@ -19,6 +19,7 @@ from ..protocol.errors import OnceqError
 from ..protocol.schema import Message
 from .connection import BrokerConnection, ConnectionLost, call
 from .route import BrokerRoute, cluster_status, follows
+from .routes import GroupLinks
 from .security import ClientSecurity
 
 log = logging.getLogger("onceq.client")
@@ -47,6 +48,8 @@ class BrokerClient:
         self._conn: BrokerConnection | None = None
         self._connect_lock: asyncio.Lock | None = None
         self._no_reconnect = False  # set by clients that must not reopen after closing
+        # topics spread over several broker groups: their routes, a link per group
+        self.links = GroupLinks(self)
 
     @property
     def address(self) -> str:
@@ -152,6 +155,7 @@ class BrokerClient:
         return self
 
     async def close(self) -> None:
+        await self.links.close()
         if self._conn is not None:
             self._conn.close()
             self._conn = None

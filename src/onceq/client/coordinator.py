@@ -80,6 +80,10 @@ class Coordinator:
         self.fetcher: Fetcher
         self._reset_gen: int | None = None  # the last forced offset reset handled
         self.hold_s: float | None = None  # the broker's access-lock hold (heartbeat answer)
+        # a topic's route (``routes.py``): a topic spread over several broker groups is
+        # not consumed by a push consumer yet (set by the consumer)
+        self.route: Callable[[str], Awaitable[Any]] | None = None
+        self._spread_logged: set[str] = set()
         self._to_drop: set[MessageQueue] = set()  # the next rebalance drops these
         self._confirming: asyncio.Task[None] | None = None  # a heartbeat for a lapsed lease
         self._retakes: set[asyncio.Task[None]] = set()
@@ -296,6 +300,20 @@ class Coordinator:
                 if mq in granted:
                     await self._take(mq)
 
+    async def _spread(self, topic: str) -> bool:
+        """Whether ``topic`` is spread over several broker groups (left out, said once)."""
+        assert self.route is not None
+        route = await self.route(topic)
+        groups = sorted({str(g) for g in route.placement}) if route is not None else []
+        if len(groups) < 2:
+            return False
+        if topic not in self._spread_logged:
+            self._spread_logged.add(topic)
+            log.error("%s: topic %s is spread over broker groups %s: a push consumer does "
+                      "not consume such a topic yet (use a PullConsumer or the Spark "
+                      "source); left out", self.client_id, topic, ", ".join(groups))
+        return True
+
     async def _desired(self) -> list[MessageQueue]:
         desired: list[MessageQueue] = []
         members: list[str] | None = None
@@ -306,6 +324,8 @@ class Coordinator:
                 if exc.code == ErrorCode.TOPIC_NOT_EXIST:
                     continue
                 raise
+            if self.route is not None and await self._spread(topic):
+                continue
             queues = [MessageQueue(topic, i) for i in range(info.queues)]
             if not self.clustering:
                 desired.extend(queues)

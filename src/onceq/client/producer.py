@@ -95,6 +95,9 @@ class Producer(BrokerClient):
     async def queue_count(self, topic: str, refresh: bool = False) -> int:
         n = self._queues.get(topic)
         if n is None or refresh or time.monotonic() >= self._queues_until[topic]:
+            route = await self.links.route(topic)  # spread over groups: its placement
+            if route is not None:
+                return len(route.placement)
             info: TopicInfo = await self._call(GetTopic(topic))
             n = self._queues[topic] = info.write_queues or info.queues  # the written ones
             self._queues_until[topic] = time.monotonic() + self.queue_refresh_s
@@ -138,14 +141,16 @@ class Producer(BrokerClient):
         attempt = full = 0
         qid: int | None = None
         n = 0
+        link: BrokerClient = self
         while True:
             attempt += 1
             try:
                 n = await self.queue_count(topic, refresh=attempt > 1 and not pinned)
                 qid = self._pick_queue(topic, n, sharding_key, queue, selector,
                                        messages[0]) if qid is None or not pinned else qid
-                conn = await self._connection()
-                wait = self._attempt_wait(deadline, self.send_timeout)
+                link = await self.links.link(topic, qid)  # its group's (routes.py)
+                conn = await link._connection()
+                wait = link._attempt_wait(deadline, self.send_timeout)
                 started = time.monotonic()
                 reply = await call(conn, kind(topic, qid, payload), wait)
                 self.health.succeeded(topic, qid, time.monotonic() - started)
@@ -166,6 +171,11 @@ class Producer(BrokerClient):
                 if not retriable or time.monotonic() >= deadline:
                     raise
                 log.debug("send attempt %d to %s failed: %s; retrying", attempt, topic, exc)
+                if exc.code in (ErrorCode.WRONG_GROUP, ErrorCode.TOPIC_NOT_EXIST):
+                    self.links.forget(topic)  # the route moved on: fetched again
+                if exc.code == ErrorCode.WRONG_GROUP:
+                    attempt -= 1
+                    continue
                 if exc.code == ErrorCode.QUEUE_FULL:  # the queue's fuse, not counted against
                     attempt -= 1  # retries: unkeyed, to a healthy queue at once; keyed (or
                     if pinned or self.health.all_unhealthy(topic, n):  # none healthy), wait
@@ -173,13 +183,13 @@ class Producer(BrokerClient):
                         await asyncio.sleep(min(RETRY_BACKOFF_S * 2 ** full, 1.0,
                                                 max(deadline - time.monotonic(), 0) / 2))
                     continue
-                if await self._follow(exc):  # a group: to its leader, within send_timeout
+                if await link._follow(exc):  # a group: to its leader, within send_timeout
                     continue
                 if attempt > self.retries:
                     raise
                 if isinstance(exc, ConnectionLost):
-                    if self._conn is not None:
-                        self._conn.close()
+                    if link._conn is not None:
+                        link._conn.close()
                 elif exc.retriable:  # a broker under pressure (disk full, busy): back off
                     await asyncio.sleep(min(RETRY_BACKOFF_S * 2 ** (attempt - 1),
                                             max(deadline - time.monotonic(), 0) / 2))

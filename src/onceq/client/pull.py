@@ -98,8 +98,8 @@ class PullConsumer(BrokerClient):
         tag_list = parse_tags(tags)
         request = self._pull_request(topic, queue, offset, max_msgs, tag_list, suspend,
                                      commit_offset)
-        return self._result(await self._call(request, timeout=suspend + 10.0), tag_list,
-                            offset)
+        reply = await self.links.call_at(topic, queue, request, timeout=suspend + 10.0)
+        return self._result(reply, tag_list, offset)
 
     async def stream(self, topic: str, queue: int, offset: int, max_msgs: int = 32, *,
                      tags: str | None = None, suspend: float = 15.0, commit: bool = True,
@@ -118,7 +118,7 @@ class PullConsumer(BrokerClient):
         ``decode_records`` does).
         """
         tag_list = parse_tags(tags)
-        conn = await self._connection()
+        conn = await (await self.links.link(topic, queue))._connection()  # its group's
         timeout = suspend + 10.0
         done = None  # offset up to which the caller has finished
         fut = conn.submit(self._pull_request(topic, queue, offset, max_msgs, tag_list,
@@ -135,21 +135,26 @@ class PullConsumer(BrokerClient):
             fut.cancel()
 
     async def commit_offset(self, topic: str, queue: int, offset: int) -> None:
-        await self._call(CommitOffset(self.group, topic, queue, offset))
+        await self.links.call_at(topic, queue, CommitOffset(self.group, topic, queue, offset))
 
     async def fetch_offset(self, topic: str, queue: int) -> int | None:
         """The group's committed offset for the queue, or None when there is none."""
-        reply: OffsetReply = await self._call(GetOffset(self.group, topic, queue))
+        reply: OffsetReply = await self.links.call_at(topic, queue,
+                                                      GetOffset(self.group, topic, queue))
         return reply.committed
 
     async def queue_offsets(self, topic: str, queue: int) -> tuple[int, int]:
-        reply: QueueOffsets = await self._call(QueryOffsets(topic, queue))
+        reply: QueueOffsets = await self.links.call_at(topic, queue, QueryOffsets(topic, queue))
         return reply.min, reply.max
 
     async def search_offset(self, topic: str, queue: int, timestamp_ms: int) -> int:
-        reply: OffsetReply = await self._call(SearchOffset(topic, queue, timestamp_ms))
+        reply: OffsetReply = await self.links.call_at(topic, queue,
+                                                      SearchOffset(topic, queue, timestamp_ms))
         return reply.offset
 
     async def queue_count(self, topic: str) -> int:
+        route = await self.links.route(topic)  # spread over groups: its placement
+        if route is not None:
+            return len(route.placement)
         reply: TopicInfo = await self._call(GetTopic(topic))
         return reply.queues

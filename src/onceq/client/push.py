@@ -72,6 +72,7 @@ class PushConsumer(BrokerClient):
         self._subs: dict[str, str] = {}
         self.coordinator = Coordinator(group, self.client_id, self.config, clock, self._subs,
                                        self.orderly, self._call, lambda: self._conn)
+        self.coordinator.route = self.links.route
         self.offsets: OffsetStore = BrokerOffsets(self.coordinator, self.owned)
         self.service: ConsumeService | None = None
         self.runner: ListenerRunner | None = None

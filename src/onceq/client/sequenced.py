@@ -79,6 +79,9 @@ class SequencedWriter(BrokerClient):
         delay = 0.05
         while True:
             try:
+                route = await self.links.route(topic)  # spread over groups: its placement
+                if route is not None:
+                    return len(route.placement)
                 info: TopicInfo = await self._call(GetTopic(topic))
                 return info.write_queues or info.queues  # the queues written
             except OnceqError as exc:
@@ -114,8 +117,9 @@ class SequencedWriter(BrokerClient):
             await self._settle_oldest()
 
     async def _send(self, batch: _Batch) -> None:
-        conn = await self._connection()
-        batch.fut = conn.submit(batch.request)
+        req = batch.request  # to its queue's group (a topic spread over groups: routes.py)
+        conn = await (await self.links.link(req.topic, req.queue))._connection()
+        batch.fut = conn.submit(req)
 
     async def _send_or_fail(self, batch: _Batch) -> None:
         """Send; a broker out of reach fails the batch's answer instead, which is then
@@ -160,9 +164,15 @@ class SequencedWriter(BrokerClient):
             assert b.fut is not None
             with contextlib.suppress(OnceqError, TimeoutError):
                 await asyncio.wait_for(asyncio.shield(b.fut), 10.0)
+        failed = self._queued[0].request
+        if exc.code == ErrorCode.WRONG_GROUP:  # the route moved on: fetched again
+            self.links.forget(failed.topic)
+        link: BrokerClient = self
+        with contextlib.suppress(OnceqError):
+            link = await self.links.link(failed.topic, failed.queue)
         # in a group, to the leader from now on (NOT_LEADER, or the broker out of reach)
-        if not await self._follow(exc) and isinstance(exc, ConnectionLost) and self._conn:
-            self._conn.close()
+        if not await link._follow(exc) and isinstance(exc, ConnectionLost) and link._conn:
+            link._conn.close()
         await asyncio.sleep(delay)
         kept: deque[_Batch] = deque()
         for b in self._queued:

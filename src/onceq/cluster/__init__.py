@@ -34,6 +34,16 @@ from ._role import (
     is_stale,
     may_campaign,
 )
+from ._routes import (
+    GroupDirectory,
+    TopicRoute,
+    create_route,
+    delete_route,
+    place,
+    read_directory,
+    read_route,
+    read_routes,
+)
 from ._session import Session
 
 __all__ = [
@@ -42,6 +52,7 @@ __all__ = [
     "EtcdError",
     "EtcdRequestError",
     "EtcdUnavailable",
+    "GroupDirectory",
     "IsrRecord",
     "LeaderRecord",
     "Leadership",
@@ -51,10 +62,13 @@ __all__ = [
     "Members",
     "Role",
     "Session",
+    "TopicRoute",
     "broker_key",
+    "create_route",
     "current_leader",
     "decide",
     "default_margin",
+    "delete_route",
     "deregister",
     "epoch_key",
     "is_stale",
@@ -63,8 +77,12 @@ __all__ = [
     "may_campaign",
     "members",
     "parse_endpoints",
+    "place",
     "publish_isr",
+    "read_directory",
     "read_isr",
+    "read_route",
+    "read_routes",
     "register",
     "security_key",
     "watch_members",

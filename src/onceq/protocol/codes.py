@@ -50,6 +50,9 @@ class RequestCode(IntEnum):
     # connection; a responder's reply goes to that connection as a REPLY push
     REPLY_CHANNEL = 90
     REPLY = 91
+    # a topic spread over several broker groups: which group holds each queue, and how to
+    # reach each group (docs/cluster.md, "Topics over several groups")
+    GET_ROUTE = 95
 
 
 class PushCode(IntEnum):

@@ -52,6 +52,7 @@ class ErrorCode(IntEnum):
     USER_EXISTS = 54
     REQUEST_TIMEOUT = 55  # request-reply: no reply within the request's timeout
     QUEUE_FULL = 56  # the queue's fuse: its slowest consumer group is too far behind
+    WRONG_GROUP = 57  # the queue lives on another broker group (its route names it)
 
 
 RETRIABLE: frozenset[ErrorCode] = frozenset(
@@ -69,6 +70,7 @@ RETRIABLE: frozenset[ErrorCode] = frozenset(
         ErrorCode.CLIENT_ID_IN_USE,
         ErrorCode.WRITER_IN_USE,
         ErrorCode.QUEUE_FULL,
+        ErrorCode.WRONG_GROUP,
     }
 )
 
@@ -118,6 +120,8 @@ DEFAULT_MESSAGES: dict[ErrorCode, str] = {
                                "still be carried out",
     ErrorCode.QUEUE_FULL: "the queue's backlog is past its fuse: send to another queue, "
                           "or later",
+    ErrorCode.WRONG_GROUP: "the queue lives on another broker group: fetch the topic's "
+                           "route",
 }
 
 

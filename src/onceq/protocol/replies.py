@@ -163,6 +163,19 @@ class TopicInfo(Message):
 
 
 @message()
+class RouteInfo(Message):
+    """Where a topic's queues live: ``placement[i]`` is the broker group of queue ``i``
+    (empty: the topic has no route, every queue is on the broker asked, as on a standalone
+    broker); ``groups``: per group its ``members`` (addresses) and ``leader`` (address, or
+    None while nobody leads)."""
+
+    topic: str
+    placement: list[Any] = field(factory=list)
+    version: int = 0
+    groups: dict[str, Any] = field(factory=dict)
+
+
+@message()
 class TopicList(Message):
     topics: list[Any]  # {"topic", "queues"} maps
 
@@ -360,5 +373,5 @@ REPLY_OF: dict[int, type[Message]] = {
     R.USER_UPDATE: UserInfo, R.USER_DELETE: Empty, R.USER_LIST: Users,
     R.ACL_GRANT: AclChanged, R.ACL_REVOKE: AclChanged, R.ACL_LIST: Grants,
     R.REPLICA_FETCH: ReplicaData, R.REPLICA_EPOCH_END: EpochEnd,
-    R.REPLY_CHANNEL: Empty, R.REPLY: Routed,
+    R.REPLY_CHANNEL: Empty, R.REPLY: Routed, R.GET_ROUTE: RouteInfo,
 }

@@ -470,6 +470,13 @@ class RouteReply(Message):
     payload: bytes = b""
 
 
+@message(RequestCode.GET_ROUTE)
+class GetRoute(Message):
+    """Where the queues of ``topic`` live (any broker of a cluster answers)."""
+
+    topic: str
+
+
 REQUESTS: dict[int, type[Message]] = {
     cls.CODE: cls for cls in (
         Send, SendBatch, SendRecords, SendSequenced, SendBack, Pull, QueryOffsets, SearchOffset,
@@ -478,5 +485,5 @@ REQUESTS: dict[int, type[Message]] = {
         ListGroups, QueryAccessLocks, LockQueues, UnlockQueues, Ping, BrokerStatus,
         QueryMessage, GroupTrace, Authenticate, UserCreate, UserUpdate, UserDelete, UserList,
         AclGrant, AclRevoke, AclList, ReplicaFetch, ReplicaEpochEnd, ReplyChannel,
-        RouteReply)
+        RouteReply, GetRoute)
 }

@@ -1,0 +1,196 @@
+"""A broker's side of topics spread over several broker groups (docs/cluster.md, "Topics
+over several groups"): the routes kept in etcd (``cluster/_routes.py``), read again every
+``ROUTES_POLL_S``.
+
+* ``CREATE_TOPIC`` on a broker of a cluster first makes sure the topic has a route: an even
+  spread of its queues over the groups registered now (create-if-absent), then creates
+  the topic here as before; the leaders of the other groups holding queues of it create it
+  on their next read of the routes. Every group knows the topic with all its queues (ids
+  are global) and serves only its own.
+* A send, pull, commit or offset query naming a queue that lives on another group is
+  refused ``WRONG_GROUP`` (57, retriable), naming the group and its leader: the client
+  fetches the route again.
+* ``GET_ROUTE``: any broker (followers too) answers where a topic's queues live and how to
+  reach each group (its members and leader). A topic without a route (auto-created, or
+  made before routes) has every queue on the group that holds it, as before.
+
+A standalone broker has no routes: ``GET_ROUTE`` answers an empty placement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from ..cluster import (
+    EtcdError,
+    GroupDirectory,
+    TopicRoute,
+    create_route,
+    place,
+    read_directory,
+    read_routes,
+)
+from ..protocol.errors import ErrorCode, OnceqError
+from ..protocol.replies import RouteInfo
+from ..protocol.requests import GetRoute
+
+if TYPE_CHECKING:
+    from ..cluster import EtcdClient
+    from ..protocol.schema import Message
+    from ..storage.store import MessageStore
+    from .fields import Call, Handler
+
+log = logging.getLogger("onceq.broker")
+
+ROUTES_POLL_S = 1.0
+
+
+class Routes:
+    def __init__(self, store: MessageStore, default_queues: int, group: str | None = None,
+                 is_leader: Callable[[], bool] = lambda: False,
+                 create_local: Callable[[str, int], Awaitable[Any]] | None = None) -> None:
+        """``group``: this broker's group (None: standalone, no routes);
+        ``create_local(topic, queues)``: create a topic here as ``CREATE_TOPIC`` does."""
+        self.store = store
+        self.default_queues = default_queues
+        self.group = group
+        self.is_leader = is_leader
+        self.create_local = create_local
+        self.client: EtcdClient | None = None
+        self.cluster = ""
+        self.routes: dict[str, TopicRoute] = {}
+        self.directory = GroupDirectory({}, {})
+        self.problem = ""
+        self.loaded = False  # the routes were read once (until then queues are refused)
+
+    def attach(self, client: EtcdClient, cluster: str) -> None:
+        self.client, self.cluster = client, cluster
+
+    def handlers(self) -> dict[type[Message], Handler]:
+        return {GetRoute: self.h_get_route}
+
+    # ---------------------------------------------------------------- requests
+    def h_get_route(self, call: Call, req: GetRoute) -> RouteInfo:
+        route = self.routes.get(req.topic)
+        if route is None:
+            return RouteInfo(req.topic)
+        return RouteInfo(req.topic, list(route.placement), route.version,
+                         self._groups(route))
+
+    def _groups(self, route: TopicRoute) -> dict[str, Any]:
+        d = self.directory
+        return {g: {"members": d.members.get(g, []), "leader": d.leaders.get(g)}
+                for g in route.groups}
+
+    def check(self, topic: str, queue: object) -> None:
+        """``WRONG_GROUP`` for a queue of a routed topic that lives on another group."""
+        route = self.routes.get(topic)
+        if route is None or type(queue) is not int or not 0 <= queue < route.queues:
+            return
+        group = route.placement[queue]
+        if group != self.group:
+            leader = self.directory.leaders.get(group)
+            raise OnceqError(ErrorCode.WRONG_GROUP, (
+                f"queue {queue} of topic {topic!r} lives on broker group {group!r}"
+                f"{f' (leader at {leader})' if leader else ''}, not on {self.group!r}: "
+                "fetch the topic's route"), {"group": group, "leader": leader or ""})
+
+    def guard(self, handlers: dict[type[Message], Handler],
+              *kinds: type[Message]) -> None:
+        """Refuse requests of ``kinds`` naming a queue of another group."""
+        for kind in kinds:
+            handlers[kind] = self._guarded(handlers[kind])
+
+    def _guarded(self, handler: Handler) -> Handler:
+        def guarded(call: Call, req: Any) -> Any:
+            if not self.loaded:
+                raise OnceqError(ErrorCode.SERVICE_UNAVAILABLE, "this broker has not read "
+                                 "the topics' routes from etcd yet: try again")
+            if self.routes:
+                self.check(req.topic, getattr(req, "queue", None))
+            return handler(call, req)
+        return guarded
+
+    def deleting(self, handler: Handler) -> Handler:
+        """``DELETE_TOPIC`` of a topic spread over several groups is refused (its queues
+        would have to go on every group at once)."""
+        def delete(call: Call, req: Any) -> Message | None:
+            route = self.routes.get(req.topic)
+            if route is not None and len(route.groups) > 1:
+                raise OnceqError(ErrorCode.INVALID_ARGUMENT, (
+                    f"topic {req.topic!r} is spread over broker groups "
+                    f"{', '.join(route.groups)}: deleting it is not supported yet"))
+            return handler(call, req)
+        return delete
+
+    def creating(self, handler: Handler) -> Handler:
+        """``CREATE_TOPIC`` in a cluster: the topic's route first (``route_for``), then the
+        topic here as ``handler`` makes it."""
+        def create(call: Call, req: Any) -> Message | None:
+            if self.client is None or req.follow_group is not None:
+                return handler(call, req)
+
+            async def run() -> None:
+                try:
+                    await self.route_for(req.topic, req.queues)
+                    reply = handler(call, req)
+                except OnceqError as exc:
+                    call.fail(exc)
+                    return
+                except (EtcdError, OSError) as exc:
+                    call.fail(OnceqError(ErrorCode.SERVICE_UNAVAILABLE, (
+                        f"the topic's route cannot be written to etcd ({exc}): try "
+                        "again")))
+                    return
+                if reply is not None:
+                    call.answer(reply)
+
+            asyncio.get_running_loop().create_task(run())
+            return None
+        return create
+
+    async def route_for(self, topic: str, queues: int | None) -> TopicRoute | None:
+        """The topic's route, made now when it has none and the topic is new here (an
+        existing topic without a route keeps all its queues where it is)."""
+        assert self.client is not None
+        if topic in self.routes or topic in self.store.topics:
+            return self.routes.get(topic)
+        directory = await read_directory(self.client, self.cluster)
+        self.directory = directory
+        n = queues or self.default_queues
+        route = await create_route(self.client, self.cluster,
+                                   TopicRoute(topic, place(n, list(directory.members))))
+        self.routes[topic] = route
+        log.info("topic %s: %d queues placed over groups %s", topic, route.queues,
+                 ", ".join(route.groups))
+        return route
+
+    # ---------------------------------------------------------------- upkeep
+    async def run(self) -> None:
+        """Read the routes and the groups every ``ROUTES_POLL_S``; a leader creates here
+        the topics routed to its group that it does not know yet."""
+        while True:
+            try:
+                await self.refresh()
+                self.problem = ""
+            except (EtcdError, OSError) as exc:
+                if not self.problem:
+                    log.warning("routes: cannot read them from etcd: %s", exc)
+                self.problem = str(exc)
+            await asyncio.sleep(ROUTES_POLL_S)
+
+    async def refresh(self) -> None:
+        assert self.client is not None
+        self.routes = await read_routes(self.client, self.cluster)
+        self.directory = await read_directory(self.client, self.cluster)
+        self.loaded = True
+        if not self.is_leader() or self.create_local is None:
+            return
+        for topic, route in self.routes.items():
+            if self.group in route.placement and topic not in self.store.topics:
+                log.info("routes: topic %s holds queues %s on this group: creating it",
+                         topic, route.queues_of(self.group or ""))
+                await self.create_local(topic, route.queues)

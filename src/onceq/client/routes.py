@@ -1,0 +1,107 @@
+"""A client's view of topics spread over several broker groups (docs/cluster.md, "Topics
+over several groups").
+
+A client given a cluster's bootstrap list asks any broker where a topic's queues live
+(``GET_ROUTE``) the first time it names the topic, and keeps the answer for ``ROUTE_TTL_S``;
+a ``WRONG_GROUP`` answer (the queue lives elsewhere) or an unknown topic forgets it, so the
+next request fetches it again. A request on a queue goes to its group through a link of
+its own (a ``BrokerClient`` given that group's members, which follows the group's leader
+as any client of a group does); a topic without a route (every queue on one group, or a
+standalone broker) goes through the client's own connection, as before. A client given
+one address never asks for routes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..protocol.errors import ErrorCode, OnceqError
+from ..protocol.replies import RouteInfo
+from ..protocol.requests import GetRoute
+
+if TYPE_CHECKING:
+    from ..protocol.schema import Message
+    from .base import BrokerClient
+
+ROUTE_TTL_S = 30.0  # a route is fetched again after this long (or at once on WRONG_GROUP)
+
+
+class GroupLinks:
+    def __init__(self, owner: BrokerClient, ttl_s: float = ROUTE_TTL_S) -> None:
+        self.owner = owner
+        self.ttl_s = ttl_s
+        self._routes: dict[str, tuple[RouteInfo | None, float]] = {}
+        self._links: dict[str, BrokerClient] = {}
+        self.fetched = 0  # GET_ROUTE requests made (stats)
+
+    @property
+    def enabled(self) -> bool:
+        return self.owner.route.group
+
+    async def route(self, topic: str) -> RouteInfo | None:
+        """The topic's route (None: not spread over several groups)."""
+        if not self.enabled:
+            return None
+        now = time.monotonic()
+        cached = self._routes.get(topic)
+        if cached is not None and cached[1] > now:
+            return cached[0]
+        try:
+            info: RouteInfo = await self.owner._call(GetRoute(topic))
+            self.fetched += 1
+        except OnceqError as exc:
+            if exc.code != ErrorCode.UNKNOWN_REQUEST:  # a broker without routes: none
+                raise
+            info = RouteInfo(topic)
+        # a topic on one group is reached like any topic of the group: no link
+        route = info if len(set(info.placement)) > 1 else None
+        self._routes[topic] = (route, now + self.ttl_s)
+        return route
+
+    def forget(self, topic: str) -> None:
+        self._routes.pop(topic, None)
+
+    async def link(self, topic: str, queue: int) -> BrokerClient:
+        """The client that reaches ``queue`` of ``topic``: its group's link, or the owner
+        for a topic without a route."""
+        route = await self.route(topic)
+        if route is None or not 0 <= queue < len(route.placement):
+            return self.owner
+        group = str(route.placement[queue])
+        link = self._links.get(group)
+        if link is None:
+            link = self._links[group] = self._make(group, route.groups.get(group) or {})
+        return link
+
+    def _make(self, group: str, where: dict[str, Any]) -> BrokerClient:
+        from .base import BrokerClient
+
+        members = [str(a) for a in where.get("members") or []]
+        leader = where.get("leader")
+        if not members:
+            raise OnceqError(ErrorCode.SERVICE_UNAVAILABLE,
+                             f"broker group {group!r} has no registered broker")
+        link = BrokerClient(",".join(members), security=self.owner.security)
+        if isinstance(leader, str) and leader:
+            link.route.move(leader)
+        return link
+
+    async def call_at(self, topic: str, queue: int, request: Message,
+                      timeout: float = 10.0) -> Any:
+        """``request`` on ``queue``'s group (fetching the route again after
+        ``WRONG_GROUP``), within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            link = await self.link(topic, queue)
+            try:
+                return await link._call(request, max(deadline - time.monotonic(), 0.05))
+            except OnceqError as exc:
+                if exc.code != ErrorCode.WRONG_GROUP or time.monotonic() >= deadline:
+                    raise
+                self.forget(topic)
+
+    async def close(self) -> None:
+        for link in self._links.values():
+            await link.close()
+        self._links.clear()

@@ -1,0 +1,167 @@
+"""Routes: which broker group holds each queue of a topic spread over several groups.
+
+::
+
+    /onceq/<cluster>/routes/<topic>   JSON {"queues": Q, "placement": [group of queue 0, ...],
+                                      "version": V}, no lease
+
+A topic's queue ids are global: queue ``i`` lives on group ``placement[i]``, and every
+group that holds a queue of the topic knows the topic with all ``Q`` queues (so offsets,
+keys and selectors mean the same wherever they are asked), serving only its own. The
+placement is made once, when the topic is created (``place``: an even spread over the
+groups registered then, or an explicit one), and written only if the topic has no route
+yet (create-if-absent: two brokers creating the same topic at once agree on one).
+
+Pure but for the three etcd calls at the end.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ._etcd import EtcdClient, KeyValue
+from ._keys import ROOT, LeaderRecord, Member, check_name
+
+
+@dataclass(frozen=True)
+class TopicRoute:
+    topic: str
+    placement: tuple[str, ...]  # the group of each queue
+    version: int = 1
+
+    @property
+    def queues(self) -> int:
+        return len(self.placement)
+
+    @property
+    def groups(self) -> list[str]:
+        """The groups holding queues of the topic, sorted."""
+        return sorted(set(self.placement))
+
+    def group_of(self, queue: int) -> str:
+        if not 0 <= queue < len(self.placement):
+            raise ValueError(f"queue {queue} out of range for topic {self.topic!r} "
+                             f"({self.queues} queues)")
+        return self.placement[queue]
+
+    def queues_of(self, group: str) -> list[int]:
+        return [q for q, g in enumerate(self.placement) if g == group]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"queues": self.queues, "placement": list(self.placement),
+                "version": self.version}
+
+    @classmethod
+    def from_json(cls, topic: str, doc: Any) -> TopicRoute:
+        """ValueError for a document that is not a route of ``topic``."""
+        try:
+            placement = tuple(doc["placement"])
+            version = int(doc.get("version", 1))
+            if doc["queues"] != len(placement) or not placement:
+                raise ValueError("queues and placement disagree")
+            for g in placement:
+                check_name("group", g)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"route of topic {topic!r}: {exc!r}") from None
+        return cls(topic, placement, version)
+
+
+def place(queues: int, groups: Sequence[str]) -> tuple[str, ...]:
+    """An even spread of ``queues`` over ``groups``: queue ``i`` on the ``i % G``-th group
+    in name order (each group holds ``Q // G`` or one more)."""
+    if queues < 1:
+        raise ValueError("a topic has at least one queue")
+    names = sorted(set(groups))
+    if not names:
+        raise ValueError("no broker group is registered: nowhere to place the queues")
+    for g in names:
+        check_name("group", g)
+    return tuple(names[i % len(names)] for i in range(queues))
+
+
+def route_key(cluster: str, topic: str) -> bytes:
+    return f"{routes_prefix(cluster).decode()}{topic}".encode()
+
+
+def routes_prefix(cluster: str) -> bytes:
+    return f"{ROOT}/{check_name('cluster', cluster)}/routes/".encode()
+
+
+def _decode(cluster: str, kv: KeyValue) -> TopicRoute:
+    topic = kv.key.decode()[len(routes_prefix(cluster)):]
+    return TopicRoute.from_json(topic, json.loads(kv.value))
+
+
+async def create_route(client: EtcdClient, cluster: str, route: TopicRoute) -> TopicRoute:
+    """Write ``route`` unless the topic has one: the route that holds (this one, or the
+    one written first)."""
+    key = route_key(cluster, route.topic)
+    if await client.create(key, json.dumps(route.to_json()).encode()) is not None:
+        return route
+    found = await read_route(client, cluster, route.topic)
+    if found is None:  # deleted in between: try again once
+        return await create_route(client, cluster, route)
+    return found
+
+
+async def read_route(client: EtcdClient, cluster: str, topic: str) -> TopicRoute | None:
+    kv, _ = await client.get(route_key(cluster, topic))
+    return None if kv is None else _decode(cluster, kv)
+
+
+async def read_routes(client: EtcdClient, cluster: str) -> dict[str, TopicRoute]:
+    """Every topic's route (a damaged one is left out)."""
+    kvs, _ = await client.range(routes_prefix(cluster), prefix=True)
+    out = {}
+    for kv in kvs:
+        try:
+            r = _decode(cluster, kv)
+        except ValueError:
+            continue
+        out[r.topic] = r
+    return out
+
+
+async def delete_route(client: EtcdClient, cluster: str, topic: str) -> None:
+    await client.delete(route_key(cluster, topic))
+
+
+@dataclass(frozen=True)
+class GroupDirectory:
+    """What a client needs to reach each broker group: its members' addresses and its
+    leader's (None while nobody leads)."""
+
+    members: dict[str, list[str]]  # group -> member addresses, by broker id
+    leaders: dict[str, str | None]  # group -> the leader's address
+
+    def to_json(self) -> dict[str, Any]:
+        return {g: {"members": self.members.get(g, []), "leader": self.leaders.get(g)}
+                for g in sorted(set(self.members) | set(self.leaders))}
+
+
+async def read_directory(client: EtcdClient, cluster: str) -> GroupDirectory:
+    """Every registered group's members and leader, in two range reads."""
+    root = f"{ROOT}/{check_name('cluster', cluster)}/"
+    members: dict[str, list[tuple[str, str]]] = {}
+    kvs, _ = await client.range(f"{root}brokers/".encode(), prefix=True)
+    for kv in kvs:
+        try:
+            m = Member.from_kv(kv)
+        except ValueError:
+            continue
+        group = kv.key.decode()[len(root) + len("brokers/"):].split("/", 1)[0]
+        members.setdefault(group, []).append((m.broker_id, m.address))
+    leaders: dict[str, str | None] = {g: None for g in members}
+    kvs, _ = await client.range(f"{root}groups/".encode(), prefix=True)
+    for kv in kvs:
+        group, _, leaf = kv.key.decode()[len(root) + len("groups/"):].partition("/")
+        if leaf == "leader":
+            try:
+                leaders[group] = LeaderRecord.from_kv(kv).address
+            except ValueError:
+                continue
+    return GroupDirectory({g: [a for _, a in sorted(ms)] for g, ms in members.items()},
+                          leaders)
