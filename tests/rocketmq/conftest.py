@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,9 @@ class RmqBroker:
         """Start one command of the official client (``result`` waits for its answer)."""
         env = {**os.environ, "HOME": str(self.home)}
         return subprocess.Popen([sys.executable, str(PROC), self.endpoint, command,
-                                 json.dumps(args)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=env)
+                                 json.dumps(args)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env)
 
     @staticmethod
     def result(p: subprocess.Popen[str], timeout: float = 60) -> dict[str, Any]:
@@ -67,17 +69,28 @@ def _wait_port(port: int, timeout: float) -> None:
     raise AssertionError(f"nothing listens on {port}")
 
 
-@pytest.fixture(scope="module")
-def rmq(tmp_path_factory: Any) -> Iterator[RmqBroker]:
+def need_client() -> None:
+    """Skip without grpc and the official client (the dev extra)."""
     for mod in ("grpc", "rocketmq.v5"):
         if importlib.util.find_spec(mod.split(".")[0]) is None:
             pytest.skip(f"{mod} is not installed (the dev extra)")
-    root = tmp_path_factory.mktemp("rmq")
+
+
+@contextmanager
+def rmq_broker(root: Path, *args: str) -> Iterator[RmqBroker]:
+    """A broker with the gRPC endpoint in a child process (``args``: more options)."""
+    need_client()
     gport = free_port()
-    proc, addr = spawn_broker(str(root / "data"), "--grpc-port", str(gport))
+    proc, addr = spawn_broker(str(root / "data"), "--grpc-port", str(gport), *args)
     try:
         _wait_port(gport, 15)
         yield RmqBroker(addr, f"127.0.0.1:{gport}", root)
     finally:
         proc.terminate()
         proc.wait(15)
+
+
+@pytest.fixture(scope="module")
+def rmq(tmp_path_factory: Any) -> Iterator[RmqBroker]:
+    with rmq_broker(tmp_path_factory.mktemp("rmq")) as b:
+        yield b

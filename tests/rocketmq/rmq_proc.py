@@ -7,7 +7,11 @@ protocol descriptors cannot share a process with onceq's).
 prints one JSON object on its last stdout line. Commands: ``produce``, ``produce_unknown``,
 ``resend`` (one SendMessage request sent twice, as a retry after a lost answer),
 ``simple`` (a SimpleConsumer: receive, change invisible duration, ack, redelivery),
-``push`` (a PushConsumer for a while).
+``push`` (a PushConsumer for a while), ``simple_hold`` (a SimpleConsumer
+acknowledging with handles received before a broker restart), ``push_live`` (a
+PushConsumer until told to stop:
+prints ``ready`` once started, appends each message it consumes to a file, shuts down
+gracefully at a line on stdin or at SIGTERM).
 """
 
 from __future__ import annotations
@@ -172,10 +176,81 @@ def push(endpoint: str, args: dict[str, Any]) -> dict[str, Any]:
         consumer.shutdown()
 
 
+def push_live(endpoint: str, args: dict[str, Any]) -> dict[str, Any]:
+    """Consume, taking ``handler_ms`` per message, each consumed body appended (and
+    flushed) to ``out`` as it is consumed, until a line on stdin or SIGTERM."""
+    import signal
+
+    lock = threading.Lock()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    out = open(args["out"], "a", buffering=1)  # noqa: SIM115 (closed below)
+    count = [0]
+
+    class Listener(MessageListener):
+        def consume(self, message: Message) -> ConsumeResult:
+            time.sleep(args.get("handler_ms", 0) / 1000)
+            with lock:
+                out.write(f"{message.body.decode()} {message.delivery_attempt}\n")
+                count[0] += 1
+            return ConsumeResult.SUCCESS
+
+    consumer = PushConsumer(config(endpoint), args["group"], Listener(),
+                            {args["topic"]: FilterExpression()},
+                            consumption_thread_count=args.get("threads", 20))
+    consumer.startup()
+    print("ready", flush=True)
+    threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+    stop.wait()
+    consumer.shutdown()
+    with lock:
+        out.close()
+        return {"consumed": count[0]}
+
+
+def simple_hold(endpoint: str, args: dict[str, Any]) -> dict[str, Any]:
+    """Receive ``n`` messages; acknowledge those in ``ack_first`` (bodies); print
+    ``received`` and wait for a line on stdin (the broker is restarted meanwhile); then
+    acknowledge those in ``ack_later`` with the handles received before (retrying while
+    the broker is not back) and report each acknowledgement."""
+    sub = {args["topic"]: FilterExpression()}
+    consumer = SimpleConsumer(config(endpoint), args["group"], sub, await_duration=2)
+    consumer.startup()
+    got: dict[str, Any] = {}
+    deadline = time.monotonic() + 30
+    first, later = set(args.get("ack_first", [])), set(args.get("ack_later", []))
+    try:
+        while len(got) < args["n"] and time.monotonic() < deadline:
+            for m in consumer.receive(16, args.get("invisible", 60)):
+                got[m.body.decode()] = m
+        for body in sorted(first & set(got)):
+            consumer.ack(got[body])
+        print("received " + json.dumps(sorted(got)), flush=True)
+        sys.stdin.readline()
+        acks: dict[str, str] = {}
+        for body in sorted(later & set(got)):
+            until = time.monotonic() + 20
+            while True:
+                try:
+                    consumer.ack(got[body])
+                    acks[body] = "ok"
+                    break
+                except Exception as exc:  # the broker may not be reachable yet
+                    refused = type(exc).__name__ == "BadRequestException"  # the answer
+                    if refused or time.monotonic() > until:
+                        acks[body] = str(exc)
+                        break
+                    time.sleep(0.3)
+        return {"received": sorted(got), "acks": acks}
+    finally:
+        consumer.shutdown()
+
+
 def main() -> None:
     endpoint, command, raw = sys.argv[1], sys.argv[2], sys.argv[3]
     fn = {"produce": produce, "produce_unknown": produce_unknown, "resend": resend,
-          "simple": simple, "push": push}[command]
+          "simple": simple, "push": push, "push_live": push_live,
+          "simple_hold": simple_hold}[command]
     print(json.dumps(fn(endpoint, json.loads(raw))), flush=True)
 
 

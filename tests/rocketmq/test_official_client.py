@@ -135,7 +135,8 @@ def test_official_push_consumer_consumes(rmq: RmqBroker):
 
 
 def test_two_official_push_consumers_share_the_group_without_duplicates(rmq: RmqBroker):
-    """Two members of one group, POP style: every message consumed once, by one of them."""
+    """Two members of one group, each with its share of the queues (onceq's allocation):
+    every message consumed once, by one of them."""
     asyncio.run(_topic(rmq.addr, "rmq-push2"))
     members = [rmq.start("push", topic="rmq-push2", group="rmq-gp2", n=10_000, timeout=9)
                for _ in range(2)]

@@ -215,11 +215,11 @@ def test_a_pulls_records_before_the_cursor_are_not_taken_again():
     from onceq.log.record import build_record
     from onceq.protocol.codes import PullStatus
     from onceq.protocol.replies import PullReply
-    from onceq.rocketmq.consume import _decode
+    from onceq.rocketmq.consume import decode
 
     payload = b"".join(build_record(b"orders", 0, off, off * 100, 0,
                                     to_part(_message(message_id=f"ID{off}")))
                        for off in range(3))
     reply = PullReply(PullStatus.FOUND, 3, 0, 3, 3, payload=payload)
-    assert [m.queue_offset for m in _decode(reply, 1, 3, None)] == [1, 2]
-    assert _decode(reply, 3, 3, None) == []
+    assert [m.queue_offset for m in decode(reply, 1, 3, None)] == [1, 2]
+    assert decode(reply, 3, 3, None) == []

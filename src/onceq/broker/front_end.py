@@ -18,3 +18,14 @@ class FrontEnd(Protocol):
     async def start(self, broker: Broker) -> None: ...
 
     async def stop(self) -> None: ...
+
+
+def write_file_atomic(path: str, data: bytes, *, private: bool = False) -> None:
+    """What a front end keeps in the data directory, written as the broker writes its own
+    state files (temp file, fsync, rename, fsync of the directory); ``private``: mode 0600
+    from the start (a secret)."""
+    from ..storage.files import OS_FILES
+    from ..storage.metadata import write_atomic
+    from .users import _PrivateFiles
+
+    write_atomic(path, data, _PrivateFiles(OS_FILES) if private else OS_FILES)

@@ -5,7 +5,9 @@ A front end of the broker (``server.py``, handed to ``Broker.front_ends``): ever
 through the broker's services with onceq's typed requests (``bridge.py``). The mapping of
 messages, routes and status codes is pure (``mapping.py``), so are the receipt handles
 (``receipt.py``) and the in-flight state of POP consumption (``pop.py``); ``consume.py``
-serves receives, acknowledgements and invisible-duration changes, ``service.py`` the
-RPCs. ``_pb`` holds the generated ``apache.rocketmq.v2`` messages (Apache-2.0, from the
-Apache RocketMQ project; scripts/rocketmq_stubs.py). Needs the ``grpc`` extra.
+serves SimpleConsumers' receives, acknowledgements and invisible-duration changes,
+``assign.py`` PushConsumers' (onceq's allocation, the access lock), ``journal.py`` keeps
+acknowledgements and the receipt key across restarts, ``service.py`` answers the RPCs.
+``_pb`` holds the generated ``apache.rocketmq.v2`` messages (Apache-2.0, from the Apache
+RocketMQ project; scripts/rocketmq_stubs.py). Needs the ``grpc`` extra.
 """

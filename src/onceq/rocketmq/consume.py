@@ -30,6 +30,7 @@ from ..protocol.replies import OffsetReply, PullReply, QueueOffsets, TopicInfo
 from ..protocol.requests import CommitOffset, GetOffset, GetTopic, Pull, QueryOffsets
 from ._pb import definition_pb2 as pb
 from .bridge import Bridge, FrontConnection
+from .journal import Key3, PopJournal
 from .mapping import Code, RmqError, to_pb
 from .pop import Delivery, PopTable, QueuePop, StaleReceipt
 from .receipt import BadReceipt, Receipt, ReceiptCodec
@@ -63,14 +64,65 @@ class PopService:
     """Receives, acknowledgements and invisible-duration changes of RocketMQ consumers."""
 
     def __init__(self, bridge: Bridge, codec: ReceiptCodec, *, store_host: str,
+                 journal: PopJournal | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.bridge = bridge
         self.codec = codec
         self.store_host = store_host
         self.clock = clock
-        self.table = PopTable()
+        self.journal = journal
+        self._gen = journal.first_generation if journal is not None else 1
+        self.table = PopTable(generations=self.generation)
         self.conn = FrontConnection("rocketmq-pop")  # its own immediate requests
         self._rotate = itertools.count()
+
+    def generation(self) -> int:
+        """The next delivery generation (unique across restarts with a journal)."""
+        g = self._gen
+        self._gen += 1
+        if self.journal is not None:
+            self.journal.reserve(g)
+        return g
+
+    def is_acked(self, key: Key3, offset: int) -> bool:
+        return self.journal is not None and self.journal.is_acked(key, offset)
+
+    def placed(self, key: Key3, committed: int, *, reset: bool) -> None:
+        """A queue's state (re)starts at the group's committed offset: acknowledgements it
+        covers are dropped; all are after an offsets reset."""
+        if self.journal is not None:
+            if reset:
+                self.journal.forget(key)
+            else:
+                self.journal.prune(key, committed)
+
+    async def settle(self, key: Key3, q: QueuePop, offset: int, client: str | None) -> None:
+        """``offset`` was acknowledged (it left ``q.inflight``): the group's offset moves
+        to the queue's commit point when that covers it; otherwise the acknowledgement is
+        journaled, so that a restart does not deliver the message again."""
+        covered = False
+        if q.commit_point() > offset:
+            try:
+                await self.commit(key, q, client)
+                covered = True
+            except OnceqError as exc:  # not the holder any more, a reset: keep the ack
+                log.debug("commit of %s by %s refused: %s", key, client, exc)
+        if not covered and self.journal is not None:
+            await self.journal.ack(key, offset)
+
+    async def commit(self, key: Key3, q: QueuePop, client: str | None) -> None:
+        """Commit the queue's commit point (forward only) under ``client``."""
+        point = q.commit_point()
+        if point <= q.committed:
+            return
+        q.committed = point
+        try:
+            await self.bridge.call(self.conn, CommitOffset(*key, point, client=client))
+        except OnceqError:  # e.g. moved by a reset meanwhile: the next receive restarts
+            q.committed = -2  # the queue from the stored offset
+            raise
+        if self.journal is not None:
+            self.journal.prune(key, point)
 
     # ---------------------------------------------------------------- cursors
     async def _queue(self, group: str, topic: str, queue: int) -> QueuePop:
@@ -85,6 +137,8 @@ class PopService:
             assert isinstance(bounds, QueueOffsets)
             q = self.table.queue(group, topic, queue)  # another receive may have placed it
             if q is None or stored.offset != q.committed:
+                self.placed((group, topic, queue), stored.offset,
+                            reset=q is not None and 0 <= stored.offset < q.committed)
                 q = self.table.start(group, topic, queue, stored.offset, bounds.min)
         return q
 
@@ -117,7 +171,7 @@ class PopService:
                 return
             reply = await self.bridge.call(self.conn, Pull(r.topic, queue, offset, 1))
             assert isinstance(reply, PullReply)
-            msgs = _decode(reply, offset, offset + 1, None) if reply.payload else []
+            msgs = decode(reply, offset, offset + 1, None) if reply.payload else []
             if not msgs:  # gone (retention, damage): nobody can have it any more
                 self.table.drop(r.group, r.topic, queue, offset)
                 await self._commit(r.group, r.topic, queue)
@@ -192,18 +246,17 @@ class PopService:
             if reply.status == PullStatus.NO_NEW_MESSAGE and q.next == start:
                 q.next = max(q.next, reply.next)  # the filter passed over these
             return
-        wanted = None if r.tags is None else set(r.tags)
-        for m in _decode(reply, q.next, reply.next, r.tags):
-            if len(out) >= r.batch:
-                q.next = max(q.next, m.queue_offset)
-                return
-            if wanted is None or m.tags in wanted:
-                out.append(self._deliver(r, m))
-        q.next = max(q.next, reply.next)
+        take(self, r, q, reply, out, self._deliver)
+
 
     def _deliver(self, r: Receive, m: MessageExt) -> pb.Message:
-        d: Delivery = self.table.deliver(r.group, r.topic, m.queue_id, m.queue_offset,
-                                         r.invisible_s, self.clock())
+        return self.deliver(self.table, r, m)
+
+    def deliver(self, table: PopTable, r: Receive, m: MessageExt) -> pb.Message:
+        """Hand ``m`` out (first time or again) under a new generation, as ``table``
+        records it."""
+        d: Delivery = table.deliver(r.group, r.topic, m.queue_id, m.queue_offset,
+                                    r.invisible_s, self.clock())
         handle = self.codec.encode(Receipt(r.group, r.topic, m.queue_id, m.queue_offset,
                                            d.generation))
         log.debug("deliver %s %s:%d:%d generation %d attempt %d", r.group, r.topic,
@@ -212,7 +265,7 @@ class PopService:
                      attempt=d.attempt, store_host=self.store_host)
 
     # ---------------------------------------------------------------- ack, change
-    def _receipt(self, group: str, topic: str, handle: str) -> Receipt:
+    def receipt(self, group: str, topic: str, handle: str) -> Receipt:
         try:
             rc = self.codec.decode(handle)
         except BadReceipt as exc:
@@ -224,32 +277,51 @@ class PopService:
 
     async def ack(self, group: str, topic: str, handle: str) -> None:
         """Settle the delivery; the group's committed offset follows (durably) when the
-        message was the lowest in flight of its queue."""
-        rc = self._receipt(group, topic, handle)
+        message was the lowest in flight of its queue, the journal keeps it otherwise."""
+        rc = self.receipt(group, topic, handle)
+        key = (group, topic, rc.queue)
+        q = self.table.queue(group, topic, rc.queue)
+        if await self.ack_earlier(rc, q, None):
+            return
         try:
-            self.table.ack(group, topic, rc.queue, rc.offset, rc.generation)
+            q = self.table.ack(group, topic, rc.queue, rc.offset, rc.generation)
         except StaleReceipt as exc:
             raise RmqError(Code.INVALID_RECEIPT_HANDLE, str(exc)) from None
-        await self._commit(group, topic, rc.queue)
+        await self.settle(key, q, rc.offset, None)
+
+    async def ack_earlier(self, rc: Receipt, q: QueuePop | None, client: str | None
+                          ) -> bool:
+        """The acknowledgement of a delivery made before the broker restarted (its handle
+        still decodes: the key is kept). Settled here unless the message was delivered
+        again since (then the handle is stale): True when settled."""
+        if rc.generation >= self.first_generation:
+            return False
+        key = (rc.group, rc.topic, rc.queue)
+        if q is not None and rc.offset in q.inflight:
+            raise RmqError(Code.INVALID_RECEIPT_HANDLE, f"message {rc.topic}:{rc.queue}:"
+                           f"{rc.offset} of group {rc.group} was delivered again since the "
+                           "broker restarted: only the newest receipt handle counts")
+        stored = await self.bridge.call(self.conn, GetOffset(*key))
+        assert isinstance(stored, OffsetReply)
+        if rc.offset < stored.offset or (q is not None and rc.offset < q.next):
+            return True  # settled already (acknowledged, or covered by the group's offset)
+        if self.journal is not None:
+            await self.journal.ack(key, rc.offset)  # passed over when the cursor gets there
+        return True
+
+    @property
+    def first_generation(self) -> int:
+        return self.journal.first_generation if self.journal is not None else 1
 
     async def _commit(self, group: str, topic: str, queue: int) -> None:
         q = self.table.queue(group, topic, queue)
-        if q is None:
-            return
-        point = q.commit_point()
-        if point <= q.committed:
-            return
-        q.committed = point
-        try:
-            await self.bridge.call(self.conn, CommitOffset(group, topic, queue, point))
-        except OnceqError:  # e.g. moved by a reset meanwhile: the next receive restarts
-            q.committed = -2  # the queue from the stored offset
-            raise
+        if q is not None:
+            await self.commit((group, topic, queue), q, None)
 
     def change(self, group: str, topic: str, handle: str, invisible_s: float) -> str:
         """A new invisible duration from now; the new receipt handle."""
         check_invisible(invisible_s)
-        rc = self._receipt(group, topic, handle)
+        rc = self.receipt(group, topic, handle)
         try:
             d = self.table.change(group, topic, rc.queue, rc.offset, rc.generation,
                                   invisible_s, self.clock())
@@ -258,7 +330,7 @@ class PopService:
         return self.codec.encode(Receipt(group, topic, rc.queue, rc.offset, d.generation))
 
 
-def _decode(reply: PullReply, first: int, end: int, tags: list[str] | None
+def decode(reply: PullReply, first: int, end: int, tags: list[str] | None
             ) -> list[MessageExt]:
     """The messages of a pull's answer at offsets [first, end) (a pull answers whole
     records: single records before ``first`` may be in it)."""
@@ -269,3 +341,21 @@ def _decode(reply: PullReply, first: int, end: int, tags: list[str] | None
     except RecordError as exc:
         raise RmqError(Code.INTERNAL_SERVER_ERROR, f"a stored record does not decode: {exc}"
                        ) from None
+
+
+def take(pop: PopService, r: Receive, q: QueuePop, reply: PullReply, out: list[pb.Message],
+         deliver: Callable[[Receive, MessageExt], pb.Message]) -> None:
+    """Take the found messages from ``q.next`` on, up to the batch, passing over those of
+    another tag and those acknowledged already (journaled before a restart); ``q.next``
+    moves past what was taken or passed over."""
+    wanted = None if r.tags is None else set(r.tags)
+    for m in decode(reply, q.next, reply.next, r.tags):
+        if len(out) >= r.batch:
+            q.next = max(q.next, m.queue_offset)
+            return
+        if pop.is_acked((r.group, r.topic, m.queue_id), m.queue_offset):
+            continue
+        if wanted is None or m.tags in wanted:
+            out.append(deliver(r, m))
+    q.next = max(q.next, reply.next)
+

@@ -20,6 +20,7 @@ stale.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 MAX_INFLIGHT_PER_QUEUE = 20_000  # beyond, a queue hands out nothing new until acks come
@@ -58,11 +59,15 @@ Key = tuple[str, str]  # (group, topic)
 class PopTable:
     """The POP state of every (group, topic) consumed through the RocketMQ front end."""
 
-    def __init__(self, first_generation: int = 1) -> None:
+    def __init__(self, first_generation: int = 1,
+                 generations: Callable[[], int] | None = None) -> None:
         self._topics: dict[Key, dict[int, QueuePop]] = {}
         self._generation = first_generation
+        self._generations = generations  # a source shared with other tables
 
     def _next_generation(self) -> int:
+        if self._generations is not None:
+            return self._generations()
         g = self._generation
         self._generation += 1
         return g
@@ -79,6 +84,19 @@ class PopTable:
         q = QueuePop(start, committed)
         self._topics.setdefault((group, topic), {})[queue] = q
         return q
+
+    def queues(self, group: str, topic: str) -> dict[int, QueuePop]:
+        return dict(self._topics.get((group, topic), {}))
+
+    def topics(self) -> list[Key]:
+        return list(self._topics)
+
+    def forget_queue(self, group: str, topic: str, queue: int) -> None:
+        qs = self._topics.get((group, topic))
+        if qs is not None:
+            qs.pop(queue, None)
+            if not qs:
+                del self._topics[(group, topic)]
 
     def forget_topic(self, topic: str) -> None:
         for key in [k for k in self._topics if k[1] == topic]:

@@ -10,7 +10,6 @@ what is missing rather than a bare gRPC error.
 from __future__ import annotations
 
 import logging
-import secrets
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +18,7 @@ import grpc
 from ._pb import service_pb2 as sv
 from .bridge import Bridge
 from .consume import PopService
+from .journal import PopJournal, load_key
 from .mapping import Code, status
 from .receipt import ReceiptCodec
 from .service import MessagingService, guarded
@@ -113,14 +113,19 @@ class GrpcFrontEnd:
         self.server: grpc.aio.Server | None = None
         self.bridge: Bridge | None = None
         self.service: MessagingService | None = None
+        self.journal: PopJournal | None = None
 
     async def start(self, broker: Broker) -> None:
         cfg = broker.config
         self.bridge = bridge = Bridge(broker)
-        # receipt handles are signed with a key of this run: after a restart the old ones
-        # are refused as a whole (their messages are delivered again)
-        pop = PopService(bridge, ReceiptCodec(secrets.token_bytes(32)),
-                         store_host=f"{cfg.host}:{self.port}")
+        # receipt handles are signed with the data directory's key and acknowledgements
+        # above the committed offsets are journaled: both survive a restart (journal.py)
+        data_dir = cfg.store.data_dir
+        store = broker.store
+        self.journal = journal = PopJournal(data_dir, sync=cfg.store.flush == "sync")
+        journal.open(lambda g, t, q: store.get_offset(g, t, q) if t in store.topics else -1)
+        pop = PopService(bridge, ReceiptCodec(load_key(data_dir)),
+                         store_host=f"{cfg.host}:{self.port}", journal=journal)
         self.service = MessagingService(cfg, bridge, pop, lambda: self.port)
         limit = cfg.store.max_body + HEADROOM
         server = grpc.aio.server(options=[
@@ -150,3 +155,6 @@ class GrpcFrontEnd:
         if self.server is not None:
             await self.server.stop(grace=1.0)
             self.server = None
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None

@@ -7,15 +7,17 @@ broker's services with onceq's typed requests (``bridge.py``).
   group (``HEARTBEAT``, ``UNREGISTER`` at ``NotifyClientTermination``);
 * ``SendMessage``: one ``SEND`` (the messages as onceq message parts, their message ids
   as unique keys) to the topic's next queue, round robin;
-* ``ReceiveMessage``, ``AckMessage``, ``ChangeInvisibleDuration``: POP consumption
-  (``consume.py``); ``QueryAssignment``: one assignment per topic (a PushConsumer then
-  receives POP-style from every queue).
+* ``ReceiveMessage``, ``AckMessage``, ``ChangeInvisibleDuration``: POP consumption for
+  SimpleConsumers (``consume.py``); for PushConsumers (``auto_renew`` receives), receives
+  of the queues ``QueryAssignment`` gave them by onceq's allocation, under the access lock
+  (``assign.py``).
 
 Errors are statuses with RocketMQ's codes (``mapping.status_of``), never gRPC errors.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import struct
 import time
@@ -28,8 +30,9 @@ from ..protocol.replies import SendReply, TopicInfo
 from ..protocol.requests import CLUSTERING, GetTopic, GroupBeat, Heartbeat, Send, Unregister
 from ._pb import definition_pb2 as pb
 from ._pb import service_pb2 as sv
+from .assign import AUTO_RENEW_S, PUSH, QueueConsumers
 from .bridge import Bridge, FrontConnection
-from .consume import PopService, Receive
+from .consume import PopService, Receive, check_invisible
 from .mapping import Code, RmqError, endpoints, parse_filter, route, status, status_of, to_part
 
 if TYPE_CHECKING:
@@ -40,6 +43,7 @@ log = logging.getLogger("onceq.rocketmq")
 DEFAULT_INVISIBLE_S = 60.0  # a PushConsumer's receive names none
 DEFAULT_WAIT_S = 20.0  # a receive without a long polling timeout
 DEADLINE_MARGIN_S = 1.0  # a long poll answers this long before the client's deadline
+STREAM_GRACE_S = 3.0  # a client without a Telemetry stream this long after its last left
 _U32 = struct.Struct("<I")
 R = TypeVar("R")
 
@@ -54,6 +58,11 @@ class Client:
     group: str = ""
     subs: dict[str, str] = field(default_factory=dict)  # topic -> tag expression
     seen: float = 0.0
+    streams: int = 0  # Telemetry streams open
+
+    @property
+    def push(self) -> bool:
+        return self.client_type == pb.PUSH_CONSUMER
 
 
 def _metadata(context: Any) -> dict[str, str]:
@@ -70,11 +79,13 @@ class MessagingService:
         self.config = config
         self.bridge = bridge
         self.pop = pop
+        self.queues = QueueConsumers(pop, bridge.broker.groups, clock)
         self.port = port
         self.clock = clock
         self.clients: dict[str, Client] = {}
         self.conn = FrontConnection("rocketmq")  # requests of no client in particular
         self._next_queue: dict[str, int] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # ---------------------------------------------------------------- clients
     def _client(self, context: Any) -> Client:
@@ -94,25 +105,52 @@ class MessagingService:
         limit = self.clock() - self.config.heartbeat_expiry_s
         for cid in [cid for cid, c in self.clients.items() if c.seen < limit]:
             self.clients.pop(cid).conn.close()
+            self._spawn(self.queues.gone(cid))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _join(self, c: Client) -> None:
         """The consumer is a member of its group (onceq's member registry)."""
         if not c.group or c.client_type == pb.PRODUCER:
             return
+        # a PushConsumer holds queues: the access lock applies to it; a SimpleConsumer
+        # holds none (POP consumption)
         beat = GroupBeat(c.group, dict(c.subs), CLUSTERING,
                          {"rocketmq": pb.ClientType.Name(c.client_type),
-                          "access_lock": False})
+                          "access_lock": c.push})
         await self.bridge.call(c.conn, Heartbeat(c.client_id, [beat]))
 
-    def _group_of_onceq(self, group: str) -> None:
+    async def _member(self, c: Client, group: str, topic: str, expr: str = "*") -> None:
+        """A PushConsumer asking for ``topic`` is a member subscribed to it (also when
+        its settings were sent before a broker restart)."""
+        c.group = c.group or group
+        m = self.bridge.broker.groups.member(group, c.client_id)
+        if topic not in c.subs or m is None or topic not in m.subscriptions:
+            c.subs.setdefault(topic, expr)
+            await self._join(c)
+
+    def _group_of_onceq(self, group: str, push: bool | None = None) -> None:
         """A group is consumed by onceq's own consumers or by RocketMQ clients, not both:
-        their offsets would move under each other."""
+        their offsets would move under each other; and by PushConsumers (queues held
+        under the access lock) or by SimpleConsumers (POP), not both."""
         members = self.bridge.broker.groups.members(group)
         others = [m.client_id for m in members if not m.meta.get("rocketmq")]
         if others:
             raise RmqError(Code.ILLEGAL_CONSUMER_GROUP, f"group {group} has onceq consumers "
                            f"({', '.join(others[:3])}): a group is consumed either by "
                            "onceq's own consumers or by RocketMQ clients")
+        if push is None:
+            return
+        kinds = ({m.meta.get("rocketmq") for m in members}
+                 - {None, "PRODUCER", "CLIENT_TYPE_UNSPECIFIED"})
+        mixed = kinds - {PUSH} if push else kinds & {PUSH}
+        if mixed:
+            raise RmqError(Code.ILLEGAL_CONSUMER_GROUP, f"group {group} is consumed by "
+                           f"{' and '.join(sorted(str(k) for k in mixed))} members: a group "
+                           "is consumed either by PushConsumers or by SimpleConsumers")
 
     # ---------------------------------------------------------------- routes, members
     async def _topic(self, topic: str) -> int:
@@ -152,16 +190,45 @@ class MessagingService:
                                         context: Any) -> sv.NotifyClientTerminationResponse:
         c = self._client(context)
         group = req.group.name if req.HasField("group") else c.group
+        await self._gone(c, group)
+        return sv.NotifyClientTerminationResponse(status=status())
+
+    async def _gone(self, c: Client, group: str) -> None:
+        """The client left: its queues are released, it is a member no more."""
+        await self.queues.gone(c.client_id)
         if group and c.client_type != pb.PRODUCER:
             await self.bridge.call(c.conn, Unregister(group, c.client_id))
         self.clients.pop(c.client_id, None)
         c.conn.close()
-        return sv.NotifyClientTerminationResponse(status=status())
+
+    async def _stream_ended(self, c: Client) -> None:
+        """A Telemetry stream ended: without a new one soon, the client is gone (its
+        process ended without ``NotifyClientTermination``): it leaves its group at once,
+        as a onceq consumer whose connection closed."""
+        await asyncio.sleep(STREAM_GRACE_S)
+        if c.streams == 0 and self.clients.get(c.client_id) is c and c.push:
+            log.info("rocketmq client %s: Telemetry stream closed, leaving group %s",
+                     c.client_id, c.group)
+            try:
+                await self._gone(c, c.group)
+            except OnceqError as exc:
+                log.warning("rocketmq client %s: %s", c.client_id, exc)
 
     async def telemetry(self, requests: AsyncIterator[sv.TelemetryCommand], context: Any
                         ) -> AsyncIterator[sv.TelemetryCommand]:
         """Answer each settings command with the broker's (the clients wait for them)."""
         c = self._client(context)
+        c.streams += 1
+        try:
+            async for cmd in self._settings_of(c, requests):
+                yield cmd
+        finally:
+            c.streams -= 1
+            if c.streams == 0 and not self.bridge.closing:
+                self._spawn(self._stream_ended(c))
+
+    async def _settings_of(self, c: Client, requests: AsyncIterator[sv.TelemetryCommand]
+                           ) -> AsyncIterator[sv.TelemetryCommand]:
         async for cmd in requests:
             if not cmd.HasField("settings"):
                 continue
@@ -231,7 +298,10 @@ class MessagingService:
         try:
             c = self._client(context)
             group, topic = req.group.name, req.message_queue.topic.name
-            self._group_of_onceq(group)
+            push = req.auto_renew or c.push  # a PushConsumer: queues under the lock
+            if push:
+                c.client_type = pb.PUSH_CONSUMER
+            self._group_of_onceq(group, push)
             await self._topic(topic)
             wait = (_seconds(req.long_polling_timeout) if req.HasField("long_polling_timeout")
                     else DEFAULT_WAIT_S)
@@ -239,14 +309,19 @@ class MessagingService:
             if remaining is not None:
                 wait = min(wait, remaining - DEADLINE_MARGIN_S)
             invisible = (_seconds(req.invisible_duration) if req.HasField("invisible_duration")
-                         else DEFAULT_INVISIBLE_S)
-            tags = parse_filter(req.filter_expression if req.HasField("filter_expression")
-                                else None)
+                         else AUTO_RENEW_S if req.auto_renew else DEFAULT_INVISIBLE_S)
+            expr = req.filter_expression if req.HasField("filter_expression") else None
+            tags = parse_filter(expr)
             c.group = c.group or group
-            msgs = await self.pop.receive(Receive(
-                group, topic, tags, min(max(req.batch_size, 1), self.config.max_pull_msgs),
-                invisible, max(min(wait, self.config.long_poll_max_s), 0.0),
-                req.message_queue.topic.resource_namespace))
+            r = Receive(group, topic, tags,
+                        min(max(req.batch_size, 1), self.config.max_pull_msgs), invisible,
+                        max(min(wait, self.config.long_poll_max_s), 0.0),
+                        req.message_queue.topic.resource_namespace)
+            if push:
+                await self._member(c, group, topic, (expr.expression if expr else "") or "*")
+                msgs = await self.queues.receive(r, c.client_id, req.message_queue.id)
+            else:
+                msgs = await self.pop.receive(r)
         except (RmqError, OnceqError) as exc:
             yield sv.ReceiveMessageResponse(status=_status_of(exc))
             return
@@ -268,12 +343,16 @@ class MessagingService:
 
     async def ack_message(self, req: sv.AckMessageRequest, context: Any
                           ) -> sv.AckMessageResponse:
-        self._client(context)
+        c = self._client(context)
         out = sv.AckMessageResponse()
         failed = 0
         for e in req.entries:
             try:
-                await self.pop.ack(req.group.name, req.topic.name, e.receipt_handle)
+                if c.push:
+                    await self.queues.ack(c.client_id, req.group.name, req.topic.name,
+                                          e.receipt_handle)
+                else:
+                    await self.pop.ack(req.group.name, req.topic.name, e.receipt_handle)
                 st = status()
             except (RmqError, OnceqError) as exc:
                 st = _status_of(exc)
@@ -291,26 +370,35 @@ class MessagingService:
 
     async def change_invisible_duration(self, req: sv.ChangeInvisibleDurationRequest,
                                         context: Any) -> sv.ChangeInvisibleDurationResponse:
-        self._client(context)
-        handle = self.pop.change(req.group.name, req.topic.name, req.receipt_handle,
-                                 _seconds(req.invisible_duration))
+        c = self._client(context)
+        seconds = _seconds(req.invisible_duration)
+        if c.push:
+            handle = self.queues.change(c.client_id, req.group.name, req.topic.name,
+                                        req.receipt_handle, check_invisible(seconds))
+        else:
+            handle = self.pop.change(req.group.name, req.topic.name, req.receipt_handle,
+                                     seconds)
         return sv.ChangeInvisibleDurationResponse(status=status(), receipt_handle=handle)
 
     async def query_assignment(self, req: sv.QueryAssignmentRequest, context: Any
                                ) -> sv.QueryAssignmentResponse:
-        """One assignment of the topic on this broker: a PushConsumer receives from it
-        POP-style, so every member may have it (each message is in flight to one)."""
+        """The asking PushConsumer's share of the topic's queues by onceq's allocation
+        (``assign.py``); it receives from those only, under the access lock."""
         c = self._client(context)
-        c.group = c.group or req.group.name
-        self._group_of_onceq(req.group.name)
-        topic = req.topic.name
+        group, topic = req.group.name, req.topic.name
+        c.client_type = pb.PUSH_CONSUMER
+        self._group_of_onceq(group, True)
         queues = await self._topic(topic)
+        await self._member(c, group, topic)
+        await self.queues.release_revoked(group, topic, queues)
+        mine = set(self.queues.assigned(group, topic, queues, c.client_id))
         given = list(req.endpoints.addresses)
         where = req.endpoints if given else endpoints(self.config.host, self.port())
         out = sv.QueryAssignmentResponse(status=status())
-        mq = next(iter(route(topic, queues, namespace=req.topic.resource_namespace,
-                             broker=self.config.broker_id or "onceq", where=where)))
-        out.assignments.add().message_queue.CopyFrom(mq)
+        for mq in route(topic, queues, namespace=req.topic.resource_namespace,
+                        broker=self.config.broker_id or "onceq", where=where):
+            if mq.id in mine:
+                out.assignments.add().message_queue.CopyFrom(mq)
         return out
 
 
