@@ -95,8 +95,16 @@ def test_a_topic_over_two_groups(tmp_path: Path, etcd_endpoint: str,
             with pytest.raises(OnceqError) as refused:
                 await admin.delete_topic("orders")
             assert refused.value.code == ErrorCode.INVALID_ARGUMENT
+        # a group asked about a topic created on another group a moment ago (before its
+        # next read of the routes) reads the route first: the topic gets the route's
+        # queue count there, not default_queues as creating it on first use would
+        g2 = groups["g2"][0].address
+        async with Admin(g1) as on_g1, Admin(g2) as on_g2:
+            await on_g1.create_topic("t16", 16)
+            assert await on_g2.queue_count("t16") == 16
         view = await cluster_view(etcd_endpoint, cluster_name)
         assert view["routes"]["orders"]["by_group"] == {"g1": [0, 2], "g2": [1, 3]}
+        assert view["routes"]["t16"]["queues"] == 16
 
     try:
         asyncio.run(go())

@@ -36,6 +36,7 @@ from ..protocol.requests import (
     CreateTopic,
     DeleteTopic,
     GetOffset,
+    GetTopic,
     Heartbeat,
     ListGroupMembers,
     ListGroups,
@@ -203,7 +204,7 @@ class Broker:
         }
         if config.clustered:
             self.routes.guard(handlers, Send, SendBatch, SendRecords, SendSequenced, Pull,
-                              QueryOffsets, SearchOffset, GetOffset, CommitOffset)
+                              QueryOffsets, SearchOffset, GetOffset, CommitOffset, GetTopic)
             handlers[CreateTopic] = self.routes.creating(handlers[CreateTopic])
             handlers[DeleteTopic] = self.routes.deleting(handlers[DeleteTopic])
         self.scaling.guard(handlers, Send, SendBatch, SendRecords, SendSequenced)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ from ..cluster import (
     create_route,
     place,
     read_directory,
+    read_route,
     read_routes,
 )
 from ..protocol.errors import ErrorCode, OnceqError
@@ -65,6 +67,7 @@ class Routes:
         self.directory = GroupDirectory({}, {})
         self.problem = ""
         self.loaded = False  # the routes were read once (until then queues are refused)
+        self._looked: dict[str, float] = {}  # unknown topics whose route was read, when
 
     def attach(self, client: EtcdClient, cluster: str) -> None:
         self.client, self.cluster = client, cluster
@@ -109,10 +112,57 @@ class Routes:
             if not self.loaded:
                 raise OnceqError(ErrorCode.SERVICE_UNAVAILABLE, "this broker has not read "
                                  "the topics' routes from etcd yet: try again")
+            topic = req.topic
+            if topic not in self.store.topics and topic not in self.routes \
+                    and self._may_be_new(topic):
+                self._after_route(call, req, handler)  # its route may be newer than ours
+                return None
             if self.routes:
-                self.check(req.topic, getattr(req, "queue", None))
+                self.check(topic, getattr(req, "queue", None))
             return handler(call, req)
         return guarded
+
+    def _may_be_new(self, topic: str) -> bool:
+        """Whether a topic this broker knows nothing of is worth a read of its route
+        (not more than once per ``ROUTES_POLL_S``: a client naming unknown topics must not
+        turn into a flood of etcd reads)."""
+        now = time.monotonic()
+        if now - self._looked.get(topic, float("-inf")) < ROUTES_POLL_S:
+            return False
+        self._looked[topic] = now
+        if len(self._looked) > 10_000:
+            self._looked = {t: w for t, w in self._looked.items()
+                            if now - w < ROUTES_POLL_S}
+        return True
+
+    def _after_route(self, call: Call, req: Any, handler: Handler) -> None:
+        """A request on a topic this broker does not know: read its route first (made on
+        another group a moment ago, before this broker's next read), create the topic here
+        with the route's queue count when the route places queues here (not with
+        ``default_queues``, as creating it on first use would), then serve the request."""
+        assert self.client is not None
+
+        async def run() -> None:
+            try:
+                route = await read_route(self.client, self.cluster, req.topic)  # type: ignore[arg-type]
+                if route is not None:
+                    self.routes[req.topic] = route
+                    if self.group in route.placement and self.create_local is not None \
+                            and req.topic not in self.store.topics:
+                        await self.create_local(req.topic, route.queues)
+                    self.check(req.topic, getattr(req, "queue", None))
+                reply = handler(call, req)
+            except OnceqError as exc:
+                call.fail(exc)
+                return
+            except (EtcdError, OSError) as exc:
+                call.fail(OnceqError(ErrorCode.SERVICE_UNAVAILABLE, (
+                    f"the topic's route cannot be read from etcd ({exc}): try again")))
+                return
+            if reply is not None:
+                call.answer(reply)
+
+        asyncio.get_running_loop().create_task(run())
 
     def deleting(self, handler: Handler) -> Handler:
         """``DELETE_TOPIC`` of a topic spread over several groups is refused (its queues
