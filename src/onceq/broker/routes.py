@@ -141,28 +141,18 @@ class Routes:
         with the route's queue count when the route places queues here (not with
         ``default_queues``, as creating it on first use would), then serve the request."""
         assert self.client is not None
+        client = self.client
 
-        async def run() -> None:
-            try:
-                route = await read_route(self.client, self.cluster, req.topic)  # type: ignore[arg-type]
-                if route is not None:
-                    self.routes[req.topic] = route
-                    if self.group in route.placement and self.create_local is not None \
-                            and req.topic not in self.store.topics:
-                        await self.create_local(req.topic, route.queues)
-                    self.check(req.topic, getattr(req, "queue", None))
-                reply = handler(call, req)
-            except OnceqError as exc:
-                call.fail(exc)
-                return
-            except (EtcdError, OSError) as exc:
-                call.fail(OnceqError(ErrorCode.SERVICE_UNAVAILABLE, (
-                    f"the topic's route cannot be read from etcd ({exc}): try again")))
-                return
-            if reply is not None:
-                call.answer(reply)
+        async def first() -> None:
+            route = await read_route(client, self.cluster, req.topic)
+            if route is not None:
+                self.routes[req.topic] = route
+                if self.group in route.placement and self.create_local is not None \
+                        and req.topic not in self.store.topics:
+                    await self.create_local(req.topic, route.queues)
+                self.check(req.topic, getattr(req, "queue", None))
 
-        asyncio.get_running_loop().create_task(run())
+        _serve_after(call, req, handler, first(), "read from")
 
     def deleting(self, handler: Handler) -> Handler:
         """``DELETE_TOPIC`` of a topic spread over several groups is refused (its queues
@@ -183,22 +173,8 @@ class Routes:
             if self.client is None or req.follow_group is not None:
                 return handler(call, req)
 
-            async def run() -> None:
-                try:
-                    await self.route_for(req.topic, req.queues)
-                    reply = handler(call, req)
-                except OnceqError as exc:
-                    call.fail(exc)
-                    return
-                except (EtcdError, OSError) as exc:
-                    call.fail(OnceqError(ErrorCode.SERVICE_UNAVAILABLE, (
-                        f"the topic's route cannot be written to etcd ({exc}): try "
-                        "again")))
-                    return
-                if reply is not None:
-                    call.answer(reply)
-
-            asyncio.get_running_loop().create_task(run())
+            _serve_after(call, req, handler, self.route_for(req.topic, req.queues),
+                         "written to")
             return None
         return create
 
@@ -244,3 +220,30 @@ class Routes:
                 log.info("routes: topic %s holds queues %s on this group: creating it",
                          topic, route.queues_of(self.group or ""))
                 await self.create_local(topic, route.queues)
+
+
+def _serve_after(call: Call, req: Any, handler: Handler, first: Awaitable[Any],
+                 verb: str) -> None:
+    """Serve ``req`` with ``handler`` once ``first`` (work on the topic's route in etcd)
+    is done; an error of either is the request's answer."""
+
+    async def run() -> None:
+        try:
+            await first
+            reply = handler(call, req)
+        except OnceqError as exc:
+            call.fail(exc)
+            return
+        except (EtcdError, OSError) as exc:
+            call.fail(OnceqError(ErrorCode.SERVICE_UNAVAILABLE, (
+                f"the topic's route cannot be {verb} etcd ({exc}): try again")))
+            return
+        if reply is not None:
+            call.answer(reply)
+
+    task = asyncio.get_running_loop().create_task(run())
+    _RUNNING.add(task)  # held until done (the loop keeps only a weak reference)
+    task.add_done_callback(_RUNNING.discard)
+
+
+_RUNNING: set[asyncio.Task[None]] = set()
