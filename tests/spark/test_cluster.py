@@ -23,8 +23,9 @@ def test_stream_through_a_group_across_a_leader_kill(spark, tmp_path, etcd_endpo
                                                      cluster_name):
     nodes = make_group(tmp_path, etcd_endpoint, cluster_name, 3, "--dedup-window", "0.5")
     try:
-        asyncio.run(leader_of(nodes, isr=3))
-        servers = ",".join(n.address for n in nodes)
+        leader = asyncio.run(leader_of(nodes, isr=3))
+        # a follower first: every client must find the leader from the bootstrap list
+        servers = ",".join(n.address for n in sorted(nodes, key=lambda n: n is leader))
         src, dst = "g_src", "g_dst"
         create_topic(servers, src, 2)
         create_topic(servers, dst, 2)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from ..log.record import MessageExt, decode_records
 from ..protocol.codes import PullStatus
+from ..protocol.errors import OnceqError
 from ..protocol.replies import OffsetReply, PullReply, QueueOffsets, TopicInfo
 from ..protocol.requests import (
     CommitOffset,
@@ -118,14 +119,19 @@ class PullConsumer(BrokerClient):
         ``decode_records`` does).
         """
         tag_list = parse_tags(tags)
-        conn = await (await self.links.link(topic, queue))._connection()  # its group's
+        link = await self.links.link(topic, queue)  # the client of the queue's group
+        conn = await link._connection()
         timeout = suspend + 10.0
         done = None  # offset up to which the caller has finished
         fut = conn.submit(self._pull_request(topic, queue, offset, max_msgs, tag_list,
                                              suspend, None))
         try:
             while True:
-                reply: PullReply = await asyncio.wait_for(fut, timeout)
+                try:
+                    reply: PullReply = await asyncio.wait_for(fut, timeout)
+                except OnceqError as exc:  # in a group: a stream started again goes to
+                    await link._follow(exc)  # the leader (NOT_LEADER, a lost connection)
+                    raise
                 fut = conn.submit(self._pull_request(topic, queue, reply.next, max_msgs,
                                                      tag_list, suspend,
                                                      done if commit else None))
