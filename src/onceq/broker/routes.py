@@ -38,6 +38,7 @@ from ..cluster import (
 from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.replies import RouteInfo
 from ..protocol.requests import GetRoute
+from .store_errors import StorageError, wire_error
 
 if TYPE_CHECKING:
     from ..cluster import EtcdClient
@@ -230,13 +231,17 @@ def _serve_after(call: Call, req: Any, handler: Handler, first: Awaitable[Any],
     async def run() -> None:
         try:
             await first
-            reply = handler(call, req)
-        except OnceqError as exc:
-            call.fail(exc)
-            return
         except (EtcdError, OSError) as exc:
             call.fail(OnceqError(ErrorCode.SERVICE_UNAVAILABLE, (
                 f"the topic's route cannot be {verb} etcd ({exc}): try again")))
+            return
+        except Exception as exc:  # answered, as the broker answers errors
+            call.fail(as_wire_error(exc))
+            return
+        try:
+            reply = handler(call, req)
+        except Exception as exc:  # answered, as the broker answers errors
+            call.fail(as_wire_error(exc))
             return
         if reply is not None:
             call.answer(reply)
@@ -247,3 +252,14 @@ def _serve_after(call: Call, req: Any, handler: Handler, first: Awaitable[Any],
 
 
 _RUNNING: set[asyncio.Task[None]] = set()
+
+
+def as_wire_error(exc: Exception) -> OnceqError:
+    """An error raised serving a request later, as ``Broker.dispatch`` would answer it: a
+    store error by its wire code, anything else ``SYSTEM_ERROR`` (and logged)."""
+    if isinstance(exc, OnceqError):
+        return exc
+    if isinstance(exc, StorageError):
+        return wire_error(exc)
+    log.error("request failed: %r", exc, exc_info=exc)
+    return OnceqError(ErrorCode.SYSTEM_ERROR, f"internal: {exc}")

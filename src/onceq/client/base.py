@@ -24,9 +24,10 @@ from .security import ClientSecurity
 
 log = logging.getLogger("onceq.client")
 ELECTION_WAIT_S = 0.1  # between two looks for the leader while nobody leads
-# in a group, one attempt waits at most this share of a request's time budget (at least
+# in a group, one attempt of a send waits at most this share of its time budget (at least
 # ATTEMPT_MIN_S): an answer lost in a partition (the brokers still name a leader cut off
-# from them) leaves time to find the new leader and try there
+# from them) leaves time to find the new leader and try there. Not for requests the broker
+# may hold on purpose (long polls, lock waits): those keep their whole budget
 ATTEMPT_SHARE = 1 / 3
 ATTEMPT_MIN_S = 1.0
 
@@ -139,12 +140,11 @@ class BrokerClient:
         ``timeout``."""
         if not self.route.group:
             return await call(await self._connection(), request, timeout)
-        budget = 10.0 if timeout is None else timeout
-        deadline = time.monotonic() + budget
+        deadline = time.monotonic() + (10.0 if timeout is None else timeout)
         while True:
-            try:
-                wait = self._attempt_wait(deadline, budget)
-                return await call(await self._connection(), request, wait)
+            try:  # the whole budget: the broker may hold a request (a long poll, a lock)
+                left = max(deadline - time.monotonic(), 0.05)
+                return await call(await self._connection(), request, left)
             except OnceqError as exc:
                 if time.monotonic() >= deadline or not await self._follow(exc):
                     raise
