@@ -90,11 +90,21 @@ class BrokerClient:
             if not self.route.group:
                 raise
         leader = await self.route.find_leader(self._ask_status)
-        if leader is None:
-            raise ConnectionLost(f"no broker of {', '.join(self.route.addresses)} leads "
-                                 "the group (out of reach, or an election is going on)")
-        self._moved(leader, "the leader")
-        return await self._connect(self.address, self._on_push)
+        if leader is not None:
+            self._moved(leader, "the leader")
+            return await self._connect(self.address, self._on_push)
+        # nobody named a leader (an election, or this user may not read the brokers'
+        # status): any broker of the list that answers; a follower's NOT_LEADER then
+        # names the leader
+        for address in [a for a in self.route.addresses if a != self.address]:
+            try:
+                conn = await self._connect(address, self._on_push)
+            except ConnectionLost:
+                continue
+            self._moved(address, "a broker of the group")
+            return conn
+        raise ConnectionLost(f"no broker of {', '.join(self.route.addresses)} leads "
+                             "the group (out of reach, or an election is going on)")
 
     async def _ask_status(self, address: str) -> dict[str, Any] | None:
         return await cluster_status(address, self.security)
