@@ -21,7 +21,7 @@ from onceq.client.pull import PullConsumer
 from onceq.protocol.codes import PullStatus
 from onceq.protocol.errors import ErrorCode, OnceqError
 from onceq.protocol.replies import RouteInfo
-from onceq.protocol.requests import GetRoute
+from onceq.protocol.requests import GetRoute, Pull
 from tests.cluster.group import Node, leader_of, make_group
 from tests.helpers import wait_until
 
@@ -76,12 +76,20 @@ def test_a_topic_over_two_groups(tmp_path: Path, etcd_endpoint: str,
             assert p.links.fetched >= 1
         # each group stores and serves its own queues only
         g1 = groups["g1"][0].address
-        async with PullConsumer(g1, "direct") as direct:
+        conn = await BrokerConnection.open(g1)
+        try:
             with pytest.raises(OnceqError) as wrong:
-                await direct.pull("orders", 1, 0, 10)
-            assert wrong.value.code == ErrorCode.WRONG_GROUP and wrong.value.retriable
-            assert wrong.value.details["group"] == "g2"
+                await call(conn, Pull("orders", 1, 0, 10), 5.0)
+        finally:
+            conn.close()
+        assert wrong.value.code == ErrorCode.WRONG_GROUP and wrong.value.retriable
+        assert wrong.value.details["group"] == "g2"
+        # a client given one broker of the cluster follows the route after WRONG_GROUP
+        async with PullConsumer(g1, "direct") as direct:
             assert len(await _read(direct, 0)) > 0
+            assert not direct.links.enabled
+            assert len(await _read(direct, 1)) > 0
+            assert direct.links.enabled and direct.links.home == "g1"
         async with PullConsumer(bootstrap, "all") as c:
             assert await c.queue_count("orders") == QUEUES
             stored = {q: await _read(c, q) for q in range(QUEUES)}

@@ -80,9 +80,9 @@ class Routes:
     def h_get_route(self, call: Call, req: GetRoute) -> RouteInfo:
         route = self.routes.get(req.topic)
         if route is None:
-            return RouteInfo(req.topic)
+            return RouteInfo(req.topic, here=self.group)
         return RouteInfo(req.topic, list(route.placement), route.version,
-                         self._groups(route))
+                         self._groups(route), self.group)
 
     def _groups(self, route: TopicRoute) -> dict[str, Any]:
         d = self.directory

@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Self
 
-from ..protocol.errors import OnceqError
+from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.schema import Message
 from .connection import BrokerConnection, ConnectionLost, call
 from .route import BrokerRoute, cluster_status, follows
@@ -148,16 +148,21 @@ class BrokerClient:
         """A typed request on this client's connection; its typed reply. In a group, tried
         again on the leader after ``NOT_LEADER`` or a lost connection, within
         ``timeout``."""
-        if not self.route.group:
-            return await call(await self._connection(), request, timeout)
-        deadline = time.monotonic() + (10.0 if timeout is None else timeout)
-        while True:
-            try:  # the whole budget: the broker may hold a request (a long poll, a lock)
-                left = max(deadline - time.monotonic(), 0.05)
-                return await call(await self._connection(), request, left)
-            except OnceqError as exc:
-                if time.monotonic() >= deadline or not await self._follow(exc):
-                    raise
+        try:
+            if not self.route.group:
+                return await call(await self._connection(), request, timeout)
+            deadline = time.monotonic() + (10.0 if timeout is None else timeout)
+            while True:
+                try:  # the whole budget: the broker may hold a request (long poll, lock)
+                    left = max(deadline - time.monotonic(), 0.05)
+                    return await call(await self._connection(), request, left)
+                except OnceqError as exc:
+                    if time.monotonic() >= deadline or not await self._follow(exc):
+                        raise
+        except OnceqError as exc:
+            if exc.code == ErrorCode.WRONG_GROUP:  # the queue lives on another group
+                self.links.wrong_group(getattr(request, "topic", None))
+            raise
 
     async def start(self) -> Self:
         """Connect now (otherwise the first request connects)."""

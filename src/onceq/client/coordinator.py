@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .._aio import wait_event
-from ..protocol.codes import RETRY_PREFIX
+from ..protocol.codes import RETRY_PREFIX, retry_topic
 from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.replies import (
     PUSHES,
@@ -80,10 +80,14 @@ class Coordinator:
         self.fetcher: Fetcher
         self._reset_gen: int | None = None  # the last forced offset reset handled
         self.hold_s: float | None = None  # the broker's access-lock hold (heartbeat answer)
-        # a topic's route (``routes.py``): a topic spread over several broker groups is
-        # not consumed by a push consumer yet (set by the consumer)
+        # topics over several broker groups (``routes.py``, set by the consumer): a
+        # topic's route; the broker group this coordinator is a member of (its queues of
+        # routed topics are consumed here); whether it also consumes the topics without a
+        # route (the consumer's own group); and what starts the members of the other groups
         self.route: Callable[[str], Awaitable[Any]] | None = None
-        self._spread_logged: set[str] = set()
+        self.broker_group: Callable[[], str | None] = lambda: None
+        self.home = True
+        self.spawn: Callable[[Any], Awaitable[None]] | None = None
         self._to_drop: set[MessageQueue] = set()  # the next rebalance drops these
         self._confirming: asyncio.Task[None] | None = None  # a heartbeat for a lapsed lease
         self._retakes: set[asyncio.Task[None]] = set()
@@ -300,33 +304,35 @@ class Coordinator:
                 if mq in granted:
                     await self._take(mq)
 
-    async def _spread(self, topic: str) -> bool:
-        """Whether ``topic`` is spread over several broker groups (left out, said once)."""
-        assert self.route is not None
-        route = await self.route(topic)
-        groups = sorted({str(g) for g in route.placement}) if route is not None else []
-        if len(groups) < 2:
-            return False
-        if topic not in self._spread_logged:
-            self._spread_logged.add(topic)
-            log.error("%s: topic %s is spread over broker groups %s: a push consumer does "
-                      "not consume such a topic yet (use a PullConsumer or the Spark "
-                      "source); left out", self.client_id, topic, ", ".join(groups))
-        return True
+    async def _topic_queues(self, topic: str) -> list[MessageQueue]:
+        """The queues of ``topic`` this member consumes from its broker: of a topic with a
+        route, those placed on its broker group (the members of the other groups take
+        theirs); of a topic without one, all (the consumer's own group; another group's
+        member takes only its group's retry topic)."""
+        route = await self.route(topic) if self.route is not None else None
+        if route is not None:
+            if self.spawn is not None:
+                await self.spawn(route)
+            mine = self.broker_group()
+            return [MessageQueue(topic, i) for i, g in enumerate(route.placement)
+                    if g == mine]
+        if not self.home and topic != retry_topic(self.group):
+            return []
+        try:
+            info: TopicInfo = await self.call(GetTopic(topic))
+        except OnceqError as exc:
+            if exc.code == ErrorCode.TOPIC_NOT_EXIST:
+                return []
+            raise
+        return [MessageQueue(topic, i) for i in range(info.queues)]
 
     async def _desired(self) -> list[MessageQueue]:
         desired: list[MessageQueue] = []
         members: list[str] | None = None
         for topic in sorted(self.subscriptions):
-            try:
-                info: TopicInfo = await self.call(GetTopic(topic))
-            except OnceqError as exc:
-                if exc.code == ErrorCode.TOPIC_NOT_EXIST:
-                    continue
-                raise
-            if self.route is not None and await self._spread(topic):
+            queues = await self._topic_queues(topic)
+            if not queues:
                 continue
-            queues = [MessageQueue(topic, i) for i in range(info.queues)]
             if not self.clustering:
                 desired.extend(queues)
                 continue

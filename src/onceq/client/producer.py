@@ -171,9 +171,10 @@ class Producer(BrokerClient):
                 if not retriable or time.monotonic() >= deadline:
                     raise
                 log.debug("send attempt %d to %s failed: %s; retrying", attempt, topic, exc)
-                if exc.code in (ErrorCode.WRONG_GROUP, ErrorCode.TOPIC_NOT_EXIST):
+                if exc.code == ErrorCode.TOPIC_NOT_EXIST:
                     self.links.forget(topic)  # the route moved on: fetched again
                 if exc.code == ErrorCode.WRONG_GROUP:
+                    self.links.wrong_group(topic)
                     attempt -= 1
                     continue
                 if exc.code == ErrorCode.QUEUE_FULL:  # the queue's fuse, not counted against

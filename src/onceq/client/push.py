@@ -14,6 +14,7 @@ middleware (``middleware.py``: the idempotency layer) wraps the listener at star
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import time
 from collections import Counter
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..protocol.codes import retry_topic
+from ..protocol.errors import OnceqError
 from . import middleware
 from .allocation import MessageQueue
 from .assignment import Assignment
@@ -39,6 +41,8 @@ from .push_config import MessageModel, PushConsumerConfig
 from .responder import ReplySender
 from .runner import ListenerRunner
 from .security import ClientSecurity
+
+log = logging.getLogger("onceq.consumer")
 
 __all__ = ["ConsumeContext", "ConsumeResult", "ConsumeStatus", "Listener", "PushConsumer"]
 
@@ -73,6 +77,13 @@ class PushConsumer(BrokerClient):
         self.coordinator = Coordinator(group, self.client_id, self.config, clock, self._subs,
                                        self.orderly, self._call, lambda: self._conn)
         self.coordinator.route = self.links.route
+        self.coordinator.broker_group = lambda: self.links.home
+        self.coordinator.spawn = self._members_for
+        # a topic over several broker groups: this consumer is a member of the group on
+        # each of them (docs/cluster.md, "Consumer groups across broker groups"); the
+        # consumer itself is the member on the group it reached, these on the others
+        self.members: dict[str, PushConsumer] = {}
+        self._shared_runner = False  # a member of another group: the runner is its owner's
         self.offsets: OffsetStore = BrokerOffsets(self.coordinator, self.owned)
         self.service: ConsumeService | None = None
         self.runner: ListenerRunner | None = None
@@ -111,11 +122,15 @@ class PushConsumer(BrokerClient):
 
     @property
     def assignment(self) -> list[MessageQueue]:
-        return self.owned.queues()
+        """The queues this consumer owns now (on every broker group)."""
+        return [q for c in (self, *self.members.values()) for q in c.owned.queues()]
 
     @property
     def stats(self) -> Counter[str]:
-        return self.coordinator.stats
+        if not self.members:
+            return self.coordinator.stats
+        return sum((c.coordinator.stats for c in self.members.values()),
+                   Counter(self.coordinator.stats))
 
     # ================================================================ lifecycle
     async def start(self) -> PushConsumer:  # type: ignore[override]
@@ -126,19 +141,28 @@ class PushConsumer(BrokerClient):
         if not self._subs:
             raise ValueError("subscribe to a topic before start()")
         cfg = self.config
-        coordinator = self.coordinator
         if self.clustering:
             self._subs.setdefault(retry_topic(self.group), "*")
-            self.offsets = BrokerOffsets(coordinator, self.owned)
-        else:
-            self.offsets = LocalOffsets(LocalOffsetStore(cfg.offset_dir, self.offset_owner,
-                                                         self.group))
         if self.idempotency is not None:
             self.idempotent_listener = middleware.build("idempotency", self.idempotency
                                                         ).wrap(self._listener)
         listener = self.listener
         assert listener is not None
-        self.runner = ListenerRunner.start(listener, cfg.concurrency, cfg.consume_timeout_s)
+        runner = ListenerRunner.start(listener, cfg.concurrency, cfg.consume_timeout_s)
+        await self._begin(runner, listener)
+        return self
+
+    async def _begin(self, runner: ListenerRunner, listener: Listener) -> None:
+        """Wire the consume service, the fetcher and the coordinator around ``runner``,
+        register with the broker and start the loops."""
+        cfg = self.config
+        coordinator = self.coordinator
+        self.runner = runner
+        if self.clustering:
+            self.offsets = BrokerOffsets(coordinator, self.owned)
+        else:
+            self.offsets = LocalOffsets(LocalOffsetStore(cfg.offset_dir, self.offset_owner,
+                                                         self.group))
         self.service = wire_service(self, self.runner)
         self.service.replier = ReplySender(lambda: self._conn, self.stats).send
         coordinator.orderly = self.orderly
@@ -153,18 +177,60 @@ class PushConsumer(BrokerClient):
             # a listener may check its settings against the broker before consuming (the
             # idempotent wrapper checks its retention against the redelivery horizon)
             hook = getattr(listener, "on_consumer_start", None)
-            if hook is not None:
+            if hook is not None and not self._shared_runner:
                 await hook(self)
         except BaseException:  # e.g. no broker: leave nothing half started behind
             self._running = coordinator.running = False
             await self._close_guard()
             if self._conn is not None:
                 self._conn.close()
-            self.runner.shutdown()
+            if not self._shared_runner:
+                self.runner.shutdown()
             raise
         self._tasks = coordinator.start()
         self.service.start()
-        return self
+
+    async def _members_for(self, route: Any) -> None:
+        """Start this consumer's member on each broker group of ``route`` it is not a
+        member of yet (one that cannot start now is tried at the next rebalance). The
+        consumer itself stays with the group it reached: given one group's brokers only."""
+        home = self.links.home
+        mine = (route.groups.get(home) or {}).get("members") or []
+        if self.address in mine and set(mine) != set(self.route.addresses):
+            self.route.addresses = [str(a) for a in mine]
+        for name, where in route.groups.items():
+            if name == home or name in self.members or not self._running:
+                continue
+            member = self._member(name, [str(a) for a in where.get("members") or []])
+            assert self.runner is not None and self.listener is not None
+            try:
+                await member._begin(self.runner, self.listener)
+            except (OnceqError, OSError) as exc:
+                log.warning("%s: cannot join group %s on broker group %s yet: %s",
+                            self.client_id, self.group, name, exc)
+                continue
+            if not self._running:  # shut down meanwhile
+                await member.shutdown()
+                return
+            self.members[name] = member
+            log.info("%s: member of group %s on broker group %s too", self.client_id,
+                     self.group, name)
+
+    def _member(self, name: str, addresses: list[str]) -> PushConsumer:
+        """This consumer's member on broker group ``name``: the same client id, listener,
+        subscriptions and settings, its own connection, queues and offsets."""
+        member = PushConsumer(",".join(addresses), self.group, self._listener, self.config,
+                              client_id=self.client_id, clock=self.clock,
+                              security=self.security)
+        member._subs = self._subs
+        member.coordinator.subscriptions = self._subs
+        member.coordinator.route = self.links.route
+        member.coordinator.broker_group = lambda: name
+        member.coordinator.home = False
+        member.coordinator.spawn = None
+        member._shared_runner = True
+        member.offset_owner = f"{self.offset_owner}@{name}"
+        return member
 
     async def __aenter__(self) -> PushConsumer:  # type: ignore[override]
         return await self.start()
@@ -180,11 +246,13 @@ class PushConsumer(BrokerClient):
         if not self._running:
             return
         self._running = False
-        await self.coordinator.leave(self._tasks)
+        members = list(self.members.values())
+        await asyncio.gather(self.coordinator.leave(self._tasks),
+                             *(m.shutdown() for m in members))
         self._no_reconnect = True  # late listener calls must not open a new connection
         if self._conn is not None:
             self._conn.close()
-        if self.runner is not None:
+        if self.runner is not None and not self._shared_runner:
             self.runner.shutdown()
         await self._close_guard()
 
@@ -196,6 +264,8 @@ class PushConsumer(BrokerClient):
     def rebalance_soon(self) -> None:
         """Have the rebalance loop run now (not after the interval)."""
         self.coordinator.rebalance_soon()
+        for member in self.members.values():
+            member.rebalance_soon()
 
     # ================================================================ connection events
     async def _on_connected(self, conn: BrokerConnection) -> None:

@@ -27,6 +27,17 @@ if TYPE_CHECKING:
 ROUTE_TTL_S = 30.0  # a route is fetched again after this long (or at once on WRONG_GROUP)
 
 
+def routed(info: RouteInfo) -> RouteInfo | None:
+    """``info`` when its queues are reached through links: spread over several groups, or
+    all on a group other than the one that answered (a topic wholly on the answering
+    group is reached like any of its topics, through the owner's connection)."""
+    groups = set(info.placement)
+    if len(groups) > 1 or (len(groups) == 1 and info.here is not None
+                           and info.here not in groups):
+        return info
+    return None
+
+
 class GroupLinks:
     def __init__(self, owner: BrokerClient, ttl_s: float = ROUTE_TTL_S) -> None:
         self.owner = owner
@@ -34,10 +45,20 @@ class GroupLinks:
         self._routes: dict[str, tuple[RouteInfo | None, float]] = {}
         self._links: dict[str, BrokerClient] = {}
         self.fetched = 0  # GET_ROUTE requests made (stats)
+        self.home: str | None = None  # the group of the broker the owner talks to
+        self.clustered = False  # a WRONG_GROUP answer was seen
 
     @property
     def enabled(self) -> bool:
-        return self.owner.route.group
+        """Whether routes are asked for: a client given several brokers, or one that was
+        answered ``WRONG_GROUP`` (given one broker of a cluster)."""
+        return self.owner.route.group or self.clustered
+
+    def wrong_group(self, topic: object) -> None:
+        """A ``WRONG_GROUP`` answer: the topic's route moved on (or was never asked for)."""
+        self.clustered = True
+        if isinstance(topic, str):
+            self.forget(topic)
 
     async def route(self, topic: str) -> RouteInfo | None:
         """The topic's route (None: not spread over several groups)."""
@@ -54,9 +75,9 @@ class GroupLinks:
             if exc.code != ErrorCode.UNKNOWN_REQUEST:  # a broker without routes: none
                 raise
             info = RouteInfo(topic)
-        # a topic on one group is reached like any topic of the group: no link
-        route = info if len(set(info.placement)) > 1 else None
-        self._routes[topic] = (route, now + self.ttl_s)
+        if info.here is not None:
+            self.home = info.here
+        self._routes[topic] = (route := routed(info), now + self.ttl_s)
         return route
 
     def forget(self, topic: str) -> None:
@@ -99,7 +120,6 @@ class GroupLinks:
             except OnceqError as exc:
                 if exc.code != ErrorCode.WRONG_GROUP or time.monotonic() >= deadline:
                     raise
-                self.forget(topic)
 
     async def close(self) -> None:
         for link in self._links.values():

@@ -166,7 +166,7 @@ class SequencedWriter(BrokerClient):
                 await asyncio.wait_for(asyncio.shield(b.fut), 10.0)
         failed = self._queued[0].request
         if exc.code == ErrorCode.WRONG_GROUP:  # the route moved on: fetched again
-            self.links.forget(failed.topic)
+            self.links.wrong_group(failed.topic)
         link: BrokerClient = self
         with contextlib.suppress(OnceqError):
             link = await self.links.link(failed.topic, failed.queue)

@@ -167,12 +167,14 @@ class RouteInfo(Message):
     """Where a topic's queues live: ``placement[i]`` is the broker group of queue ``i``
     (empty: the topic has no route, every queue is on the broker asked, as on a standalone
     broker); ``groups``: per group its ``members`` (addresses) and ``leader`` (address, or
-    None while nobody leads)."""
+    None while nobody leads); ``here``: the group of the broker that answered (None: a
+    standalone broker)."""
 
     topic: str
     placement: list[Any] = field(factory=list)
     version: int = 0
     groups: dict[str, Any] = field(factory=dict)
+    here: str | None = None
 
 
 @message()
