@@ -77,11 +77,29 @@ class Routes:
         return {GetRoute: self.h_get_route}
 
     # ---------------------------------------------------------------- requests
-    def h_get_route(self, call: Call, req: GetRoute) -> RouteInfo:
-        route = self.routes.get(req.topic)
+    def h_get_route(self, call: Call, req: GetRoute) -> RouteInfo | None:
+        topic = req.topic
+        if self.client is not None and topic not in self.routes and self._may_be_new(topic):
+            # made on another broker a moment ago (this one may even hold the topic: a
+            # follower, or a leader that created it): read it rather than answer "no
+            # route" (a client keeps that answer, and would send where the route says not)
+            client = self.client
+
+            async def first() -> None:
+                route = await read_route(client, self.cluster, topic)
+                if route is not None:
+                    self.routes[topic] = route
+
+            _serve_after(call, req, lambda c, r: self._route_info(topic), first(),
+                         "read from")
+            return None
+        return self._route_info(topic)
+
+    def _route_info(self, topic: str) -> RouteInfo:
+        route = self.routes.get(topic)
         if route is None:
-            return RouteInfo(req.topic, here=self.group)
-        return RouteInfo(req.topic, list(route.placement), route.version,
+            return RouteInfo(topic, here=self.group)
+        return RouteInfo(topic, list(route.placement), route.version,
                          self._groups(route), self.group)
 
     def _groups(self, route: TopicRoute) -> dict[str, Any]:

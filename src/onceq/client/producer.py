@@ -103,8 +103,21 @@ class Producer(BrokerClient):
             self._queues_until[topic] = time.monotonic() + self.queue_refresh_s
         return n
 
+    async def _dedup_queues(self, topic: str, key: str) -> list[int] | None:
+        """Of a topic spread over several broker groups, the queues of the group that
+        ``key`` (a unique key) belongs to, by its hash: every send of the key, a retry or
+        the sender's own after a lost reply, reaches that group's dedup window (a window
+        is a group's; round robin over all queues could store it once on each group)."""
+        route = await self.links.route(topic)
+        if route is None:
+            return None
+        groups = sorted(set(route.placement))
+        group = groups[zlib.crc32(key.encode()) % len(groups)]
+        return [q for q, g in enumerate(route.placement) if g == group]
+
     def _pick_queue(self, topic: str, n: int, sharding_key: str | None, queue: int | None,
-                    selector: QueueSelector | None = None, first: Any = None) -> int:
+                    selector: QueueSelector | None = None, first: Any = None,
+                    among: list[int] | None = None) -> int:
         if queue is not None:
             return queue
         if selector is not None:
@@ -117,7 +130,7 @@ class Producer(BrokerClient):
             return zlib.crc32(sharding_key.encode()) % n
         i = self._rr.get(topic, -1) + 1
         self._rr[topic] = i
-        return self.health.pick(topic, n, i)
+        return self.health.pick(topic, n, i, among)
 
     async def send(self, topic: str, message: Message | bytes | str, *,
                    sharding_key: str | None = None, queue: int | None = None,
@@ -146,8 +159,10 @@ class Producer(BrokerClient):
             attempt += 1
             try:
                 n = await self.queue_count(topic, refresh=attempt > 1 and not pinned)
-                qid = self._pick_queue(topic, n, sharding_key, queue, selector,
-                                       messages[0]) if qid is None or not pinned else qid
+                if qid is None or not pinned:
+                    among = None if pinned else await self._dedup_queues(topic, keys[0])
+                    qid = self._pick_queue(topic, n, sharding_key, queue, selector,
+                                           messages[0], among)
                 link = await self.links.link(topic, qid)  # its group's (routes.py)
                 conn = await link._connection()
                 wait = link._attempt_wait(deadline, self.send_timeout)

@@ -71,19 +71,21 @@ class QueueHealth:
     def all_unhealthy(self, topic: str, n: int) -> bool:
         return all(not self.healthy(topic, q) for q in range(n))
 
-    def pick(self, topic: str, n: int, start: int) -> int:
-        """The queue of an unkeyed send whose round-robin turn is ``start``: the first
-        healthy one from there, else the one healthy again soonest."""
+    def pick(self, topic: str, n: int, start: int, among: list[int] | None = None) -> int:
+        """The queue of an unkeyed send whose round-robin turn is ``start`` (over
+        ``among``, else all ``n`` queues): the first healthy one from there, else the one
+        healthy again soonest."""
+        queues = among or list(range(n))
         if not self._queues:
-            return start % n
-        for i in range(n):
-            q = (start + i) % n
+            return queues[start % len(queues)]
+        for i in range(len(queues)):
+            q = queues[(start + i) % len(queues)]
             if self.healthy(topic, q):
                 if i:
                     self.avoided += 1
                 return q
         self.avoided += 1
-        return min(range(n), key=lambda q: self._queues[(topic, q)].until)
+        return min(queues, key=lambda q: self._queues[(topic, q)].until)
 
     def unhealthy(self) -> dict[str, list[int]]:
         """The queues avoided now, per topic (for status and tests)."""
