@@ -11,12 +11,19 @@ prints one JSON object on its last stdout line. Commands: ``produce``, ``produce
 acknowledging with handles received before a broker restart), ``push_live`` (a
 PushConsumer until told to stop:
 prints ``ready`` once started, appends each message it consumes to a file, shuts down
-gracefully at a line on stdin or at SIGTERM).
+gracefully at a line on stdin or at SIGTERM), ``signed`` (raw requests with a given
+``authorization`` and ``x-mq-date-time``: the broker's answer to each).
+
+Options of every command (in its JSON arguments): ``ak`` and ``sk``, the client's
+``Credentials`` (signed requests, for a broker with acl on); ``tls``, the client connects
+with TLS, trusting the CA file ``ca`` (gRPC core reads its roots from
+``GRPC_DEFAULT_SSL_ROOTS_FILE_PATH``: the official client takes no CA of its own).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -35,12 +42,21 @@ from rocketmq import (
 )
 
 
-def config(endpoint: str) -> ClientConfiguration:
-    return ClientConfiguration(endpoint, Credentials(), request_timeout=5)
+def config(endpoint: str, args: dict[str, Any] | None = None) -> ClientConfiguration:
+    args = args or {}
+    creds = Credentials(args["ak"], args["sk"]) if args.get("ak") else Credentials()
+    return ClientConfiguration(endpoint, creds, request_timeout=5)
+
+
+def tls(args: dict[str, Any]) -> bool:
+    """Whether the client speaks TLS; the test CA is then gRPC's root of trust."""
+    if args.get("ca"):
+        os.environ["GRPC_DEFAULT_SSL_ROOTS_FILE_PATH"] = args["ca"]
+    return bool(args.get("tls"))
 
 
 def produce(endpoint: str, args: dict[str, Any]) -> dict[str, Any]:
-    producer = Producer(config(endpoint), (args["topic"],))
+    producer = Producer(config(endpoint, args), (args["topic"],), tls_enable=tls(args))
     producer.startup()
     try:
         out = []
@@ -65,7 +81,7 @@ def produce(endpoint: str, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def produce_unknown(endpoint: str, args: dict[str, Any]) -> dict[str, Any]:
-    producer = Producer(config(endpoint))
+    producer = Producer(config(endpoint, args), tls_enable=tls(args))
     producer.startup()
     try:
         msg = Message()
@@ -74,7 +90,8 @@ def produce_unknown(endpoint: str, args: dict[str, Any]) -> dict[str, Any]:
         try:
             producer.send(msg)
         except Exception as exc:
-            return {"error": str(exc), "type": type(exc).__name__}
+            return {"error": str(exc), "type": type(exc).__name__,
+                    "code": getattr(exc, "code", None)}
         return {"error": None}
     finally:
         producer.shutdown()
@@ -104,14 +121,32 @@ def resend(endpoint: str, args: dict[str, Any]) -> dict[str, Any]:
     return {"answers": out}
 
 
+def signed(endpoint: str, args: dict[str, Any]) -> dict[str, Any]:
+    """A QueryRoute of ``topic`` sent once with each metadata of ``headers`` (a list of
+    {name: value}): the status of each answer."""
+    import grpc
+    from rocketmq.grpc_protocol import service_pb2, service_pb2_grpc
+
+    req = service_pb2.QueryRouteRequest()
+    req.topic.name = args["topic"]
+    out = []
+    with grpc.insecure_channel(endpoint) as ch:
+        stub = service_pb2_grpc.MessagingServiceStub(ch)
+        for headers in args["headers"]:
+            md = (("x-mq-client-id", "signed-test"), *headers.items())
+            res = stub.QueryRoute(req, metadata=md, timeout=5)
+            out.append({"code": res.status.code, "message": res.status.message})
+    return {"answers": out}
+
+
 def simple(endpoint: str, args: dict[str, Any]) -> dict[str, Any]:
     """Receive ``n`` messages; acknowledge all but ``leave`` (bodies); change the invisible
     duration of ``change`` (bodies) before acking them; then, with ``redeliver``, receive
     until the messages left come back, and ack those."""
     tags = args.get("tags")
     sub = {args["topic"]: FilterExpression(tags) if tags else FilterExpression()}
-    consumer = SimpleConsumer(config(endpoint), args["group"], sub,
-                              await_duration=args.get("await", 2))
+    consumer = SimpleConsumer(config(endpoint, args), args["group"], sub,
+                              await_duration=args.get("await", 2), tls_enable=tls(args))
     consumer.startup()
     invisible = args.get("invisible", 20)
     leave, change = set(args.get("leave", [])), set(args.get("change", []))
@@ -164,8 +199,8 @@ def push(endpoint: str, args: dict[str, Any]) -> dict[str, Any]:
                     done.set()
             return ConsumeResult.SUCCESS
 
-    consumer = PushConsumer(config(endpoint), args["group"], Listener(),
-                            {args["topic"]: FilterExpression()})
+    consumer = PushConsumer(config(endpoint, args), args["group"], Listener(),
+                            {args["topic"]: FilterExpression()}, tls_enable=tls(args))
     consumer.startup()
     try:
         done.wait(args.get("timeout", 30))
@@ -195,9 +230,10 @@ def push_live(endpoint: str, args: dict[str, Any]) -> dict[str, Any]:
                 count[0] += 1
             return ConsumeResult.SUCCESS
 
-    consumer = PushConsumer(config(endpoint), args["group"], Listener(),
+    consumer = PushConsumer(config(endpoint, args), args["group"], Listener(),
                             {args["topic"]: FilterExpression()},
-                            consumption_thread_count=args.get("threads", 20))
+                            consumption_thread_count=args.get("threads", 20),
+                            tls_enable=tls(args))
     consumer.startup()
     print("ready", flush=True)
     threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
@@ -214,7 +250,8 @@ def simple_hold(endpoint: str, args: dict[str, Any]) -> dict[str, Any]:
     acknowledge those in ``ack_later`` with the handles received before (retrying while
     the broker is not back) and report each acknowledgement."""
     sub = {args["topic"]: FilterExpression()}
-    consumer = SimpleConsumer(config(endpoint), args["group"], sub, await_duration=2)
+    consumer = SimpleConsumer(config(endpoint, args), args["group"], sub, await_duration=2,
+                              tls_enable=tls(args))
     consumer.startup()
     got: dict[str, Any] = {}
     deadline = time.monotonic() + 30
@@ -250,7 +287,7 @@ def main() -> None:
     endpoint, command, raw = sys.argv[1], sys.argv[2], sys.argv[3]
     fn = {"produce": produce, "produce_unknown": produce_unknown, "resend": resend,
           "simple": simple, "push": push, "push_live": push_live,
-          "simple_hold": simple_hold}[command]
+          "simple_hold": simple_hold, "signed": signed}[command]
     print(json.dumps(fn(endpoint, json.loads(raw))), flush=True)
 
 

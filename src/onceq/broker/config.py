@@ -178,10 +178,6 @@ class BrokerConfig:
         if self.grpc_port and self.grpc_port in (self.port, self.metrics_port):
             raise ValueError(f"grpc_port {self.grpc_port} is also the broker's port or "
                              "metrics_port")
-        if self.grpc_port and self.acl:
-            raise ValueError("grpc_port: the RocketMQ endpoint does not check the clients' "
-                             "signatures yet, so it cannot run with acl on "
-                             "(docs/rocketmq.md)")
 
     @property
     def clustered(self) -> bool:

@@ -2,6 +2,11 @@
 (``grpc.aio``), started and stopped by the broker (``Broker.front_ends``) when
 ``grpc_port`` is set (``onceq broker start --grpc-port N``; docs/rocketmq.md).
 
+With the broker's ``acl`` on, every request must be signed with a RocketMQ access key of
+an onceq user and is checked against the user's grants (``auth.py``); with ``tls_cert`` the
+port speaks TLS with the broker's certificate (and asks for client certificates of
+``tls_client_ca`` when ``tls_client_auth`` is ``required``).
+
 RPCs onceq does not build yet (transactions, dead-lettering by the client, recalls, the
 offset-based pull of PullConsumer, lite topics) answer a status ``UNSUPPORTED`` naming
 what is missing rather than a bare gRPC error.
@@ -16,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from ._pb import service_pb2 as sv
+from .access_keys import AccessKeys
+from .auth import Authenticator
 from .bridge import Bridge
 from .consume import PopService
 from .journal import PopJournal, load_key
@@ -57,8 +64,11 @@ def _unary(fn: Callable[[Any, Any], Any], req: Any, resp: Any) -> grpc.RpcMethod
                                                response_serializer=resp.SerializeToString)
 
 
-def _unbuilt(resp: Any, what: str) -> Callable[[Any, Any], Any]:
+def _unbuilt(svc: MessagingService, resp: Any, what: str) -> Callable[[Any, Any], Any]:
     async def handle(request: Any, context: Any) -> Any:
+        if svc.auth is not None:  # signed all the same
+            svc.auth.authenticate(dict(context.invocation_metadata() or ()),
+                                  context.peer() or "")
         return resp(status=status(Code.UNSUPPORTED, f"{what}: not built yet on onceq's "
                                   "RocketMQ endpoint (docs/rocketmq.md)"))
     return handle
@@ -87,12 +97,14 @@ def handlers(svc: MessagingService) -> grpc.GenericRpcHandler:
             response_serializer=sv.TelemetryCommand.SerializeToString),
     }
     for name, (req, resp, what) in UNBUILT.items():
-        methods[name] = _unary(_unbuilt(resp, what), req, resp)
+        methods[name] = _unary(_unbuilt(svc, resp, what), req, resp)
     return grpc.method_handlers_generic_handler(SERVICE, methods)
 
 
 def _credentials(broker: Broker) -> grpc.ServerCredentials | None:
-    """TLS with the broker's certificate when its client port has one."""
+    """TLS with the broker's certificate when its client port has one; client certificates
+    signed by ``tls_client_ca`` required when ``tls_client_auth`` is ``required`` (the
+    user is still the one the requests are signed for)."""
     cfg = broker.config
     if not cfg.tls_cert:
         return None
@@ -100,6 +112,11 @@ def _credentials(broker: Broker) -> grpc.ServerCredentials | None:
         cert = f.read()
     with open(cfg.tls_key or cfg.tls_cert, "rb") as f:
         key = f.read()
+    if cfg.tls_client_auth == "required" and cfg.tls_client_ca:
+        with open(cfg.tls_client_ca, "rb") as f:
+            ca = f.read()
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                           require_client_auth=True)
     return grpc.ssl_server_credentials([(key, cert)])
 
 
@@ -126,7 +143,13 @@ class GrpcFrontEnd:
         journal.open(lambda g, t, q: store.get_offset(g, t, q) if t in store.topics else -1)
         pop = PopService(bridge, ReceiptCodec(load_key(data_dir)),
                          store_host=f"{cfg.host}:{self.port}", journal=journal)
-        self.service = MessagingService(cfg, bridge, pop, lambda: self.port)
+        auth = None
+        if cfg.acl:  # requests signed with the access keys of onceq's users (auth.py)
+            try:
+                auth = Authenticator(broker.security, AccessKeys(data_dir))
+            except ValueError as exc:
+                raise OSError(f"grpc_port: {exc}") from None
+        self.service = MessagingService(cfg, bridge, pop, lambda: self.port, auth=auth)
         limit = cfg.store.max_body + HEADROOM
         server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", limit),
@@ -146,8 +169,9 @@ class GrpcFrontEnd:
         self.port = bound
         await server.start()
         self.server = server
-        log.info("RocketMQ gRPC endpoint listening on %s:%d%s", cfg.host, self.port,
-                 " (TLS)" if creds is not None else "")
+        log.info("RocketMQ gRPC endpoint listening on %s:%d%s%s", cfg.host, self.port,
+                 " (TLS)" if creds is not None else "",
+                 ", requests signed with access keys (acl)" if auth is not None else "")
 
     async def stop(self) -> None:
         if self.bridge is not None:

@@ -12,6 +12,9 @@ broker's services with onceq's typed requests (``bridge.py``).
   of the queues ``QueryAssignment`` gave them by onceq's allocation, under the access lock
   (``assign.py``).
 
+With acl on, each RPC is authenticated by its signature and authorized as the onceq
+requests it stands for (``_client``, ``auth.py``); a client id belongs to one user.
+
 Errors are statuses with RocketMQ's codes (``mapping.status_of``), never gRPC errors.
 """
 
@@ -27,10 +30,21 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..protocol.errors import OnceqError
 from ..protocol.replies import SendReply, TopicInfo
-from ..protocol.requests import CLUSTERING, GetTopic, GroupBeat, Heartbeat, Send, Unregister
+from ..protocol.requests import (
+    CLUSTERING,
+    CommitOffset,
+    GetTopic,
+    GroupBeat,
+    Heartbeat,
+    Pull,
+    Send,
+    Unregister,
+)
+from ..protocol.schema import Message
 from ._pb import definition_pb2 as pb
 from ._pb import service_pb2 as sv
 from .assign import AUTO_RENEW_S, PUSH, QueueConsumers
+from .auth import Authenticator, Identity, peer_address
 from .bridge import Bridge, FrontConnection
 from .consume import PopService, Receive, check_invisible
 from .mapping import Code, RmqError, endpoints, parse_filter, route, status, status_of, to_part
@@ -59,6 +73,7 @@ class Client:
     subs: dict[str, str] = field(default_factory=dict)  # topic -> tag expression
     seen: float = 0.0
     streams: int = 0  # Telemetry streams open
+    user: str | None = None  # with acl on: the user its requests are signed for
 
     @property
     def push(self) -> bool:
@@ -75,8 +90,10 @@ def _seconds(d: Any) -> float:
 
 class MessagingService:
     def __init__(self, config: BrokerConfig, bridge: Bridge, pop: PopService,
-                 port: Callable[[], int], clock: Callable[[], float] = time.monotonic) -> None:
+                 port: Callable[[], int], clock: Callable[[], float] = time.monotonic,
+                 auth: Authenticator | None = None) -> None:
         self.config = config
+        self.auth = auth  # with acl on: every request is signed and checked (auth.py)
         self.bridge = bridge
         self.pop = pop
         self.queues = QueueConsumers(pop, bridge.broker.groups, clock)
@@ -88,15 +105,30 @@ class MessagingService:
         self._tasks: set[asyncio.Task[None]] = set()
 
     # ---------------------------------------------------------------- clients
-    def _client(self, context: Any) -> Client:
+    def _client(self, context: Any, rpc: str, *needs: Message) -> Client:
+        """The client of a request, once the request is authenticated and ``needs`` (the
+        onceq requests standing for ``rpc``) are authorized (with acl on: ``auth.py``)."""
         md = _metadata(context)
+        who = None
+        if self.auth is not None:
+            who = self.auth.authenticate(md, context.peer() or "")
+            self.auth.authorize(who, rpc, needs)
+        user = who.user if who is not None else None
         cid = md.get("x-mq-client-id", "")
         if not 1 <= len(cid) <= 255:
             raise RmqError(Code.CLIENT_ID_REQUIRED, "the x-mq-client-id header (1-255 "
                            "characters) is required")
         c = self.clients.get(cid)
         if c is None:
-            c = self.clients[cid] = Client(cid, FrontConnection(context.peer() or "grpc"))
+            c = self.clients[cid] = Client(cid, FrontConnection(context.peer() or "grpc"),
+                                           user=user)
+            if self.auth is not None and who is not None:
+                self.auth.security.audit.record(
+                    "login", user=user, source=who.source,
+                    reason=f"rocketmq client {cid}, access key {who.access_key}")
+        elif c.user != user:
+            raise RmqError(Code.FORBIDDEN, f"client id {cid} is in use by another user of "
+                           "this onceq broker: each client has an id of its own")
         c.seen = self.clock()
         return c
 
@@ -167,8 +199,8 @@ class MessagingService:
 
     async def query_route(self, req: sv.QueryRouteRequest, context: Any
                           ) -> sv.QueryRouteResponse:
-        self._client(context)
         topic = req.topic.name
+        self._client(context, "QueryRoute", GetTopic(topic))
         queues = await self._topic(topic)
         given = list(req.endpoints.addresses)
         where = (req.endpoints if given else endpoints(self.config.host, self.port()))
@@ -178,7 +210,8 @@ class MessagingService:
         return out
 
     async def heartbeat(self, req: sv.HeartbeatRequest, context: Any) -> sv.HeartbeatResponse:
-        c = self._client(context)
+        consumer = req.HasField("group") and req.client_type != pb.PRODUCER
+        c = self._client(context, "Heartbeat", *_member_of(req.group.name if consumer else ""))
         c.client_type = req.client_type
         if req.HasField("group"):
             c.group = req.group.name
@@ -188,8 +221,10 @@ class MessagingService:
 
     async def notify_client_termination(self, req: sv.NotifyClientTerminationRequest,
                                         context: Any) -> sv.NotifyClientTerminationResponse:
-        c = self._client(context)
-        group = req.group.name if req.HasField("group") else c.group
+        named = req.group.name if req.HasField("group") else ""
+        c = self._client(context, "NotifyClientTermination",
+                         *([Unregister(named, "rocketmq")] if named else []))
+        group = named or c.group
         await self._gone(c, group)
         return sv.NotifyClientTerminationResponse(status=status())
 
@@ -217,7 +252,11 @@ class MessagingService:
     async def telemetry(self, requests: AsyncIterator[sv.TelemetryCommand], context: Any
                         ) -> AsyncIterator[sv.TelemetryCommand]:
         """Answer each settings command with the broker's (the clients wait for them)."""
-        c = self._client(context)
+        try:
+            c = self._client(context, "Telemetry")
+        except RmqError as exc:
+            yield sv.TelemetryCommand(status=status(exc.code, exc.message))
+            return
         c.streams += 1
         try:
             async for cmd in self._settings_of(c, requests):
@@ -236,6 +275,13 @@ class MessagingService:
             c.client_type = s.client_type
             if s.HasField("subscription"):
                 sub = s.subscription
+                if self.auth is not None and c.user is not None:
+                    try:  # the user may be a member of the group (checked again as used)
+                        self.auth.authorize(_identity(c), "Telemetry", _member_of(
+                            sub.group.name))
+                    except RmqError as exc:
+                        yield sv.TelemetryCommand(status=status(exc.code, exc.message))
+                        continue
                 c.group = sub.group.name
                 c.subs = {e.topic.name: e.expression.expression or "*"
                           for e in sub.subscriptions}
@@ -263,13 +309,14 @@ class MessagingService:
     # ---------------------------------------------------------------- sends
     async def send_message(self, req: sv.SendMessageRequest, context: Any
                            ) -> sv.SendMessageResponse:
-        self._client(context)
         msgs = list(req.messages)
         out = sv.SendMessageResponse()
         try:
+            topic = msgs[0].topic.name if msgs else ""
+            self._client(context, "SendMessage",
+                         *{m.topic.name: Send(m.topic.name, 0) for m in msgs}.values())
             if not msgs:
                 raise RmqError(Code.BAD_REQUEST, "a SendMessage needs at least one message")
-            topic = msgs[0].topic.name
             if any(m.topic.name != topic for m in msgs):
                 raise RmqError(Code.BAD_REQUEST, "the messages of one SendMessage must be "
                                "for one topic")
@@ -296,8 +343,9 @@ class MessagingService:
     async def receive_message(self, req: sv.ReceiveMessageRequest, context: Any
                               ) -> AsyncIterator[sv.ReceiveMessageResponse]:
         try:
-            c = self._client(context)
             group, topic = req.group.name, req.message_queue.topic.name
+            c = self._client(context, "ReceiveMessage",
+                             Pull(topic, req.message_queue.id, 0, group=group))
             push = req.auto_renew or c.push  # a PushConsumer: queues under the lock
             if push:
                 c.client_type = pb.PUSH_CONSUMER
@@ -343,7 +391,8 @@ class MessagingService:
 
     async def ack_message(self, req: sv.AckMessageRequest, context: Any
                           ) -> sv.AckMessageResponse:
-        c = self._client(context)
+        c = self._client(context, "AckMessage",
+                         CommitOffset(req.group.name, req.topic.name, 0, 0))
         out = sv.AckMessageResponse()
         failed = 0
         for e in req.entries:
@@ -370,7 +419,8 @@ class MessagingService:
 
     async def change_invisible_duration(self, req: sv.ChangeInvisibleDurationRequest,
                                         context: Any) -> sv.ChangeInvisibleDurationResponse:
-        c = self._client(context)
+        c = self._client(context, "ChangeInvisibleDuration",
+                         CommitOffset(req.group.name, req.topic.name, 0, 0))
         seconds = _seconds(req.invisible_duration)
         if c.push:
             handle = self.queues.change(c.client_id, req.group.name, req.topic.name,
@@ -384,8 +434,8 @@ class MessagingService:
                                ) -> sv.QueryAssignmentResponse:
         """The asking PushConsumer's share of the topic's queues by onceq's allocation
         (``assign.py``); it receives from those only, under the access lock."""
-        c = self._client(context)
         group, topic = req.group.name, req.topic.name
+        c = self._client(context, "QueryAssignment", Pull(topic, 0, 0, group=group))
         c.client_type = pb.PUSH_CONSUMER
         self._group_of_onceq(group, True)
         queues = await self._topic(topic)
@@ -400,6 +450,16 @@ class MessagingService:
             if mq.id in mine:
                 out.assignments.add().message_queue.CopyFrom(mq)
         return out
+
+
+def _member_of(group: str) -> list[Message]:
+    """The onceq request a consumer of ``group`` stands for (none without a group)."""
+    return [Heartbeat("rocketmq", [GroupBeat(group, {})])] if group else []
+
+
+def _identity(c: Client) -> Identity:
+    assert c.user is not None
+    return Identity(c.user, peer_address(c.conn.peer), "")
 
 
 def _status_of(exc: RmqError | OnceqError) -> pb.Status:
