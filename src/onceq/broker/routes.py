@@ -1,6 +1,5 @@
 """A broker's side of topics spread over several broker groups (docs/cluster.md, "Topics
-over several groups"): the routes kept in etcd (``cluster/_routes.py``), read again every
-``ROUTES_POLL_S``.
+over several groups"): the routes kept in etcd (``cluster/_routes.py``).
 
 * ``CREATE_TOPIC`` on a broker of a cluster first makes sure the topic has a route: an even
   spread of its queues over the groups registered now (create-if-absent), then creates
@@ -10,6 +9,8 @@ over several groups"): the routes kept in etcd (``cluster/_routes.py``), read ag
 * A send, pull, commit or offset query naming a queue that lives on another group is
   refused ``WRONG_GROUP`` (57, retriable), naming the group and its leader: the client
   fetches the route again.
+* Routes follow etcd's watch of the routes prefix (read again after a broken watch); the
+  groups' members and leaders are read every ``ROUTES_POLL_S``.
 * ``GET_ROUTE``: any broker (followers too) answers where a topic's queues live and how to
   reach each group (its members and leader). A topic without a route (auto-created, or
   made before routes) has every queue on the group that holds it, as before.
@@ -29,11 +30,14 @@ from ..cluster import (
     EtcdError,
     GroupDirectory,
     TopicRoute,
+    apply_events,
     create_route,
     place,
     read_directory,
     read_route,
     read_routes,
+    read_routes_at,
+    routes_prefix,
 )
 from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.replies import RouteInfo
@@ -69,6 +73,8 @@ class Routes:
         self.problem = ""
         self.loaded = False  # the routes were read once (until then queues are refused)
         self._looked: dict[str, float] = {}  # unknown topics whose route was read, when
+        self.watching = False  # the routes follow etcd's watch (else they are polled)
+        self.changes = 0  # route changes applied from the watch
 
     def attach(self, client: EtcdClient, cluster: str) -> None:
         self.client, self.cluster = client, cluster
@@ -79,16 +85,23 @@ class Routes:
     # ---------------------------------------------------------------- requests
     def h_get_route(self, call: Call, req: GetRoute) -> RouteInfo | None:
         topic = req.topic
-        if self.client is not None and topic not in self.routes and self._may_be_new(topic):
+        known = self.routes.get(topic)
+        unknown_group = known is not None and any(
+            not self.directory.members.get(g) for g in known.groups)
+        if self.client is not None and (unknown_group or (
+                known is None and self._may_be_new(topic))):
             # made on another broker a moment ago (this one may even hold the topic: a
             # follower, or a leader that created it): read it rather than answer "no
-            # route" (a client keeps that answer, and would send where the route says not)
+            # route" (a client keeps that answer, and would send where the route says
+            # not); a group registered since the last read of the groups: read them
             client = self.client
 
             async def first() -> None:
                 route = await read_route(client, self.cluster, topic)
                 if route is not None:
                     self.routes[topic] = route
+                    if any(not self.directory.members.get(g) for g in route.groups):
+                        self.directory = await read_directory(client, self.cluster)
 
             _serve_after(call, req, lambda c, r: self._route_info(topic), first(),
                          "read from")
@@ -215,26 +228,59 @@ class Routes:
 
     # ---------------------------------------------------------------- upkeep
     async def run(self) -> None:
-        """Read the routes and the groups every ``ROUTES_POLL_S``; a leader creates here
-        the topics routed to its group that it does not know yet."""
+        """Follow the routes as etcd reports their changes (a watch: a change reaches
+        every broker at once and nothing is read while nothing changes), and read the
+        groups' members and leaders every ``ROUTES_POLL_S``; a leader creates here the
+        topics routed to its group that it does not know yet."""
+        watcher = asyncio.get_running_loop().create_task(self._follow())
+        try:
+            while True:
+                try:
+                    await self.refresh(routes=not self.watching)
+                    self.problem = ""
+                except (EtcdError, OSError) as exc:
+                    self._trouble(exc)
+                await asyncio.sleep(ROUTES_POLL_S)
+        finally:
+            watcher.cancel()
+
+    def _trouble(self, exc: Exception) -> None:
+        if not self.problem:
+            log.warning("routes: cannot read them from etcd: %s", exc)
+        self.problem = str(exc)
+
+    async def _follow(self) -> None:
+        """Read every route, then apply the changes etcd reports after that revision;
+        after a broken watch, read again (the polling loop reads meanwhile)."""
+        assert self.client is not None
         while True:
             try:
-                await self.refresh()
-                self.problem = ""
+                routes, revision = await read_routes_at(self.client, self.cluster)
+                self.routes = routes
+                self.watching = True
+                async for events in self.client.watch(routes_prefix(self.cluster),
+                                                      prefix=True,
+                                                      start_revision=revision + 1):
+                    changed = apply_events(self.cluster, self.routes, events)
+                    self.changes += len(changed)
+                    await self._create_missing()
             except (EtcdError, OSError) as exc:
-                if not self.problem:
-                    log.warning("routes: cannot read them from etcd: %s", exc)
-                self.problem = str(exc)
+                self._trouble(exc)
+            self.watching = False
             await asyncio.sleep(ROUTES_POLL_S)
 
-    async def refresh(self) -> None:
+    async def refresh(self, routes: bool = True) -> None:
         assert self.client is not None
-        self.routes = await read_routes(self.client, self.cluster)
+        if routes:
+            self.routes = await read_routes(self.client, self.cluster)
         self.directory = await read_directory(self.client, self.cluster)
         self.loaded = True
+        await self._create_missing()
+
+    async def _create_missing(self) -> None:
         if not self.is_leader() or self.create_local is None:
             return
-        for topic, route in self.routes.items():
+        for topic, route in list(self.routes.items()):
             if self.group in route.placement and topic not in self.store.topics:
                 log.info("routes: topic %s holds queues %s on this group: creating it",
                          topic, route.queues_of(self.group or ""))

@@ -199,9 +199,10 @@ class PushConsumer(BrokerClient):
         if self.address in mine and set(mine) != set(self.route.addresses):
             self.route.addresses = [str(a) for a in mine]
         for name, where in route.groups.items():
-            if name == home or name in self.members or not self._running:
+            addresses = [str(a) for a in where.get("members") or []]
+            if name == home or name in self.members or not self._running or not addresses:
                 continue
-            member = self._member(name, [str(a) for a in where.get("members") or []])
+            member = self._member(name, addresses)
             assert self.runner is not None and self.listener is not None
             try:
                 await member._begin(self.runner, self.listener)

@@ -37,12 +37,15 @@ from ._role import (
 from ._routes import (
     GroupDirectory,
     TopicRoute,
+    apply_events,
     create_route,
     delete_route,
     place,
     read_directory,
     read_route,
     read_routes,
+    read_routes_at,
+    routes_prefix,
 )
 from ._session import Session
 
@@ -63,6 +66,7 @@ __all__ = [
     "Role",
     "Session",
     "TopicRoute",
+    "apply_events",
     "broker_key",
     "create_route",
     "current_leader",
@@ -83,7 +87,9 @@ __all__ = [
     "read_isr",
     "read_route",
     "read_routes",
+    "read_routes_at",
     "register",
+    "routes_prefix",
     "security_key",
     "watch_members",
 ]

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._etcd import EtcdClient, KeyValue
+from ._etcd import EtcdClient, KeyValue, WatchEvent
 from ._keys import ROOT, LeaderRecord, Member, check_name
 
 
@@ -114,7 +114,13 @@ async def read_route(client: EtcdClient, cluster: str, topic: str) -> TopicRoute
 
 async def read_routes(client: EtcdClient, cluster: str) -> dict[str, TopicRoute]:
     """Every topic's route (a damaged one is left out)."""
-    kvs, _ = await client.range(routes_prefix(cluster), prefix=True)
+    return (await read_routes_at(client, cluster))[0]
+
+
+async def read_routes_at(client: EtcdClient, cluster: str
+                         ) -> tuple[dict[str, TopicRoute], int]:
+    """Every topic's route, and the etcd revision they were read at (to watch from)."""
+    kvs, revision = await client.range(routes_prefix(cluster), prefix=True)
     out = {}
     for kv in kvs:
         try:
@@ -122,7 +128,26 @@ async def read_routes(client: EtcdClient, cluster: str) -> dict[str, TopicRoute]
         except ValueError:
             continue
         out[r.topic] = r
-    return out
+    return out, revision
+
+
+def apply_events(cluster: str, routes: dict[str, TopicRoute], events: list[WatchEvent]
+                 ) -> list[str]:
+    """Apply watched changes of the routes prefix to ``routes``; the topics changed (a
+    damaged document is left out, as ``read_routes`` does)."""
+    changed = []
+    prefix = routes_prefix(cluster)
+    for ev in events:
+        topic = ev.kv.key[len(prefix):].decode()
+        if ev.type == "DELETE":
+            routes.pop(topic, None)
+        else:
+            try:
+                routes[topic] = _decode(cluster, ev.kv)
+            except ValueError:
+                continue
+        changed.append(topic)
+    return changed
 
 
 async def delete_route(client: EtcdClient, cluster: str, topic: str) -> None:
