@@ -158,6 +158,7 @@ def test_error_codes_are_stable():
         "NOT_MEMBER": 43, "TOO_MANY_GROUPS": 44, "CLIENT_ID_IN_USE": 45, "WRITER_IN_USE": 46,
         "UNAUTHENTICATED": 50, "AUTH_FAILED": 51, "ACCESS_DENIED": 52, "USER_NOT_EXIST": 53,
         "USER_EXISTS": 54, "REQUEST_TIMEOUT": 55, "QUEUE_FULL": 56, "WRONG_GROUP": 57,
+        "QUEUE_MOVING": 58,
     }
 
 

@@ -45,7 +45,7 @@ SAMPLES: dict[type, rq.Message] = {s.__class__: s for s in (
     rq.AclRevoke("x", "Topic", "T", ["Pub"]), rq.AclList(),
     rq.ReplicaFetch("g1", "2", 1, 0), rq.ReplicaEpochEnd("g1", "2", 1),
     rq.ReplyChannel("rc-1"), rq.RouteReply("rc-gone", "1", "T", payload=b"r"),
-    rq.GetRoute("T"),
+    rq.GetRoute("T"), rq.QueueState("T", 0), rq.CopyQueue("T", 0),
 )}
 ROWS = ("none", "wrong password", "without", "with", "super")
 

@@ -156,6 +156,10 @@ REQUIRED: dict[type[Message], Callable[[Any], list[Need]]] = {
     # request-reply: naming one's reply channel needs a user only; a reply needs Sub on the
     # request's topic (its responder consumed the request there)
     rq.GetRoute: lambda r: [_t(r.topic, G)],
+    # moving a queue between broker groups reads and writes whole queues: the cluster's
+    # Update grant, as replication
+    rq.QueueState: lambda r: [_c(U)],
+    rq.CopyQueue: lambda r: [_c(U)],
     rq.ReplyChannel: lambda r: [],
     rq.RouteReply: lambda r: [_t(r.topic, S)],
 }

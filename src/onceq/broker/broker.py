@@ -29,7 +29,7 @@ from typing import Any
 from .._net import is_loopback
 from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.frame import REQUEST, decode_header, max_frame_for_body
-from ..protocol.replies import GroupChanged, Pong
+from ..protocol.replies import GroupChanged, Pong, RouteChanged
 from ..protocol.requests import (
     REQUESTS,
     CommitOffset,
@@ -78,6 +78,7 @@ from .limits import ConnectionGuard
 from .metrics import BrokerMetrics, start_metrics
 from .ownership_service import OwnershipService
 from .pull import PullService
+from .queue_move import QueueMoves
 from .queue_scaler import QueueScaler
 from .recent_errors import RecentErrors
 from .reply_route import ReplyRoutes
@@ -173,6 +174,7 @@ class Broker:
                              config.group if config.clustered else None,
                              is_leader=lambda: self.cluster is not None
                              and self.cluster.is_leader(), create_local=topics.ensure)
+        self.routes.on_change = self._route_changed
         groups, pulls, sends = self.consumer_groups, self.pulls, self.sends
         handlers: dict[type[Message], Handler] = {
             Ping: self.h_ping,
@@ -201,6 +203,7 @@ class Broker:
             **self.security.handlers(),
             **self.replies.handlers(),
             **self.routes.handlers(),
+            **QueueMoves(self.store, self.routes, self.durable).handlers(),
         }
         if config.clustered:
             self.routes.guard(handlers, Send, SendBatch, SendRecords, SendSequenced, Pull,
@@ -515,6 +518,15 @@ class Broker:
             log.info("group %s: member %s left (connection closed)", group, cid)
 
     # ================================================================ handlers
+    def _route_changed(self, topic: str, route: Any) -> None:
+        """Tell the consumers subscribed to ``topic`` that its route changed (they fetch
+        it again and rebalance, rather than find out at their next route fetch)."""
+        push = RouteChanged(topic, 0 if route is None else route.version)
+        for members in self.groups.groups.values():
+            for m in members.values():
+                if topic in m.subscriptions:
+                    m.conn.push(push)
+
     def h_ping(self, call: Call, req: Ping) -> Pong:
         return Pong(int(self.clock() * 1000))
 

@@ -39,7 +39,7 @@ FOLLOWER_SERVES = frozenset({R.PING, R.AUTHENTICATE, R.BROKER_STATUS, R.LIST_TOP
                              R.REPLICA_FETCH, R.REPLICA_EPOCH_END, R.GET_ROUTE})
 # client writes: refused before they are made while too few replicas are in sync
 CLIENT_WRITES = frozenset({R.SEND, R.SEND_BATCH, R.SEND_RECORDS, R.SEND_SEQUENCED,
-                           R.CONSUMER_SEND_BACK})
+                           R.CONSUMER_SEND_BACK, R.COPY_QUEUE})
 
 
 class ClusterNode:

@@ -200,13 +200,14 @@ class Connection(asyncio.Protocol):
         self.respond(corr_id, 0, header, getattr(reply, "payload", b""))
 
     def push(self, message: Message) -> None:
-        """Queue a one-way push. Pushes of one code and group coalesce: while one is not
+        """Queue a one-way push. Pushes of one code and group (or topic) coalesce: while one is not
         sent yet, a later one replaces it (only the latest state matters to the client)."""
         if self.closed or self.transport is None:
             return
         if not self._pushes:
             asyncio.get_running_loop().call_soon(self.send_pushes)
-        self._pushes[(message.CODE, getattr(message, "group", None))] = message.encode()
+        about = getattr(message, "group", None) or getattr(message, "topic", None)
+        self._pushes[(message.CODE, about)] = message.encode()
 
     def send_pushes(self, force: bool = False) -> None:
         """Write the waiting pushes (with the frames of this loop pass), unless the socket

@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from ..cluster import (
+    HANDOVER,
     EtcdError,
     GroupDirectory,
     TopicRoute,
@@ -41,7 +42,7 @@ from ..cluster import (
 )
 from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.replies import RouteInfo
-from ..protocol.requests import GetRoute
+from ..protocol.requests import GetRoute, Send, SendBatch, SendRecords, SendSequenced
 from .store_errors import StorageError, wire_error
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("onceq.broker")
 
 ROUTES_POLL_S = 1.0
+SENDS = (Send, SendBatch, SendRecords, SendSequenced)
 
 
 class Routes:
@@ -75,6 +77,8 @@ class Routes:
         self._looked: dict[str, float] = {}  # unknown topics whose route was read, when
         self.watching = False  # the routes follow etcd's watch (else they are polled)
         self.changes = 0  # route changes applied from the watch
+        # a route changed (from the watch): the broker tells its clients
+        self.on_change: Callable[[str, TopicRoute | None], None] = lambda t, r: None
 
     def attach(self, client: EtcdClient, cluster: str) -> None:
         self.client, self.cluster = client, cluster
@@ -120,12 +124,19 @@ class Routes:
         return {g: {"members": d.members.get(g, []), "leader": d.leaders.get(g)}
                 for g in route.groups}
 
-    def check(self, topic: str, queue: object) -> None:
-        """``WRONG_GROUP`` for a queue of a routed topic that lives on another group."""
+    def check(self, topic: str, queue: object, send: bool = False) -> None:
+        """``WRONG_GROUP`` for a queue of a routed topic that lives on another group;
+        ``QUEUE_MOVING`` for a send to a queue of this group that is moving to another
+        (and for any request on it once it is handed over)."""
         route = self.routes.get(topic)
         if route is None or type(queue) is not int or not 0 <= queue < route.queues:
             return
         group = route.placement[queue]
+        move = route.move_of(queue)
+        if move is not None and group == self.group and (send or move[1] == HANDOVER):
+            raise OnceqError(ErrorCode.QUEUE_MOVING, (
+                f"queue {queue} of topic {topic!r} is moving from broker group {group!r} "
+                f"to {move[0]!r}: try again shortly"), {"group": group, "to": move[0]})
         if group != self.group:
             leader = self.directory.leaders.get(group)
             raise OnceqError(ErrorCode.WRONG_GROUP, (
@@ -150,7 +161,7 @@ class Routes:
                 self._after_route(call, req, handler)  # its route may be newer than ours
                 return None
             if self.routes:
-                self.check(topic, getattr(req, "queue", None))
+                self.check(topic, getattr(req, "queue", None), isinstance(req, SENDS))
             return handler(call, req)
         return guarded
 
@@ -182,7 +193,7 @@ class Routes:
                 if self.group in route.placement and self.create_local is not None \
                         and req.topic not in self.store.topics:
                     await self.create_local(req.topic, route.queues)
-                self.check(req.topic, getattr(req, "queue", None))
+                self.check(req.topic, getattr(req, "queue", None), isinstance(req, SENDS))
 
         _serve_after(call, req, handler, first(), "read from")
 
@@ -264,6 +275,8 @@ class Routes:
                     changed = apply_events(self.cluster, self.routes, events)
                     self.changes += len(changed)
                     await self._create_missing()
+                    for topic in changed:
+                        self.on_change(topic, self.routes.get(topic))
             except (EtcdError, OSError) as exc:
                 self._trouble(exc)
             self.watching = False
@@ -281,7 +294,9 @@ class Routes:
         if not self.is_leader() or self.create_local is None:
             return
         for topic, route in list(self.routes.items()):
-            if self.group in route.placement and topic not in self.store.topics:
+            here = self.group in route.placement or any(
+                to == self.group for _, to, _ in route.moving)
+            if here and topic not in self.store.topics:
                 log.info("routes: topic %s holds queues %s on this group: creating it",
                          topic, route.queues_of(self.group or ""))
                 await self.create_local(topic, route.queues)

@@ -1,4 +1,5 @@
-"""``onceq cluster status``: the broker groups of a cluster as etcd and their leaders see
+"""``onceq cluster status``, ``onceq cluster drain`` and ``onceq topic reassign``: the
+broker groups of a cluster as etcd and their leaders see
 them: each group's leader and epoch, the in-sync replicas published in etcd, and each
 member with its log end, its lag behind the leader and whether it is in sync (from the
 leader's ``BROKER_STATUS``, whose ``cluster`` section carries the ISR and the lags)."""
@@ -12,9 +13,12 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from ..client.reassign import drain_group, reassign
 from ..client.route import cluster_status
+from ..client.security import ClientSecurity
 from ..cluster import EtcdClient, EtcdError, current_leader, members, read_isr, read_routes
 from ..cluster._keys import ROOT, check_name
+from ..protocol.errors import OnceqError
 from .common import async_command, fail
 
 
@@ -113,10 +117,62 @@ def _ranges(queues: list[int]) -> str:
     return ", ".join(out)
 
 
+def _etcd_options(fn: Any) -> Any:
+    fn = click.option("--cluster", "endpoints", required=True, envvar="ONCEQ_CLUSTER",
+                      help="etcd endpoints, etcd://host:port[,host:port...]")(fn)
+    fn = click.option("--cluster-name", default="onceq", show_default=True,
+                      envvar="ONCEQ_CLUSTER_NAME", help="Name of the cluster in etcd.")(fn)
+    fn = click.option("--drain-timeout", default=30.0, show_default=True, type=float,
+                      help="Seconds the consumer groups get to consume a sealed queue to "
+                           "its end before it is handed over.")(fn)
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON.")(fn)
+
+
+async def _moving(work: Any, as_json: bool) -> None:
+    try:
+        done = await work(say=(lambda _: None) if as_json else click.echo)
+    except OnceqError as exc:
+        fail(f"{exc.code.name}: {exc.message}")
+    except (ValueError, EtcdError) as exc:
+        fail(str(exc))
+    if as_json:
+        click.echo(json.dumps(done, indent=2))
+
+
 def register(main: click.Group) -> None:
     @main.group()
     def cluster() -> None:
         """Broker groups replicated through etcd (docs/cluster.md)."""
+
+    @click.command("reassign")
+    @click.argument("topic")
+    @click.argument("queue", type=click.IntRange(0))
+    @click.option("--to", "to", required=True, help="The broker group the queue moves to.")
+    @_etcd_options
+    @async_command
+    async def reassign_cmd(topic: str, queue: int, to: str, endpoints: str,
+                           cluster_name: str, drain_timeout: float, as_json: bool) -> None:
+        """Move QUEUE of TOPIC to another broker group under load: sealed for sends, its
+        messages copied with their offsets, its consumers drained, then switched
+        (docs/cluster.md, "Moving a queue to another group"). Run it again to finish a
+        move that was interrupted."""
+        await _moving(lambda say: reassign(endpoints, cluster_name, topic, queue, to,
+                                           security=ClientSecurity.from_env(),
+                                           drain_timeout=drain_timeout, say=say), as_json)
+
+    main.commands["topic"].add_command(reassign_cmd)  # type: ignore[attr-defined]
+
+    @cluster.command("drain")
+    @click.argument("group")
+    @_etcd_options
+    @async_command
+    async def drain(group: str, endpoints: str, cluster_name: str, drain_timeout: float,
+                    as_json: bool) -> None:
+        """Move every queue of broker GROUP to the other groups, before removing it."""
+        await _moving(lambda say: drain_group(endpoints, cluster_name, group,
+                                              security=ClientSecurity.from_env(),
+                                              drain_timeout=drain_timeout, say=say),
+                      as_json)
 
     @cluster.command("status")
     @click.option("--cluster", "endpoints", required=True, envvar="ONCEQ_CLUSTER",

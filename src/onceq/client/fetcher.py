@@ -95,6 +95,9 @@ class Fetcher:
                                 pq.mq, exc.message)
                     r.drop_soon(pq.mq)
                     return
+                if exc.code == ErrorCode.WRONG_GROUP:  # the queue moved to another group:
+                    r.drop_soon(pq.mq)  # the next rebalance reads its route again
+                    return
                 failures += 1
                 log.debug("pull %s failed: %s", pq.mq, exc)
                 await asyncio.sleep(min(0.05 * 2 ** failures, 3.0))

@@ -26,6 +26,7 @@ from .security import ClientSecurity
 log = logging.getLogger("onceq.client")
 _U32 = struct.Struct("<I")
 _REFRESH_ON = (ErrorCode.TOPIC_NOT_EXIST, ErrorCode.INVALID_QUEUE)
+_ELSEWHERE = (ErrorCode.QUEUE_FULL, ErrorCode.QUEUE_MOVING)  # sent to another queue
 RETRY_BACKOFF_S = 0.05  # the first wait after a retriable broker code, doubled each time
 QUEUE_REFRESH_S = 5.0  # a topic's write queue count is fetched again this often
 
@@ -192,9 +193,12 @@ class Producer(BrokerClient):
                     self.links.wrong_group(topic)
                     attempt -= 1
                     continue
-                if exc.code == ErrorCode.QUEUE_FULL:  # the queue's fuse, not counted against
-                    attempt -= 1  # retries: unkeyed, to a healthy queue at once; keyed (or
-                    if pinned or self.health.all_unhealthy(topic, n):  # none healthy), wait
+                # the queue's fuse, or the queue moving to another group: not counted
+                # against retries; unkeyed, to a healthy queue at once; keyed (or none
+                # healthy), wait
+                if exc.code in _ELSEWHERE:
+                    attempt -= 1
+                    if pinned or self.health.all_unhealthy(topic, n):
                         full += 1
                         await asyncio.sleep(min(RETRY_BACKOFF_S * 2 ** full, 1.0,
                                                 max(deadline - time.monotonic(), 0) / 2))

@@ -23,6 +23,7 @@ from typing import Any
 
 from ..protocol.codes import retry_topic
 from ..protocol.errors import OnceqError
+from ..protocol.replies import RouteChanged
 from . import middleware
 from .allocation import MessageQueue
 from .assignment import Assignment
@@ -84,6 +85,7 @@ class PushConsumer(BrokerClient):
         # consumer itself is the member on the group it reached, these on the others
         self.members: dict[str, PushConsumer] = {}
         self._shared_runner = False  # a member of another group: the runner is its owner's
+        self._owner: PushConsumer | None = None  # the consumer such a member belongs to
         self.offsets: OffsetStore = BrokerOffsets(self.coordinator, self.owned)
         self.service: ConsumeService | None = None
         self.runner: ListenerRunner | None = None
@@ -230,6 +232,7 @@ class PushConsumer(BrokerClient):
         member.coordinator.home = False
         member.coordinator.spawn = None
         member._shared_runner = True
+        member._owner = self
         member.offset_owner = f"{self.offset_owner}@{name}"
         return member
 
@@ -273,6 +276,13 @@ class PushConsumer(BrokerClient):
         await self.coordinator.on_connected(conn)
 
     def _on_push(self, code: int, header: dict[str, Any]) -> None:
+        if code == RouteChanged.CODE:  # fetch the route again, and rebalance on it
+            owner = self._owner or self
+            topic = header.get("topic")
+            if isinstance(topic, str) and topic in self._subs:
+                owner.links.forget(topic)
+                owner.rebalance_soon()
+            return
         self.coordinator.on_push(code, header)
 
 

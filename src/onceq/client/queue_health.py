@@ -28,7 +28,7 @@ SLOW_S = 2.0
 SLOW_BACKOFF_S = 5.0
 # codes that speak of one queue (or the broker's writes) rather than of the connection
 # or the group's leader (those are followed, not avoided: ``base.py``)
-UNHEALTHY_ON = frozenset({ErrorCode.QUEUE_FULL, ErrorCode.SYSTEM_BUSY,
+UNHEALTHY_ON = frozenset({ErrorCode.QUEUE_FULL, ErrorCode.QUEUE_MOVING, ErrorCode.SYSTEM_BUSY,
                           ErrorCode.FLUSH_TIMEOUT, ErrorCode.STORAGE_ERROR,
                           ErrorCode.DISK_FULL, ErrorCode.SERVICE_UNAVAILABLE})
 

@@ -35,6 +35,8 @@ from ._role import (
     may_campaign,
 )
 from ._routes import (
+    HANDOVER,
+    SEALED,
     GroupDirectory,
     TopicRoute,
     apply_events,
@@ -45,11 +47,14 @@ from ._routes import (
     read_route,
     read_routes,
     read_routes_at,
+    replace_route,
     routes_prefix,
 )
 from ._session import Session
 
 __all__ = [
+    "HANDOVER",
+    "SEALED",
     "Election",
     "EtcdClient",
     "EtcdError",
@@ -89,6 +94,7 @@ __all__ = [
     "read_routes",
     "read_routes_at",
     "register",
+    "replace_route",
     "routes_prefix",
     "security_key",
     "watch_members",

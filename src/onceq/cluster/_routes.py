@@ -3,14 +3,17 @@
 ::
 
     /onceq/<cluster>/routes/<topic>   JSON {"queues": Q, "placement": [group of queue 0, ...],
-                                      "version": V}, no lease
+                                      "version": V, "moving": [[queue, to, phase], ...]},
+                                      no lease
 
 A topic's queue ids are global: queue ``i`` lives on group ``placement[i]``, and every
 group that holds a queue of the topic knows the topic with all ``Q`` queues (so offsets,
 keys and selectors mean the same wherever they are asked), serving only its own. The
 placement is made once, when the topic is created (``place``: an even spread over the
 groups registered then, or an explicit one), and written only if the topic has no route
-yet (create-if-absent: two brokers creating the same topic at once agree on one).
+yet (create-if-absent: two brokers creating the same topic at once agree on one). A
+queue moves to another group by later versions (``onceq topic reassign``, written only
+over the version they follow): sealed, handed over, then placed on its new group.
 
 Pure but for the three etcd calls at the end.
 """
@@ -22,8 +25,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._etcd import EtcdClient, KeyValue, WatchEvent
+from ._etcd import Compare, EtcdClient, KeyValue, WatchEvent, put_op
 from ._keys import ROOT, LeaderRecord, Member, check_name
+
+SEALED, HANDOVER = "sealed", "handover"  # the phases of a queue's move
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,27 @@ class TopicRoute:
     topic: str
     placement: tuple[str, ...]  # the group of each queue
     version: int = 1
+    # queues moving to another group (``onceq topic reassign``): (queue, to, phase);
+    # SEALED: its group takes no more sends of it; HANDOVER: nor any other request
+    moving: tuple[tuple[int, str, str], ...] = ()
+
+    def move_of(self, queue: int) -> tuple[str, str] | None:
+        """Where ``queue`` is moving and in which phase (None: it is not moving)."""
+        for q, to, phase in self.moving:
+            if q == queue:
+                return to, phase
+        return None
+
+    def with_move(self, queue: int, to: str, phase: str | None) -> TopicRoute:
+        """The next version: ``queue`` moving to ``to`` in ``phase``; with ``phase``
+        None, moved (placed on ``to``, no longer moving)."""
+        moving = tuple(m for m in self.moving if m[0] != queue)
+        placement = self.placement
+        if phase is None:
+            placement = tuple(to if q == queue else g for q, g in enumerate(placement))
+        else:
+            moving = tuple(sorted((*moving, (queue, to, phase))))
+        return TopicRoute(self.topic, placement, self.version + 1, moving)
 
     @property
     def queues(self) -> int:
@@ -51,8 +77,11 @@ class TopicRoute:
         return [q for q, g in enumerate(self.placement) if g == group]
 
     def to_json(self) -> dict[str, Any]:
-        return {"queues": self.queues, "placement": list(self.placement),
-                "version": self.version}
+        doc: dict[str, Any] = {"queues": self.queues, "placement": list(self.placement),
+                               "version": self.version}
+        if self.moving:
+            doc["moving"] = [list(m) for m in self.moving]
+        return doc
 
     @classmethod
     def from_json(cls, topic: str, doc: Any) -> TopicRoute:
@@ -64,9 +93,14 @@ class TopicRoute:
                 raise ValueError("queues and placement disagree")
             for g in placement:
                 check_name("group", g)
+            moving = tuple((int(q), check_name("group", to), str(phase))
+                           for q, to, phase in doc.get("moving") or ())
+            if any(not 0 <= q < len(placement) or phase not in (SEALED, HANDOVER)
+                   for q, _, phase in moving):
+                raise ValueError("a moving queue out of range or in no known phase")
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"route of topic {topic!r}: {exc!r}") from None
-        return cls(topic, placement, version)
+        return cls(topic, placement, version, moving)
 
 
 def place(queues: int, groups: Sequence[str]) -> tuple[str, ...]:
@@ -105,6 +139,19 @@ async def create_route(client: EtcdClient, cluster: str, route: TopicRoute) -> T
     if found is None:  # deleted in between: try again once
         return await create_route(client, cluster, route)
     return found
+
+
+async def replace_route(client: EtcdClient, cluster: str, old: TopicRoute,
+                        new: TopicRoute) -> bool:
+    """Write ``new`` if the topic's route is still ``old`` (its version): False when
+    another change came first."""
+    key = route_key(cluster, old.topic)
+    kv, _ = await client.get(key)
+    if kv is None or _decode(cluster, kv).version != old.version:
+        return False
+    result = await client.txn([Compare(key, "MOD", "EQUAL", kv.mod_revision)],
+                              [put_op(key, json.dumps(new.to_json()).encode())])
+    return result.succeeded
 
 
 async def read_route(client: EtcdClient, cluster: str, topic: str) -> TopicRoute | None:

@@ -53,6 +53,10 @@ class RequestCode(IntEnum):
     # a topic spread over several broker groups: which group holds each queue, and how to
     # reach each group (docs/cluster.md, "Topics over several groups")
     GET_ROUTE = 95
+    # moving a queue to another broker group (``onceq topic reassign``): the queue's ends
+    # and consumer offsets on its group, and a copy of its messages and offsets to the next
+    QUEUE_STATE = 96
+    COPY_QUEUE = 97
 
 
 class PushCode(IntEnum):
@@ -61,6 +65,7 @@ class PushCode(IntEnum):
     GROUP_CHANGED = 100
     OFFSETS_RESET = 101  # a forced offset reset: drop those queues and take them again
     REPLY = 102  # the reply to a request this client made (request-reply), never coalesced
+    ROUTE_CHANGED = 103  # a topic's route changed: fetch it again (and rebalance)
 
 
 SYSTEM_PREFIX = "%"  # topic names the broker keeps for itself start with it (below)

@@ -53,6 +53,7 @@ class ErrorCode(IntEnum):
     REQUEST_TIMEOUT = 55  # request-reply: no reply within the request's timeout
     QUEUE_FULL = 56  # the queue's fuse: its slowest consumer group is too far behind
     WRONG_GROUP = 57  # the queue lives on another broker group (its route names it)
+    QUEUE_MOVING = 58  # the queue is moving to another broker group: try again shortly
 
 
 RETRIABLE: frozenset[ErrorCode] = frozenset(
@@ -71,6 +72,7 @@ RETRIABLE: frozenset[ErrorCode] = frozenset(
         ErrorCode.WRITER_IN_USE,
         ErrorCode.QUEUE_FULL,
         ErrorCode.WRONG_GROUP,
+        ErrorCode.QUEUE_MOVING,
     }
 )
 

@@ -163,6 +163,15 @@ class TopicInfo(Message):
 
 
 @message()
+class QueueStateReply(Message):
+    """A queue's ends here (``min``, ``max``) and each consumer group's committed offset."""
+
+    min: int
+    max: int
+    offsets: dict[str, Any] = field(factory=dict)
+
+
+@message()
 class RouteInfo(Message):
     """Where a topic's queues live: ``placement[i]`` is the broker group of queue ``i``
     (empty: the topic has no route, every queue is on the broker asked, as on a standalone
@@ -339,6 +348,14 @@ class GroupChanged(Message):
     reason: str = ""
 
 
+@message(PushCode.ROUTE_CHANGED)
+class RouteChanged(Message):
+    """``topic``'s route changed (now at ``version``): clients fetch it again."""
+
+    topic: str
+    version: int = 0
+
+
 @message(PushCode.OFFSETS_RESET)
 class OffsetsReset(Message):
     group: str
@@ -357,7 +374,8 @@ class ReplyPush(Message):
 
 PUSHES: dict[int, type[Message]] = {GroupChanged.CODE: GroupChanged,
                                     OffsetsReset.CODE: OffsetsReset,
-                                    ReplyPush.CODE: ReplyPush}
+                                    ReplyPush.CODE: ReplyPush,
+                                    RouteChanged.CODE: RouteChanged}
 
 R = RequestCode
 REPLY_OF: dict[int, type[Message]] = {
@@ -376,4 +394,5 @@ REPLY_OF: dict[int, type[Message]] = {
     R.ACL_GRANT: AclChanged, R.ACL_REVOKE: AclChanged, R.ACL_LIST: Grants,
     R.REPLICA_FETCH: ReplicaData, R.REPLICA_EPOCH_END: EpochEnd,
     R.REPLY_CHANNEL: Empty, R.REPLY: Routed, R.GET_ROUTE: RouteInfo,
+    R.QUEUE_STATE: QueueStateReply, R.COPY_QUEUE: QueueStateReply,
 }

@@ -477,6 +477,29 @@ class GetRoute(Message):
     topic: str
 
 
+@message(RequestCode.QUEUE_STATE)
+class QueueState(Message):
+    """A queue's ends and every consumer group's committed offset on the broker asked,
+    whatever its route says (moving a queue: ``onceq topic reassign``)."""
+
+    topic: str
+    queue: int
+
+
+@message(RequestCode.COPY_QUEUE)
+class CopyQueue(Message):
+    """Copy of a moving queue into the group it moves to: ``payload`` (message parts as
+    ``SEND_BATCH`` carries them) stored from offset ``start`` (the queue's end here, else
+    nothing is stored), and ``offsets`` (group -> committed offset) taken where higher.
+    Answered with the queue's state after it."""
+
+    topic: str
+    queue: int
+    start: int = 0
+    offsets: dict[str, Any] | None = None
+    payload: bytes = b""
+
+
 REQUESTS: dict[int, type[Message]] = {
     cls.CODE: cls for cls in (
         Send, SendBatch, SendRecords, SendSequenced, SendBack, Pull, QueryOffsets, SearchOffset,
@@ -485,5 +508,5 @@ REQUESTS: dict[int, type[Message]] = {
         ListGroups, QueryAccessLocks, LockQueues, UnlockQueues, Ping, BrokerStatus,
         QueryMessage, GroupTrace, Authenticate, UserCreate, UserUpdate, UserDelete, UserList,
         AclGrant, AclRevoke, AclList, ReplicaFetch, ReplicaEpochEnd, ReplyChannel,
-        RouteReply, GetRoute)
+        RouteReply, GetRoute, QueueState, CopyQueue)
 }
