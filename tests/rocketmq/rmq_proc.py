@@ -5,14 +5,23 @@ protocol descriptors cannot share a process with onceq's).
     python rmq_proc.py ENDPOINT COMMAND JSON_ARGS
 
 prints one JSON object on its last stdout line. Commands: ``produce``, ``produce_unknown``,
-``resend`` (one SendMessage request sent twice, as a retry after a lost answer),
+``resend`` (one SendMessage request sent twice, as a retry after a lost answer; with
+``deliver_at_s``, a delayed message),
 ``simple`` (a SimpleConsumer: receive, change invisible duration, ack, redelivery),
 ``push`` (a PushConsumer for a while), ``simple_hold`` (a SimpleConsumer
 acknowledging with handles received before a broker restart), ``push_live`` (a
 PushConsumer until told to stop:
 prints ``ready`` once started, appends each message it consumes to a file, shuts down
 gracefully at a line on stdin or at SIGTERM), ``signed`` (raw requests with a given
-``authorization`` and ``x-mq-date-time``: the broker's answer to each).
+``authorization`` and ``x-mq-date-time``: the broker's answer to each), ``fifo_simple``
+(a SimpleConsumer of a FIFO group: per message group, stops at a message it leaves
+unacknowledged and records the order it consumed in), ``fifo_push`` (a FIFO PushConsumer
+whose listener fails some messages), ``never_ack`` (a SimpleConsumer that acknowledges
+nothing: each delivery and its attempt), ``forward`` (a SimpleConsumer forwarding
+messages to the dead-letter queue with ``ForwardMessageToDeadLetterQueue``).
+
+``produce`` takes per message ``group`` (a FIFO message of that message group) and
+``deliver_at_s`` (a delayed message: refused by onceq; the error is reported).
 
 Options of every command (in its JSON arguments): ``ak`` and ``sk``, the client's
 ``Credentials`` (signed requests, for a broker with acl on); ``tls``, the client connects
@@ -70,6 +79,15 @@ def produce(endpoint: str, args: dict[str, Any]) -> dict[str, Any]:
                 msg.keys = key  # the setter adds one key
             for k, v in m.get("props", {}).items():
                 msg.add_property(k, v)
+            if m.get("group"):
+                msg.message_group = m["group"]
+            if m.get("deliver_at_s"):
+                msg.delivery_timestamp = int(time.time()) + m["deliver_at_s"]
+                try:
+                    producer.send(msg)
+                except Exception as exc:
+                    out.append({"error": str(exc), "type": type(exc).__name__})
+                continue
             if args.get("async"):
                 receipt = producer.send_async(msg).result(timeout=10)
             else:
@@ -108,6 +126,10 @@ def resend(endpoint: str, args: dict[str, Any]) -> dict[str, Any]:
     m.body = args["body"].encode()
     m.system_properties.message_id = args["message_id"]
     m.system_properties.message_type = 1  # NORMAL
+    if args.get("deliver_at_s"):  # a delayed message, as another client would send it
+        m.system_properties.message_type = 3  # DELAY
+        m.system_properties.delivery_timestamp.seconds = int(time.time()) + args[
+            "deliver_at_s"]
     m.system_properties.born_timestamp.GetCurrentTime()
     md = (("x-mq-client-id", "resend-test"),)
     out = []
@@ -117,7 +139,7 @@ def resend(endpoint: str, args: dict[str, Any]) -> dict[str, Any]:
             res = stub.SendMessage(req, metadata=md, timeout=5)
             e = res.entries[0]
             out.append({"code": res.status.code, "message_id": e.message_id,
-                        "offset": e.offset})
+                        "offset": e.offset, "message": res.status.message})
     return {"answers": out}
 
 
@@ -283,11 +305,157 @@ def simple_hold(endpoint: str, args: dict[str, Any]) -> dict[str, Any]:
         consumer.shutdown()
 
 
+def fifo_simple(endpoint: str, args: dict[str, Any]) -> dict[str, Any]:
+    """A SimpleConsumer of a FIFO group consuming until ``n`` messages are acknowledged:
+    per message group in the order received; a message in ``leave`` (bodies) is left
+    unacknowledged at its first delivery, and so are the messages of its group after it in
+    that batch (a FIFO consumer stops the group at a failure). ``violations``: deliveries
+    of a message while an earlier one of its group was out and not acknowledged."""
+    consumer = SimpleConsumer(config(endpoint, args), args["group"],
+                              {args["topic"]: FilterExpression()},
+                              await_duration=args.get("await", 2))
+    consumer.startup()
+    leave = set(args.get("leave", []))
+    acked: list[str] = []
+    deliveries: list[list[Any]] = []
+    violations: list[str] = []
+    out: dict[str, str] = {}  # body -> its message group: received, not acknowledged
+    deadline = time.monotonic() + args.get("timeout", 30)
+    try:
+        while len(acked) < args["n"] and time.monotonic() < deadline:
+            batch = consumer.receive(args.get("batch", 16), args.get("invisible", 3))
+            bodies = {m.body.decode() for m in batch}
+            waiting = {g for b, g in out.items() if b not in bodies}
+            stopped: set[str] = set()
+            for m in batch:
+                body, group = m.body.decode(), m.message_group or ""
+                deliveries.append([body, m.delivery_attempt, group])
+                if group in waiting:
+                    violations.append(body)
+                if group in stopped or (body in leave and m.delivery_attempt == 1):
+                    stopped.add(group)
+                    out[body] = group
+                    continue
+                consumer.ack(m)
+                out.pop(body, None)
+                acked.append(body)
+        return {"acked": acked, "deliveries": deliveries, "violations": violations}
+    finally:
+        consumer.shutdown()
+
+
+def fifo_push(endpoint: str, args: dict[str, Any]) -> dict[str, Any]:
+    """A PushConsumer (FIFO when the broker says the group is) consuming until ``n``
+    messages were consumed successfully or ``timeout``; its listener fails the messages in
+    ``fail`` (bodies) always, and those in ``fail_once`` at their first local attempt.
+    ``log``: [body, message group, delivery attempt, result] per listener call."""
+    log: list[list[Any]] = []
+    lock = threading.Lock()
+    done = threading.Event()
+    fail, fail_once = set(args.get("fail", [])), set(args.get("fail_once", []))
+    tried: set[str] = set()
+    ok = [0]
+
+    class Listener(MessageListener):
+        def consume(self, message: Message) -> ConsumeResult:
+            body = message.body.decode()
+            time.sleep(args.get("handler_ms", 0) / 1000)
+            with lock:
+                failed = body in fail or (body in fail_once and body not in tried)
+                tried.add(body)
+                log.append([body, message.message_group, message.delivery_attempt,
+                            "fail" if failed else "ok"])
+                if not failed:
+                    ok[0] += 1
+                    if ok[0] >= args["n"]:
+                        done.set()
+            return ConsumeResult.FAILURE if failed else ConsumeResult.SUCCESS
+
+    consumer = PushConsumer(config(endpoint, args), args["group"], Listener(),
+                            {args["topic"]: FilterExpression()},
+                            consumption_thread_count=args.get("threads", 4))
+    consumer.startup()
+    try:
+        done.wait(args.get("timeout", 30))
+        time.sleep(args.get("linger", 0))
+        with lock:
+            return {"log": list(log), "fifo": consumer.fifo}
+    finally:
+        consumer.shutdown()
+
+
+def never_ack(endpoint: str, args: dict[str, Any]) -> dict[str, Any]:
+    """Receive and acknowledge nothing, until ``idle`` seconds pass without a delivery
+    (after ``min_s``), a delivery's attempt reaches ``until_attempt`` or ``timeout``: each
+    delivery as [body, attempt]."""
+    consumer = SimpleConsumer(config(endpoint, args), args["group"],
+                              {args["topic"]: FilterExpression()}, await_duration=1)
+    consumer.startup()
+    got: list[list[Any]] = []
+    t0 = last = time.monotonic()
+    try:
+        while time.monotonic() - t0 < args.get("timeout", 25):
+            batch = consumer.receive(16, args.get("invisible", 1))
+            for m in batch:
+                got.append([m.body.decode(), m.delivery_attempt])
+                last = time.monotonic()
+            if any(a >= args.get("until_attempt", 1 << 30) for _b, a in got):
+                break
+            now = time.monotonic()
+            if now - t0 >= args.get("min_s", 0) and now - last >= args.get("idle", 4):
+                break
+        return {"deliveries": got}
+    finally:
+        consumer.shutdown()
+
+
+def forward(endpoint: str, args: dict[str, Any]) -> dict[str, Any]:
+    """Receive ``n`` messages; forward those in ``dlq`` (bodies) to the dead-letter queue
+    with ``ForwardMessageToDeadLetterQueue`` (as a FIFO PushConsumer does), acknowledge the
+    others; forward one of them again (its handle is then stale); then report what a
+    further receive gets. ``answers``: the status code of each forward."""
+    import grpc
+    from rocketmq.grpc_protocol import service_pb2, service_pb2_grpc
+
+    consumer = SimpleConsumer(config(endpoint, args), args["group"],
+                              {args["topic"]: FilterExpression()}, await_duration=2)
+    consumer.startup()
+    got: dict[str, Any] = {}
+    deadline = time.monotonic() + 20
+    answers: dict[str, list[int]] = {}
+    try:
+        while len(got) < args["n"] and time.monotonic() < deadline:
+            for m in consumer.receive(16, args.get("invisible", 30)):
+                got[m.body.decode()] = m
+        dlq = set(args.get("dlq", []))
+        with grpc.insecure_channel(endpoint) as ch:
+            stub = service_pb2_grpc.MessagingServiceStub(ch)
+            md = (("x-mq-client-id", consumer.client_id),)
+            for body in sorted(dlq & set(got)) + sorted(dlq & set(got))[:1]:
+                m = got[body]
+                req = service_pb2.ForwardMessageToDeadLetterQueueRequest()
+                req.group.name = args["group"]
+                req.topic.name = args["topic"]
+                req.receipt_handle = m.receipt_handle
+                req.message_id = m.message_id
+                req.delivery_attempt = m.delivery_attempt
+                req.max_delivery_attempts = 3
+                res = stub.ForwardMessageToDeadLetterQueue(req, metadata=md, timeout=5)
+                answers.setdefault(body, []).append(res.status.code)
+        for body in sorted(set(got) - dlq):
+            consumer.ack(got[body])
+        extra = [m.body.decode() for m in consumer.receive(16, 5)]
+        return {"received": sorted(got), "answers": answers, "extra": extra}
+    finally:
+        consumer.shutdown()
+
+
 def main() -> None:
     endpoint, command, raw = sys.argv[1], sys.argv[2], sys.argv[3]
     fn = {"produce": produce, "produce_unknown": produce_unknown, "resend": resend,
           "simple": simple, "push": push, "push_live": push_live,
-          "simple_hold": simple_hold, "signed": signed}[command]
+          "simple_hold": simple_hold, "signed": signed, "fifo_simple": fifo_simple,
+          "fifo_push": fifo_push, "never_ack": never_ack, "forward": forward}[command]
     print(json.dumps(fn(endpoint, json.loads(raw))), flush=True)
 
 

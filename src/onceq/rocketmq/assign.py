@@ -29,6 +29,16 @@ onceq's allocation, receives under onceq's transition-state access lock.
   member's waiting receive takes it at the committed offset: no message is delivered to
   two members. A member that leaves releases its queues at once at the lowest offset it
   left in flight (what it acknowledged above stays acknowledged).
+* **FIFO groups** (``groups.py``): a member's receive of a queue hands out nothing while a
+  delivery of the queue is in flight and invisible; it waits for the acknowledgement (or
+  the dead-lettering, ``ForwardMessageToDeadLetterQueue``) and then serves the next
+  messages, so a message group's messages reach the member one run at a time, in order.
+  The queue is held under the access lock as any PushConsumer's, which also keeps it from
+  a client holding onceq's orderly queue lock (``broker/ownership.py``); a queue taken
+  from a member is released only once its deliveries are settled or visible again (no
+  ``DRAIN_S`` bound), or the member left.
+* **Dead letters**: a delivery visible again after the group's maximum of attempts goes to
+  ``%DLQ%<group>`` instead (``PopService.again_or_dead``).
 """
 
 from __future__ import annotations
@@ -158,11 +168,17 @@ class QueueConsumers:
         """Serve one receive from the member's session; False when the access lock
         refused the pull (a new session is then dropped, a held one is lost)."""
         group, topic, queue = key
+        fifo = self.pop.settings(group).fifo
+        ev = self.pop.event(group, topic)  # taken before looking: no wake-up is missed
         table, q, fresh = await self._session(client, key)
         conn = FrontConnection("rocketmq-push-receive")
         try:
-            for qid, offset in table.due(group, topic, self.clock()):
+            for qid, offset in table.due(group, topic, self.clock(), fifo):
                 if qid != queue or len(out) >= r.batch:
+                    continue
+                if not table.still_due(group, topic, qid, offset, self.clock()):
+                    continue
+                if not await self.pop.again_or_dead(table, r, qid, offset, client):
                     continue
                 reply = await self._pull(conn, Pull(topic, queue, offset, 1, group=group,
                                                     client=client), 0)
@@ -174,6 +190,10 @@ class QueueConsumers:
                 else:  # gone (retention, damage): settled
                     table.drop(group, topic, queue, offset)
             if len(out) >= r.batch:
+                return True
+            if fifo and q.inflight:  # a FIFO queue waits for what it handed out
+                if not out:
+                    await self._blocked(table, key, ev, wait)
                 return True
             start = q.next
             hold = 0 if out or fresh else max(min(wait, self.pop.bridge.broker.config
@@ -196,9 +216,22 @@ class QueueConsumers:
             if q.next == start:
                 q.next = max(q.next, reply.next)  # the filter passed over these
         elif (reply.status == PullStatus.FOUND and reply.payload
+              and not (fifo and q.inflight)  # another receive handed out meanwhile
               and queue in self.assigned(group, topic, queues, client)):  # still ours
             take(self.pop, r, q, reply, out, lambda rr, m: self.pop.deliver(table, rr, m))
         return True
+
+    async def _blocked(self, table: PopTable, key: Key3, ev: asyncio.Event, wait: float
+                       ) -> None:
+        """Wait until a delivery of the group is settled (or changed), the queue's next
+        delivery becomes visible again, or ``wait`` passes."""
+        q = table.queue(*key)
+        now = self.clock()
+        if q is not None and q.inflight:
+            wait = min(wait, max(min(d.visible_at for d in q.inflight.values()) - now,
+                                 0.0) + 0.01)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ev.wait(), max(wait, 0.0))
 
     def _lost(self, client: str, key: Key3, table: PopTable, fresh: bool) -> bool:
         """The access lock refused the member's pull: a new session is dropped; a held
@@ -228,7 +261,10 @@ class QueueConsumers:
                     self._revoked.pop((client, key), None)
                     continue
                 since = self._revoked.setdefault((client, key), now)
-                if (client not in members or now - since >= DRAIN_S
+                # a FIFO group's queue waits for its deliveries without the bound: the
+                # next member must not consume a message group while this one still does
+                drained = now - since >= DRAIN_S and not self.pop.settings(group).fifo
+                if (client not in members or drained
                         or all(d.visible_at <= now for d in q.inflight.values())):
                     await self._release(client, key, table, q)
 
@@ -305,5 +341,23 @@ class QueueConsumers:
                                 invisible_s, self.clock())
         except StaleReceipt as exc:
             raise RmqError(Code.INVALID_RECEIPT_HANDLE, str(exc)) from None
+        self.pop.wake(group, topic)
         return self.pop.codec.encode(Receipt(group, topic, rc.queue, rc.offset,
                                              d.generation))
+
+    async def forward(self, client: str, group: str, topic: str, handle: str, attempt: int,
+                      limit: int) -> None:
+        """``ForwardMessageToDeadLetterQueue``: the member gave up on the message (a FIFO
+        PushConsumer after its local retries): to the dead-letter queue, acknowledged."""
+        rc = self.pop.receipt(group, topic, handle)
+        key = (group, topic, rc.queue)
+        found = self._find(client, rc)
+        if found is None and rc.generation >= self.pop.first_generation:
+            raise RmqError(Code.INVALID_RECEIPT_HANDLE, f"message {topic}:{rc.queue}:"
+                           f"{rc.offset} of group {group} is not in flight: acknowledged "
+                           "already, or its queue went to another member")
+        holder, table = found if found is not None else (client, PopTable())
+        q = table.queue(*key)
+        await self.pop.forward(table, rc, q, holder, attempt, limit)
+        if q is not None and not q.inflight:
+            await self.release_revoked(group, topic, await self.queues_of(topic))

@@ -11,6 +11,14 @@ send; it also wakes when a delivery in flight becomes visible again.
 
 A receive serves any queue of the topic on this broker (as RocketMQ's POP does), whatever
 queue of the route the client named.
+
+Per group (``groups.py``): a FIFO group takes a queue's messages only while nothing of the
+queue is invisible (``pop.py``), and a waiting receive also wakes when a delivery is
+acknowledged; a message delivered the group's maximum of times and still not acknowledged
+goes to ``%DLQ%<group>`` (onceq's ``SEND_BACK`` to the dead-letter queue, the same copy
+onceq's own consumers make) instead of being delivered again, and counts as acknowledged.
+``ForwardMessageToDeadLetterQueue`` (a FIFO PushConsumer giving up on a message after its
+local retries) does the same at once.
 """
 
 from __future__ import annotations
@@ -24,12 +32,13 @@ from dataclasses import dataclass
 
 from ..log.message import MessageExt
 from ..log.record import RecordError, decode_records, tag_hash
-from ..protocol.codes import PullStatus
-from ..protocol.errors import OnceqError
+from ..protocol.codes import MAX_DLQ_REASON, PullStatus
+from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.replies import OffsetReply, PullReply, QueueOffsets, TopicInfo
-from ..protocol.requests import CommitOffset, GetOffset, GetTopic, Pull, QueryOffsets
+from ..protocol.requests import CommitOffset, GetOffset, GetTopic, Pull, QueryOffsets, SendBack
 from ._pb import definition_pb2 as pb
 from .bridge import Bridge, FrontConnection
+from .groups import DEFAULT, GroupSettings
 from .journal import Key3, PopJournal
 from .mapping import Code, RmqError, to_pb
 from .pop import Delivery, PopTable, QueuePop, StaleReceipt
@@ -65,8 +74,12 @@ class PopService:
 
     def __init__(self, bridge: Bridge, codec: ReceiptCodec, *, store_host: str,
                  journal: PopJournal | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 groups: Callable[[str], GroupSettings] | None = None) -> None:
         self.bridge = bridge
+        self.settings = groups or (lambda group: DEFAULT)  # a group's (groups.py)
+        self.dead_letters = 0  # messages this front end moved to a dead-letter queue
+        self._events: dict[tuple[str, str], asyncio.Event] = {}
         self.codec = codec
         self.store_host = store_host
         self.clock = clock
@@ -109,6 +122,74 @@ class PopService:
                 log.debug("commit of %s by %s refused: %s", key, client, exc)
         if not covered and self.journal is not None:
             await self.journal.ack(key, offset)
+        self.wake(key[0], key[1])
+
+    # ---------------------------------------------------------------- wake-ups
+    def event(self, group: str, topic: str) -> asyncio.Event:
+        """Set at the next acknowledgement (or invisible-duration change) of the group's
+        messages of ``topic``: a FIFO queue may hand out again. Take it before looking."""
+        ev = self._events.get((group, topic))
+        if ev is None:
+            ev = self._events[(group, topic)] = asyncio.Event()
+        return ev
+
+    def wake(self, group: str, topic: str) -> None:
+        ev = self._events.pop((group, topic), None)
+        if ev is not None:
+            ev.set()
+
+    # ---------------------------------------------------------------- dead letters
+    async def dead_letter(self, table: PopTable, key: Key3, offset: int,
+                          client: str | None, reason: str) -> None:
+        """Move the message at ``offset`` (in flight in ``table``) to the group's
+        dead-letter queue; it then counts as acknowledged."""
+        await self._to_dlq(key, offset, reason)
+        q = table.queue(*key)
+        table.drop(*key, offset)
+        if q is not None:
+            await self.settle(key, q, offset, client)
+
+    async def _to_dlq(self, key: Key3, offset: int, reason: str) -> None:
+        group, topic, queue = key
+        try:
+            await self.bridge.call(self.conn, SendBack(group, topic, queue, offset, -1,
+                                                       dlq_reason=reason[:MAX_DLQ_REASON]))
+        except OnceqError as exc:
+            if exc.code != ErrorCode.INVALID_ARGUMENT:
+                raise  # e.g. a full disk: still in flight, tried again later
+            log.warning("dead letter of %s:%d:%d of group %s: %s (gone)", topic, queue,
+                        offset, group, exc)
+            return
+        self.dead_letters += 1
+        log.info("message %s:%d:%d of group %s moved to its dead-letter queue: %s", topic,
+                 queue, offset, group, reason)
+
+    async def again_or_dead(self, table: PopTable, r: Receive, queue: int, offset: int,
+                            client: str | None) -> bool:
+        """A delivery visible again: True when it is to be delivered again; False when its
+        attempts are used up (it went to the dead-letter queue)."""
+        attempts = table.attempt(r.group, r.topic, queue, offset)
+        limit = self.settings(r.group).max_attempts
+        if attempts < limit:
+            return True
+        await self.dead_letter(table, (r.group, r.topic, queue), offset, client,
+                               f"not acknowledged after {attempts} deliveries to RocketMQ "
+                               f"consumers (max delivery attempts {limit})")
+        return False
+
+    async def forward(self, table: PopTable, rc: Receipt, q: QueuePop | None,
+                      client: str | None, attempt: int, limit: int) -> None:
+        """``ForwardMessageToDeadLetterQueue`` of the delivery ``rc`` names."""
+        reason = (f"forwarded to the dead-letter queue by the RocketMQ consumer after "
+                  f"{attempt} attempts (max {limit})")
+        if await self.ack_earlier(rc, q, client, dead_letter=reason):
+            return
+        try:
+            table.current(rc.group, rc.topic, rc.queue, rc.offset, rc.generation)
+        except StaleReceipt as exc:
+            raise RmqError(Code.INVALID_RECEIPT_HANDLE, str(exc)) from None
+        await self.dead_letter(table, (rc.group, rc.topic, rc.queue), rc.offset, client,
+                               reason)
 
     async def commit(self, key: Key3, q: QueuePop, client: str | None) -> None:
         """Commit the queue's commit point (forward only) under ``client``."""
@@ -151,26 +232,40 @@ class PopService:
         assert isinstance(info, TopicInfo)
         deadline = self.clock() + r.wait_s
         out: list[pb.Message] = []
+        fifo = self.settings(r.group).fifo
         while True:
-            await self._again(r, out)
-            await self._fresh(r, info.queues, out)
+            ev = self.event(r.group, r.topic)
+            await self._again(r, out, fifo)
+            await self._fresh(r, info.queues, out, fifo)
             left = deadline - self.clock()
             if out or left <= 0:
                 return out
             due = self.table.next_visible(r.group, r.topic)
             if due is not None:
                 left = min(left, max(due - self.clock(), 0.0) + 0.01)
-            await self._wait(r, info.queues, left, out)
+            await self._wait(r, info.queues, left, out, fifo, ev)
             if out:
                 return out
 
-    async def _again(self, r: Receive, out: list[pb.Message]) -> None:
-        """Deliver again the messages whose invisible duration ran out."""
-        for queue, offset in self.table.due(r.group, r.topic, self.clock()):
+    async def _again(self, r: Receive, out: list[pb.Message], fifo: bool) -> None:
+        """Deliver again the messages whose invisible duration ran out (those out of
+        attempts go to the dead-letter queue)."""
+        mine: set[int] = set()  # FIFO queues this receive delivers again from
+        for queue, offset in self.table.due(r.group, r.topic, self.clock(), fifo):
             if len(out) >= r.batch:
                 return
+            if not self.table.still_due(r.group, r.topic, queue, offset, self.clock()):
+                continue  # delivered again meanwhile by another receive
+            q = self.table.queue(r.group, r.topic, queue)
+            if fifo and queue not in mine and q is not None and q.blocked(self.clock()):
+                continue  # another receive delivers this FIFO queue again
+            mine.add(queue)
+            if not await self.again_or_dead(self.table, r, queue, offset, None):
+                continue
             reply = await self.bridge.call(self.conn, Pull(r.topic, queue, offset, 1))
             assert isinstance(reply, PullReply)
+            if not self.table.still_due(r.group, r.topic, queue, offset, self.clock()):
+                continue
             msgs = decode(reply, offset, offset + 1, None) if reply.payload else []
             if not msgs:  # gone (retention, damage): nobody can have it any more
                 self.table.drop(r.group, r.topic, queue, offset)
@@ -178,34 +273,37 @@ class PopService:
                 continue
             out.append(self._deliver(r, msgs[0]))
 
-    async def _fresh(self, r: Receive, queues: int, out: list[pb.Message]) -> None:
+    async def _fresh(self, r: Receive, queues: int, out: list[pb.Message], fifo: bool
+                     ) -> None:
         """New messages from each queue's cursor (not waiting), starting at a rotating
-        queue so that no queue starves the others."""
+        queue so that no queue starves the others; a FIFO group's only from queues with
+        nothing in flight."""
         first = next(self._rotate)
         for i in range(queues):
             if len(out) >= r.batch:
                 return
             queue = (first + i) % queues
             q = await self._queue(r.group, r.topic, queue)
-            if q.full:
+            if q.full or (fifo and q.inflight):
                 continue
             start = q.next
             reply = await self.bridge.call(self.conn, Pull(
                 r.topic, queue, start, r.batch - len(out), tags=r.tags))
             assert isinstance(reply, PullReply)
-            self._accept(r, queue, start, reply, out)
+            self._accept(r, queue, start, reply, out, fifo)
 
     async def _wait(self, r: Receive, queues: int, seconds: float,
-                    out: list[pb.Message]) -> None:
-        """Hold one pull per queue at its cursor until a message comes or ``seconds``
-        pass; the messages of the pulls answered are taken."""
+                    out: list[pb.Message], fifo: bool, ev: asyncio.Event) -> None:
+        """Hold one pull per queue at its cursor until a message comes, ``ev`` is set (an
+        acknowledgement: a FIFO queue may hand out again) or ``seconds`` pass; the
+        messages of the pulls answered are taken."""
         conn = FrontConnection("rocketmq-receive")  # its held pulls are dropped together
         waits: dict[asyncio.Future[object], tuple[int, int]] = {}
         ms = max(int(seconds * 1000), 1)
         try:
             for queue in range(queues):
                 q = await self._queue(r.group, r.topic, queue)
-                if q.full:
+                if q.full or (fifo and q.inflight):
                     continue
                 start = q.next
                 reply, corr, fut = self.bridge.submit(conn, Pull(
@@ -213,15 +311,24 @@ class PopService:
                 if reply is not None:  # answered at once (a message came meanwhile)
                     conn.forget(corr)
                     assert isinstance(reply, PullReply)
-                    self._accept(r, queue, start, reply, out)
+                    self._accept(r, queue, start, reply, out, fifo)
                 else:
                     waits[fut] = (queue, start)  # type: ignore[index]
-            if out or not waits:
-                if not waits:
-                    await asyncio.sleep(seconds)
+            if out:
                 return
-            await asyncio.wait(list(waits), timeout=seconds + 1.0,
-                               return_when=asyncio.FIRST_COMPLETED)
+            # a FIFO group's receive also wakes at an acknowledgement (a queue may hand
+            # out again); another group's only at a message or a delivery visible again
+            woken = [asyncio.ensure_future(ev.wait())] if fifo else []
+            try:
+                if waits or woken:
+                    await asyncio.wait([*waits, *woken],
+                                       timeout=seconds + (1.0 if waits else 0),
+                                       return_when=asyncio.FIRST_COMPLETED)
+                else:
+                    await asyncio.sleep(seconds)
+            finally:
+                for w in woken:
+                    w.cancel()
         finally:
             self.bridge.broker.holds.drop_connection(conn)
             conn.close()
@@ -229,15 +336,18 @@ class PopService:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 reply = fut.result()
                 assert isinstance(reply, PullReply)
-                self._accept(r, queue, start, reply, out)
+                self._accept(r, queue, start, reply, out, fifo)
 
     def _accept(self, r: Receive, queue: int, start: int, reply: PullReply,
-                out: list[pb.Message]) -> None:
+                out: list[pb.Message], fifo: bool = False) -> None:
         """Take the messages a pull from ``start`` found, from the queue's cursor on (a
         concurrent receive may have taken some), up to the batch; move the cursor past
-        what was taken and what the filter passed over."""
+        what was taken and what the filter passed over. A FIFO queue another receive
+        handed out from meanwhile gives nothing."""
         q = self.table.queue(r.group, r.topic, queue)
         if q is None or q.next < start:  # restarted meanwhile (an offsets reset)
+            return
+        if fifo and q.inflight:
             return
         if reply.status in (PullStatus.OFFSET_MOVED, PullStatus.DAMAGED):
             q.next = max(q.next, reply.next)  # retention or damage: those offsets are gone
@@ -255,8 +365,14 @@ class PopService:
     def deliver(self, table: PopTable, r: Receive, m: MessageExt) -> pb.Message:
         """Hand ``m`` out (first time or again) under a new generation, as ``table``
         records it."""
+        key = (r.group, r.topic, m.queue_id)
+        prior = 0
+        if self.journal is not None and table.attempt(*key, m.queue_offset) == 0:
+            prior = self.journal.attempts_of(key, m.queue_offset)
         d: Delivery = table.deliver(r.group, r.topic, m.queue_id, m.queue_offset,
-                                    r.invisible_s, self.clock())
+                                    r.invisible_s, self.clock(), prior)
+        if self.journal is not None:
+            self.journal.delivered(key, m.queue_offset, d.attempt)
         handle = self.codec.encode(Receipt(r.group, r.topic, m.queue_id, m.queue_offset,
                                            d.generation))
         log.debug("deliver %s %s:%d:%d generation %d attempt %d", r.group, r.topic,
@@ -289,11 +405,12 @@ class PopService:
             raise RmqError(Code.INVALID_RECEIPT_HANDLE, str(exc)) from None
         await self.settle(key, q, rc.offset, None)
 
-    async def ack_earlier(self, rc: Receipt, q: QueuePop | None, client: str | None
-                          ) -> bool:
+    async def ack_earlier(self, rc: Receipt, q: QueuePop | None, client: str | None,
+                          dead_letter: str = "") -> bool:
         """The acknowledgement of a delivery made before the broker restarted (its handle
         still decodes: the key is kept). Settled here unless the message was delivered
-        again since (then the handle is stale): True when settled."""
+        again since (then the handle is stale): True when settled. With ``dead_letter``
+        (a reason) the message goes to the dead-letter queue first, unless settled."""
         if rc.generation >= self.first_generation:
             return False
         key = (rc.group, rc.topic, rc.queue)
@@ -305,6 +422,8 @@ class PopService:
         assert isinstance(stored, OffsetReply)
         if rc.offset < stored.offset or (q is not None and rc.offset < q.next):
             return True  # settled already (acknowledged, or covered by the group's offset)
+        if dead_letter and not self.is_acked(key, rc.offset):
+            await self._to_dlq(key, rc.offset, dead_letter)
         if self.journal is not None:
             await self.journal.ack(key, rc.offset)  # passed over when the cursor gets there
         return True
@@ -327,7 +446,15 @@ class PopService:
                                   invisible_s, self.clock())
         except StaleReceipt as exc:
             raise RmqError(Code.INVALID_RECEIPT_HANDLE, str(exc)) from None
+        self.wake(group, topic)
         return self.codec.encode(Receipt(group, topic, rc.queue, rc.offset, d.generation))
+
+    async def forward_pop(self, group: str, topic: str, handle: str, attempt: int,
+                          limit: int) -> None:
+        """``ForwardMessageToDeadLetterQueue`` of a SimpleConsumer's delivery."""
+        rc = self.receipt(group, topic, handle)
+        await self.forward(self.table, rc, self.table.queue(group, topic, rc.queue), None,
+                           attempt, limit)
 
 
 def decode(reply: PullReply, first: int, end: int, tags: list[str] | None

@@ -7,11 +7,17 @@ offsets (which the broker keeps itself): a small journal in the data directory.
   offset) it is passed over, never delivered again;
 * **the receipt key**: receipt handles are signed with a key drawn once and kept in the
   data directory (mode 0600), so the handles of before a restart still decode;
+* **delivery attempts**: the attempt of each delivery of a message delivered again (its
+  second delivery on), so that after a restart its count carries on and it still goes to
+  the dead-letter queue after the group's maximum of attempts (``groups.py``). A first
+  delivery is not journaled (one write per delivered message would be): a message
+  delivered only once before a restart counts from 1 again after it;
 * **the generation reserve**: each delivery has a generation, unique across restarts (the
   journal reserves them in blocks): a handle of an earlier run is told from the handle of
   a delivery made since the restart.
 
-The journal is JSON lines (``["a", group, topic, queue, offset]``, ``["g", reserve]``),
+The journal is JSON lines (``["a", group, topic, queue, offset]``, ``["n", group, topic,
+queue, offset, attempt]``, ``["g", reserve]``),
 appended with one ``write`` each (a killed process loses nothing written; with ``flush =
 "sync"`` each acknowledgement is also fsynced before it is answered). A torn last line is
 ignored. At start it is read and written again compacted (temp file, fsync, rename), and
@@ -63,6 +69,7 @@ class PopJournal:
         self.path = os.path.join(data_dir, FILE)
         self.sync = sync
         self.acked: dict[Key3, set[int]] = {}
+        self.attempts: dict[Key3, dict[int, int]] = {}  # deliveries of those sent again
         self.first_generation = 1  # the first generation this run may issue
         self._reserve = 0
         self._records = 0
@@ -86,12 +93,19 @@ class PopJournal:
                 if rec[0] == "a":
                     key = (str(rec[1]), str(rec[2]), int(rec[3]))
                     self.acked.setdefault(key, set()).add(int(rec[4]))
+                elif rec[0] == "n":
+                    key = (str(rec[1]), str(rec[2]), int(rec[3]))
+                    per = self.attempts.setdefault(key, {})
+                    per[int(rec[4])] = max(per.get(int(rec[4]), 0), int(rec[5]))
                 elif rec[0] == "g":
                     reserve = max(reserve, int(rec[1]))
             except (ValueError, IndexError, TypeError):
                 if n < len(lines) - 1:  # not a torn last write: say so
                     log.error("%s: record %d does not read; skipped", self.path, n + 1)
-        for key in list(self.acked):
+        for key, offs in self.acked.items():  # an acknowledged message has no count
+            for off in offs:
+                self._settled(key, off)
+        for key in list(self.acked) + list(self.attempts):
             self.prune(key, committed(*key))
         self.first_generation = reserve + 1
         self._reserve = reserve
@@ -102,6 +116,8 @@ class PopJournal:
         rows = [json.dumps(["g", self._reserve])]
         rows += [json.dumps(["a", *key, off]) for key, offs in sorted(self.acked.items())
                  for off in sorted(offs)]
+        rows += [json.dumps(["n", *key, off, n]) for key, per in sorted(self.attempts.items())
+                 for off, n in sorted(per.items())]
         if self._fd >= 0:
             os.close(self._fd)
         write_file_atomic(self.path, ("\n".join(rows) + "\n").encode())
@@ -130,8 +146,22 @@ class PopJournal:
             if self._fd >= 0:
                 os.fsync(self._fd)  # once per block: a reused generation would be unsafe
 
+    def delivered(self, key: Key3, offset: int, attempt: int) -> None:
+        """A message was delivered again (``attempt`` >= 2): keep its count. Not fsynced:
+        a count lost with the machine only lets the message be delivered once more."""
+        if attempt < 2:
+            return
+        self.attempts.setdefault(key, {})[offset] = attempt
+        self._append(["n", *key, offset, attempt])
+
+    def attempts_of(self, key: Key3, offset: int) -> int:
+        """Deliveries of the message journaled before (0: none)."""
+        per = self.attempts.get(key)
+        return 0 if per is None else per.get(offset, 0)
+
     async def ack(self, key: Key3, offset: int) -> None:
         """Keep an acknowledgement above the committed offset (durably, when answered)."""
+        self._settled(key, offset)
         self.acked.setdefault(key, set()).add(offset)
         self._append(["a", *key, offset])
         if self.sync and self._fd >= 0:
@@ -141,8 +171,21 @@ class PopJournal:
         s = self.acked.get(key)
         return s is not None and offset in s
 
+    def _settled(self, key: Key3, offset: int) -> None:
+        per = self.attempts.get(key)
+        if per is not None:
+            per.pop(offset, None)
+            if not per:
+                del self.attempts[key]
+
     def prune(self, key: Key3, committed: int) -> None:
-        """Forget the acknowledgements the committed offset covers now."""
+        """Forget the acknowledgements (and counts) the committed offset covers now."""
+        per = self.attempts.get(key)
+        if per is not None:
+            for off in [o for o in per if o < committed]:
+                del per[off]
+            if not per:
+                del self.attempts[key]
         s = self.acked.get(key)
         if s is None:
             return
@@ -152,5 +195,7 @@ class PopJournal:
 
     def forget(self, key: Key3) -> None:
         """The group's offset was reset: its acknowledgements no longer apply."""
-        if self.acked.pop(key, None) is not None and self._fd >= 0:
+        had = self.acked.pop(key, None) is not None
+        had = self.attempts.pop(key, None) is not None or had
+        if had and self._fd >= 0:
             self._compact()

@@ -9,6 +9,13 @@ no sockets, no broker; the ``apache.rocketmq.v2`` message classes of ``_pb``).
 * A stored message goes back with its unique key as message id, the same tag, keys and
   properties, its queue and queue offset, store time, a receipt handle and a CRC32 body
   digest (8 upper-case hex digits, as the clients check it).
+* FIFO messages: a message with a message group is stored in the queue its group hashes
+  to, ``crc32(group) % queues`` as onceq's own producers place a ``sharding_key``
+  (``queue_of``), so onceq's orderly consumers and RocketMQ's FIFO consumers see one
+  order; the group is kept in the ``__SHARDINGKEY`` property (RocketMQ's own name for it)
+  and given back as the message group of a FIFO message.
+* Delayed messages (``delivery_timestamp``) are refused: onceq's schedule delays only the
+  retries of consumer groups, by fixed levels into ``%RETRY%<group>``.
 * Errors: onceq's stable codes become RocketMQ's status codes (``status_of``).
 """
 
@@ -26,6 +33,8 @@ from ._pb import definition_pb2 as pb
 
 Code = pb.Code
 MAX_UNIQUE_KEY = 255  # bytes: onceq's unique key (ASCII)
+PROP_MESSAGE_GROUP = "__SHARDINGKEY"  # a FIFO message's group (RocketMQ's property name)
+MAX_MESSAGE_GROUP = 128  # characters (RocketMQ's limit)
 
 
 class RmqError(Exception):
@@ -80,18 +89,44 @@ def check_message_id(message_id: str) -> str:
     return message_id
 
 
+def message_group(msg: pb.Message) -> str | None:
+    """The message group of a message to send (None: not a FIFO message); refuses the
+    message types onceq does not store."""
+    sp = msg.system_properties
+    mtype = sp.message_type
+    group = sp.message_group if sp.HasField("message_group") else ""
+    if mtype not in (pb.MESSAGE_TYPE_UNSPECIFIED, pb.NORMAL, pb.FIFO):
+        name = pb.MessageType.Name(mtype)
+        why = ("onceq's schedule delays only the retries of consumer groups (fixed delay "
+               "levels into %RETRY%<group>), it has no delivery of a message at a given time"
+               if mtype == pb.DELAY else "not built")
+        raise RmqError(Code.UNSUPPORTED, f"message type {name}: onceq's RocketMQ endpoint "
+                       f"stores NORMAL and FIFO messages only ({why})")
+    if sp.HasField("delivery_timestamp") and (sp.delivery_timestamp.seconds
+                                              or sp.delivery_timestamp.nanos):
+        raise RmqError(Code.UNSUPPORTED, "delayed messages (delivery_timestamp) are refused "
+                       "by onceq's RocketMQ endpoint: onceq's schedule delays only the "
+                       "retries of consumer groups (fixed delay levels into "
+                       "%RETRY%<group>), it has no delivery of a message at a given time")
+    if mtype == pb.FIFO and not group:
+        raise RmqError(Code.ILLEGAL_MESSAGE_GROUP, "a FIFO message needs a message group")
+    if not group:
+        return None
+    if len(group) > MAX_MESSAGE_GROUP or not group.strip() or not group.isprintable():
+        raise RmqError(Code.ILLEGAL_MESSAGE_GROUP, f"message group {group[:40]!r} must be "
+                       f"1-{MAX_MESSAGE_GROUP} printable characters, not only blanks")
+    return group
+
+
+def queue_of(group: str, queues: int) -> int:
+    """The queue of a message group: as onceq's producers place a ``sharding_key``."""
+    return zlib.crc32(group.encode()) % queues
+
+
 def to_part(msg: pb.Message, now_ms: int | None = None) -> bytes:
     """One RocketMQ message as the onceq message part the send path stores."""
     sp = msg.system_properties
-    mtype = sp.message_type
-    if mtype not in (pb.MESSAGE_TYPE_UNSPECIFIED, pb.NORMAL):
-        name = pb.MessageType.Name(mtype)
-        raise RmqError(Code.UNSUPPORTED, f"message type {name}: onceq's RocketMQ endpoint "
-                       "stores NORMAL messages only for now (FIFO, DELAY, TRANSACTION, "
-                       "LITE and PRIORITY are not built yet)")
-    if sp.HasField("delivery_timestamp") and sp.delivery_timestamp.seconds:
-        raise RmqError(Code.UNSUPPORTED, "delivery timestamps (delayed messages) are not "
-                       "built yet on onceq's RocketMQ endpoint")
+    group = message_group(msg)
     unique_key = check_message_id(sp.message_id)
     body = msg.body
     if sp.body_encoding == pb.GZIP:
@@ -108,8 +143,12 @@ def to_part(msg: pb.Message, now_ms: int | None = None) -> bytes:
     born_ms = born.seconds * 1000 + born.nanos // 1_000_000
     if born_ms <= 0:
         born_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    props = dict(msg.user_properties)
+    props.pop(PROP_MESSAGE_GROUP, None)  # the message group alone sets it
+    if group is not None:
+        props[PROP_MESSAGE_GROUP] = group
     return encode_part(bytes(body), unique_key, born_ms, sp.tag if sp.HasField("tag") else "",
-                       " ".join(keys), dict(msg.user_properties) or None)
+                       " ".join(keys), props or None)
 
 
 # ------------------------------------------------------------------ deliveries
@@ -123,7 +162,11 @@ def to_pb(m: MessageExt, *, namespace: str, receipt: str, invisible_s: float, at
     out = pb.Message()
     out.topic.name = m.topic
     out.topic.resource_namespace = namespace
+    group = None
     for k, v in m.properties.items():
+        if k == PROP_MESSAGE_GROUP:
+            group = v if isinstance(v, str) else str(v)
+            continue
         out.user_properties[str(k)] = v if isinstance(v, str) else str(v)
     body = bytes(m.body)
     out.body = body
@@ -136,6 +179,9 @@ def to_pb(m: MessageExt, *, namespace: str, receipt: str, invisible_s: float, at
     sp.body_digest.checksum = crc32_hex(body)
     sp.body_encoding = pb.IDENTITY
     sp.message_type = pb.NORMAL
+    if group:
+        sp.message_type = pb.FIFO
+        sp.message_group = group
     sp.born_timestamp.FromMilliseconds(m.born_ts_ms)
     sp.store_timestamp.FromMilliseconds(m.store_ts_ms)
     sp.store_host = store_host
@@ -177,7 +223,7 @@ def endpoints(host: str, port: int) -> pb.Endpoints:
 def route(topic: str, queues: int, *, namespace: str, broker: str, where: pb.Endpoints
           ) -> Iterable[pb.MessageQueue]:
     """The topic's queues as RocketMQ message queues: one broker (id 0, the leader),
-    readable and writable, accepting NORMAL messages."""
+    readable and writable, accepting NORMAL and FIFO messages."""
     for qid in range(queues):
         mq = pb.MessageQueue()
         mq.topic.name = topic
@@ -187,5 +233,5 @@ def route(topic: str, queues: int, *, namespace: str, broker: str, where: pb.End
         mq.broker.name = broker
         mq.broker.id = 0
         mq.broker.endpoints.CopyFrom(where)
-        mq.accept_message_types.append(pb.NORMAL)
+        mq.accept_message_types.extend((pb.NORMAL, pb.FIFO))
         yield mq

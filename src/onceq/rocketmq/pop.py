@@ -16,6 +16,17 @@ the group's committed offset moves past a message only once it was acknowledged 
 filtered out), never backwards. A message whose invisible duration ran out is delivered
 again with a new generation; the receipt handles of its earlier deliveries are then
 stale.
+
+FIFO groups (``groups.py``) take a queue's messages one run at a time: while a delivery of
+a queue is invisible (in flight, not acknowledged), the queue hands out nothing, neither new
+messages nor deliveries of it that became visible again (``QueuePop.blocked``); once all of
+its deliveries are visible again they are delivered again in offset order before anything
+new (``due(fifo=True)``). So a message is consumed only after every earlier one of its queue
+was acknowledged (or dead-lettered), also across a redelivery.
+
+Each delivery counts its attempt (1 at the first); ``prior`` attempts (journaled before a
+broker restart) carry on. A message whose attempts reach the group's maximum goes to the
+dead-letter queue instead of being delivered again (``consume.py``).
 """
 
 from __future__ import annotations
@@ -51,6 +62,11 @@ class QueuePop:
     @property
     def full(self) -> bool:
         return len(self.inflight) >= MAX_INFLIGHT_PER_QUEUE
+
+    def blocked(self, now: float) -> bool:
+        """For a FIFO group: a delivery of the queue is still invisible, so nothing of the
+        queue may be handed out."""
+        return any(d.visible_at > now for d in self.inflight.values())
 
 
 Key = tuple[str, str]  # (group, topic)
@@ -104,22 +120,41 @@ class PopTable:
 
     # ---------------------------------------------------------------- deliveries
     def deliver(self, group: str, topic: str, queue: int, offset: int, invisible_s: float,
-                now: float) -> Delivery:
-        """Hand ``offset`` out (first time or again) for ``invisible_s`` seconds."""
+                now: float, prior: int = 0) -> Delivery:
+        """Hand ``offset`` out (first time or again) for ``invisible_s`` seconds; ``prior``:
+        its deliveries before this table knew it (a restart), when it is not in flight."""
         q = self._topics[(group, topic)][queue]
         prev = q.inflight.get(offset)
         d = Delivery(self._next_generation(), now + invisible_s,
-                     1 if prev is None else prev.attempt + 1)
+                     prior + 1 if prev is None else prev.attempt + 1)
         q.inflight[offset] = d
         q.next = max(q.next, offset + 1)
         return d
 
-    def due(self, group: str, topic: str, now: float) -> list[tuple[int, int]]:
-        """(queue, offset) of the deliveries visible again, the longest waiting first."""
-        out = [(d.visible_at, qid, off)
-               for qid, q in self._topics.get((group, topic), {}).items()
+    def due(self, group: str, topic: str, now: float, fifo: bool = False
+            ) -> list[tuple[int, int]]:
+        """(queue, offset) of the deliveries visible again, the longest waiting first; for
+        a FIFO group only those of queues with no invisible delivery, in offset order."""
+        qs = self._topics.get((group, topic), {})
+        if fifo:
+            return [(qid, off) for qid, q in sorted(qs.items()) if not q.blocked(now)
+                    for off in sorted(q.inflight)]
+        out = [(d.visible_at, qid, off) for qid, q in qs.items()
                for off, d in q.inflight.items() if d.visible_at <= now]
         return [(qid, off) for _t, qid, off in sorted(out)]
+
+    def still_due(self, group: str, topic: str, queue: int, offset: int, now: float) -> bool:
+        """Whether the delivery is in flight and visible again (another receive may have
+        delivered it again since it was listed ``due``)."""
+        q = self.queue(group, topic, queue)
+        d = None if q is None else q.inflight.get(offset)
+        return d is not None and d.visible_at <= now
+
+    def attempt(self, group: str, topic: str, queue: int, offset: int) -> int:
+        """The attempt of the message's current delivery (0: not in flight)."""
+        q = self.queue(group, topic, queue)
+        d = None if q is None else q.inflight.get(offset)
+        return 0 if d is None else d.attempt
 
     def next_visible(self, group: str, topic: str) -> float | None:
         """When the next delivery in flight becomes visible again (None: none in flight)."""
@@ -139,6 +174,12 @@ class PopTable:
                                "delivered again after its invisible duration: only the "
                                "newest receipt handle counts")
         return q, d
+
+    def current(self, group: str, topic: str, queue: int, offset: int, generation: int
+                ) -> Delivery:
+        """The delivery a receipt names, if it is the message's current one (else
+        ``StaleReceipt``)."""
+        return self._current(group, topic, queue, offset, generation)[1]
 
     def ack(self, group: str, topic: str, queue: int, offset: int, generation: int
             ) -> QueuePop:

@@ -7,8 +7,11 @@ an onceq user and is checked against the user's grants (``auth.py``); with ``tls
 port speaks TLS with the broker's certificate (and asks for client certificates of
 ``tls_client_ca`` when ``tls_client_auth`` is ``required``).
 
-RPCs onceq does not build yet (transactions, dead-lettering by the client, recalls, the
-offset-based pull of PullConsumer, lite topics) answer a status ``UNSUPPORTED`` naming
+Consumer groups' FIFO mark and maximum of delivery attempts are read from
+``rocketmq_groups.json`` in the data directory (``groups.py``).
+
+RPCs onceq does not build yet (transactions, recalls, the offset-based pull of
+PullConsumer, lite topics) answer a status ``UNSUPPORTED`` naming
 what is missing rather than a bare gRPC error.
 """
 
@@ -25,6 +28,7 @@ from .access_keys import AccessKeys
 from .auth import Authenticator
 from .bridge import Bridge
 from .consume import PopService
+from .groups import GroupSettingsFile
 from .journal import PopJournal, load_key
 from .mapping import Code, status
 from .receipt import ReceiptCodec
@@ -38,9 +42,6 @@ log = logging.getLogger("onceq.rocketmq")
 SERVICE = "apache.rocketmq.v2.MessagingService"
 HEADROOM = 1024 * 1024  # gRPC message bytes beyond the largest body (properties, framing)
 UNBUILT = {
-    "ForwardMessageToDeadLetterQueue": (
-        sv.ForwardMessageToDeadLetterQueueRequest, sv.ForwardMessageToDeadLetterQueueResponse,
-        "forwarding to the dead-letter queue by the client (FIFO consumption)"),
     "EndTransaction": (sv.EndTransactionRequest, sv.EndTransactionResponse,
                        "transactional messages"),
     "RecallMessage": (sv.RecallMessageRequest, sv.RecallMessageResponse,
@@ -86,6 +87,10 @@ def handlers(svc: MessagingService) -> grpc.GenericRpcHandler:
         "ChangeInvisibleDuration": _unary(svc.change_invisible_duration,
                                           sv.ChangeInvisibleDurationRequest,
                                           sv.ChangeInvisibleDurationResponse),
+        "ForwardMessageToDeadLetterQueue": _unary(
+            svc.forward_message_to_dead_letter_queue,
+            sv.ForwardMessageToDeadLetterQueueRequest,
+            sv.ForwardMessageToDeadLetterQueueResponse),
         "NotifyClientTermination": _unary(svc.notify_client_termination,
                                           sv.NotifyClientTerminationRequest,
                                           sv.NotifyClientTerminationResponse),
@@ -131,6 +136,7 @@ class GrpcFrontEnd:
         self.bridge: Bridge | None = None
         self.service: MessagingService | None = None
         self.journal: PopJournal | None = None
+        self.groups: GroupSettingsFile | None = None
 
     async def start(self, broker: Broker) -> None:
         cfg = broker.config
@@ -141,8 +147,10 @@ class GrpcFrontEnd:
         store = broker.store
         self.journal = journal = PopJournal(data_dir, sync=cfg.store.flush == "sync")
         journal.open(lambda g, t, q: store.get_offset(g, t, q) if t in store.topics else -1)
+        self.groups = groups = GroupSettingsFile(data_dir)  # FIFO groups, max attempts
         pop = PopService(bridge, ReceiptCodec(load_key(data_dir)),
-                         store_host=f"{cfg.host}:{self.port}", journal=journal)
+                         store_host=f"{cfg.host}:{self.port}", journal=journal,
+                         groups=groups.get)
         auth = None
         if cfg.acl:  # requests signed with the access keys of onceq's users (auth.py)
             try:

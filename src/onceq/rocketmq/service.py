@@ -6,11 +6,14 @@ broker's services with onceq's typed requests (``bridge.py``).
   client reached; ``Heartbeat`` and ``Telemetry`` settings: a consumer is a member of its
   group (``HEARTBEAT``, ``UNREGISTER`` at ``NotifyClientTermination``);
 * ``SendMessage``: one ``SEND`` (the messages as onceq message parts, their message ids
-  as unique keys) to the topic's next queue, round robin;
+  as unique keys) to the topic's next queue, round robin; a FIFO message to the queue its
+  message group hashes to (``mapping.queue_of``, as onceq's ``sharding_key``);
 * ``ReceiveMessage``, ``AckMessage``, ``ChangeInvisibleDuration``: POP consumption for
   SimpleConsumers (``consume.py``); for PushConsumers (``auto_renew`` receives), receives
   of the queues ``QueryAssignment`` gave them by onceq's allocation, under the access lock
-  (``assign.py``).
+  (``assign.py``); ``ForwardMessageToDeadLetterQueue``: to ``%DLQ%<group>``, acknowledged.
+  A group's FIFO mark and maximum of delivery attempts (``groups.py``) go to its
+  consumers in their ``Settings`` (``subscription.fifo``, ``backoff_policy``).
 
 With acl on, each RPC is authenticated by its signature and authorized as the onceq
 requests it stands for (``_client``, ``auth.py``); a client id belongs to one user.
@@ -38,6 +41,7 @@ from ..protocol.requests import (
     Heartbeat,
     Pull,
     Send,
+    SendBack,
     Unregister,
 )
 from ..protocol.schema import Message
@@ -47,7 +51,18 @@ from .assign import AUTO_RENEW_S, PUSH, QueueConsumers
 from .auth import Authenticator, Identity, peer_address
 from .bridge import Bridge, FrontConnection
 from .consume import PopService, Receive, check_invisible
-from .mapping import Code, RmqError, endpoints, parse_filter, route, status, status_of, to_part
+from .mapping import (
+    Code,
+    RmqError,
+    endpoints,
+    message_group,
+    parse_filter,
+    queue_of,
+    route,
+    status,
+    status_of,
+    to_part,
+)
 
 if TYPE_CHECKING:
     from ..broker.config import BrokerConfig
@@ -289,17 +304,26 @@ class MessagingService:
                     await self._join(c)
                 except OnceqError as exc:
                     log.warning("rocketmq client %s: %s", c.client_id, exc)
-            yield sv.TelemetryCommand(status=status(), settings=self._settings(s))
+            yield sv.TelemetryCommand(status=status(), settings=self._settings(s, c.group))
 
-    def _settings(self, asked: pb.Settings) -> pb.Settings:
+    def _settings(self, asked: pb.Settings, group: str = "") -> pb.Settings:
         out = pb.Settings()
         out.CopyFrom(asked)
         if asked.HasField("publishing"):
             out.publishing.max_body_size = self.config.store.max_body
             out.publishing.validate_message_type = True
         if asked.HasField("subscription"):
+            gs = self.pop.settings(asked.subscription.group.name or group)
             sub = out.subscription
-            sub.fifo = False
+            sub.fifo = gs.fifo
+            # the clients take max_attempts only with a customized back-off (no delays:
+            # their own, 1 s)
+            out.backoff_policy.Clear()
+            out.backoff_policy.max_attempts = gs.max_attempts
+            out.backoff_policy.customized_backoff.SetInParent()
+            for delay in gs.retry_delays:
+                out.backoff_policy.customized_backoff.next.add().FromMilliseconds(
+                    int(delay * 1000))
             sub.receive_batch_size = 32
             wait = _seconds(asked.subscription.long_polling_timeout) or DEFAULT_WAIT_S
             sub.long_polling_timeout.FromMilliseconds(
@@ -321,12 +345,22 @@ class MessagingService:
                 raise RmqError(Code.BAD_REQUEST, "the messages of one SendMessage must be "
                                "for one topic")
             parts = [to_part(m) for m in msgs]
+            groups = [message_group(m) for m in msgs]
             queues = await self._topic(topic)
             n = self._next_queue.get(topic, 0)
             self._next_queue[topic] = n + 1
-            payload = b"".join(_U32.pack(len(p)) + p for p in parts)
-            reply = await self.bridge.call(self.conn, Send(topic, n % queues, payload))
-            assert isinstance(reply, SendReply)
+            targets = [n % queues if g is None else queue_of(g, queues) for g in groups]
+            offsets: list[int] = []
+            i = 0
+            while i < len(parts):  # one SEND per run of messages for one queue
+                j = i + 1
+                while j < len(parts) and targets[j] == targets[i]:
+                    j += 1
+                payload = b"".join(_U32.pack(len(p)) + p for p in parts[i:j])
+                reply = await self.bridge.call(self.conn, Send(topic, targets[i], payload))
+                assert isinstance(reply, SendReply)
+                offsets += reply.offsets
+                i = j
         except (RmqError, OnceqError) as exc:
             st = _status_of(exc)
             out.status.CopyFrom(st)
@@ -334,7 +368,7 @@ class MessagingService:
                 out.entries.add(status=st, message_id=m.system_properties.message_id)
             return out
         out.status.CopyFrom(status())
-        for m, offset in zip(msgs, reply.offsets, strict=True):
+        for m, offset in zip(msgs, offsets, strict=True):
             out.entries.add(status=status(), message_id=m.system_properties.message_id,
                             offset=offset)
         return out
@@ -429,6 +463,24 @@ class MessagingService:
             handle = self.pop.change(req.group.name, req.topic.name, req.receipt_handle,
                                      seconds)
         return sv.ChangeInvisibleDurationResponse(status=status(), receipt_handle=handle)
+
+    async def forward_message_to_dead_letter_queue(
+            self, req: sv.ForwardMessageToDeadLetterQueueRequest, context: Any
+    ) -> sv.ForwardMessageToDeadLetterQueueResponse:
+        """The consumer gave up on a message (a FIFO PushConsumer after its local
+        retries): it goes to the group's dead-letter queue and counts as acknowledged."""
+        group, topic = req.group.name, req.topic.name
+        c = self._client(context, "ForwardMessageToDeadLetterQueue",
+                         SendBack(group, topic, 0, 0),
+                         CommitOffset(group, topic, 0, 0))
+        limit = req.max_delivery_attempts or self.pop.settings(group).max_attempts
+        if c.push:
+            await self.queues.forward(c.client_id, group, topic, req.receipt_handle,
+                                      req.delivery_attempt, limit)
+        else:
+            await self.pop.forward_pop(group, topic, req.receipt_handle,
+                                       req.delivery_attempt, limit)
+        return sv.ForwardMessageToDeadLetterQueueResponse(status=status())
 
     async def query_assignment(self, req: sv.QueryAssignmentRequest, context: Any
                                ) -> sv.QueryAssignmentResponse:
