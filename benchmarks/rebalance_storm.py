@@ -17,7 +17,10 @@ is logged per consumer; afterwards deliveries are counted per unique key:
 * throughput: deliveries per second over the run, and the time to drain the backlog after
   the producer stops.
 
-Both configurations run in the same invocation, each on a fresh broker.
+Both configurations run in the same invocation, each on a fresh broker. ``--groups N``
+spreads the topic over N broker groups of one broker each (docs/cluster.md, "Consumer
+groups across broker groups"): every consumer is a member on each group, and each group's
+access lock guards its own queues.
 
 ``--trace`` turns the broker's delivery trace on for the group and runs the duplicate
 audit (``onceq audit``, Spark) on it after the drain; the report then holds the audit's
@@ -41,12 +44,15 @@ import asyncio
 import collections
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -125,15 +131,54 @@ def _audit(addr: str) -> tuple[dict, dict[str, int]]:
     return totals, per_key
 
 
+class _Cluster:
+    """Broker groups of one broker each and their etcd, stopped as one."""
+
+    def __init__(self, etcd: Any, nodes: list[Any]) -> None:
+        self.etcd, self.nodes = etcd, nodes
+
+    def terminate(self) -> None:
+        for n in self.nodes:
+            n.kill()
+        self.etcd.stop()
+
+    def wait(self, _timeout: float) -> None:
+        pass
+
+
+async def _start_groups(root: Path, n: int) -> tuple[_Cluster, str]:
+    """``n`` broker groups (g1..gn, one broker each) on a fresh etcd; the bootstrap list."""
+    sys.path.insert(0, os.path.dirname(HERE))
+    from tests.cluster.group import Etcd, leader_of, make_group
+
+    binary = shutil.which("etcd")
+    if binary is None:
+        raise SystemExit("--groups needs etcd on the PATH (bash scripts/etcd.sh)")
+    (root / "etcd").mkdir()
+    etcd = Etcd(binary, root / "etcd")
+    etcd.start()
+    groups = {f"g{i}": make_group(root / f"g{i}", etcd.endpoint, "storm", 1,
+                                  "--min-insync", "1", group=f"g{i}")
+              for i in range(1, n + 1)}
+    nodes = [x for ns in groups.values() for x in ns]
+    for ns in groups.values():
+        await leader_of(ns, timeout=40)
+    return _Cluster(etcd, nodes), ",".join(x.address for x in nodes)
+
+
 async def run_config(lock: bool, phase_s: float, rate: int, handler_ms: float,
                      drain_timeout: float, flush: str, restart_phase: int | None,
                      restart_at: float, restart_down_s: float, late_s: float,
-                     trace: bool = False) -> dict:
+                     trace: bool = False, groups: int = 0) -> dict:
     from onceq import Admin
 
     with tempfile.TemporaryDirectory(prefix="onceq-storm-") as d:
         data_dir = os.path.join(d, "data")
-        broker, addr = start_broker(data_dir, flush)
+        if groups:  # a topic spread over broker groups of one broker each
+            broker, addr = await _start_groups(Path(d), groups)
+            restart_phase = None
+        else:
+            broker, addr = start_broker(data_dir, flush)
         restart_window = (float("inf"), float("inf"))  # wall times of kill and phase end
         restart_s = None
         procs: dict[str, subprocess.Popen] = {}
@@ -302,7 +347,12 @@ def main() -> None:
     ap.add_argument("--no-broker-restart", dest="broker_restart", action="store_false")
     ap.add_argument("--trace", action="store_true",
                     help="trace deliveries and cross-check with the duplicate audit (Spark)")
+    ap.add_argument("--groups", type=int, default=0,
+                    help="spread the topic over this many broker groups of one broker each "
+                         "(etcd on the PATH; no broker restart, no trace)")
     a = ap.parse_args()
+    if a.groups:
+        a.broker_restart = a.trace = False
     runs = {}
     steps = Steps(2)
     for lock in (False, True):
@@ -311,10 +361,11 @@ def main() -> None:
         runs["lock_on" if lock else "lock_off"] = asyncio.run(
             run_config(lock, a.phase_s, a.rate, a.handler_ms, a.drain_timeout, a.flush,
                        a.restart_phase if a.broker_restart else None, a.restart_at,
-                       a.restart_down_s, a.late_member_s, a.trace))
+                       a.restart_down_s, a.late_member_s, a.trace, a.groups))
     off, on = runs["lock_off"], runs["lock_on"]
     report = {
-        "workload": {"queues": 16, "schedule": SCHEDULE, "phase_s": a.phase_s,
+        "workload": {"queues": 16, "broker_groups": a.groups or None,
+                     "schedule": SCHEDULE, "phase_s": a.phase_s,
                      "rate_msg_s": a.rate, "handler_ms": a.handler_ms, "sigkill": 1,
                      "flush": a.flush,
                      "broker_restart_phase": a.restart_phase if a.broker_restart else None,

@@ -9,8 +9,8 @@ over several groups"): the routes kept in etcd (``cluster/_routes.py``).
 * A send, pull, commit or offset query naming a queue that lives on another group is
   refused ``WRONG_GROUP`` (57, retriable), naming the group and its leader: the client
   fetches the route again.
-* Routes follow etcd's watch of the routes prefix (read again after a broken watch); the
-  groups' members and leaders are read every ``ROUTES_POLL_S``.
+* Routes and the groups' members and leaders follow etcd's watch of the cluster's keys
+  (read every ``ROUTES_POLL_S`` while the watch is broken).
 * ``GET_ROUTE``: any broker (followers too) answers where a topic's queues live and how to
   reach each group (its members and leader). A topic without a route (auto-created, or
   made before routes) has every queue on the group that holds it, as before.
@@ -239,18 +239,20 @@ class Routes:
 
     # ---------------------------------------------------------------- upkeep
     async def run(self) -> None:
-        """Follow the routes as etcd reports their changes (a watch: a change reaches
-        every broker at once and nothing is read while nothing changes), and read the
-        groups' members and leaders every ``ROUTES_POLL_S``; a leader creates here the
-        topics routed to its group that it does not know yet."""
+        """Follow the routes and the groups' members and leaders as etcd reports their
+        changes (one watch of the cluster's keys: a change reaches every broker at once
+        and nothing is read while nothing changes); while the watch is broken, read them
+        every ``ROUTES_POLL_S``. A leader creates here the topics routed to its group that
+        it does not know yet."""
         watcher = asyncio.get_running_loop().create_task(self._follow())
         try:
             while True:
-                try:
-                    await self.refresh(routes=not self.watching)
-                    self.problem = ""
-                except (EtcdError, OSError) as exc:
-                    self._trouble(exc)
+                if not self.watching:
+                    try:
+                        await self.refresh()
+                        self.problem = ""
+                    except (EtcdError, OSError) as exc:
+                        self._trouble(exc)
                 await asyncio.sleep(ROUTES_POLL_S)
         finally:
             watcher.cancel()
@@ -261,18 +263,29 @@ class Routes:
         self.problem = str(exc)
 
     async def _follow(self) -> None:
-        """Read every route, then apply the changes etcd reports after that revision;
-        after a broken watch, read again (the polling loop reads meanwhile)."""
+        """Read the routes and the directory, then apply the changes etcd reports after
+        that revision (a route: decoded; a broker or a group's leader: the directory read
+        again); after a broken watch, read again (the polling loop reads meanwhile)."""
         assert self.client is not None
+        client, cluster = self.client, self.cluster
+        routes_at = routes_prefix(cluster)
+        root = routes_at[:-len(b"routes/")]
+        members_at = (root + b"brokers/", root + b"groups/")
         while True:
             try:
-                routes, revision = await read_routes_at(self.client, self.cluster)
-                self.routes = routes
-                self.watching = True
-                async for events in self.client.watch(routes_prefix(self.cluster),
-                                                      prefix=True,
-                                                      start_revision=revision + 1):
-                    changed = apply_events(self.cluster, self.routes, events)
+                routes, revision = await read_routes_at(client, cluster)
+                self.directory = await read_directory(client, cluster)
+                self.routes, self.loaded, self.watching = routes, True, True
+                self.problem = ""
+                await self._create_missing()
+                async for events in client.watch(root, prefix=True,
+                                                 start_revision=revision + 1):
+                    if any(ev.kv.key.startswith(members_at) for ev in events):
+                        self.directory = await read_directory(client, cluster)
+                    changed = apply_events(cluster, self.routes, [
+                        ev for ev in events if ev.kv.key.startswith(routes_at)])
+                    if not changed:
+                        continue
                     self.changes += len(changed)
                     await self._create_missing()
                     for topic in changed:
@@ -282,10 +295,9 @@ class Routes:
             self.watching = False
             await asyncio.sleep(ROUTES_POLL_S)
 
-    async def refresh(self, routes: bool = True) -> None:
+    async def refresh(self) -> None:
         assert self.client is not None
-        if routes:
-            self.routes = await read_routes(self.client, self.cluster)
+        self.routes = await read_routes(self.client, self.cluster)
         self.directory = await read_directory(self.client, self.cluster)
         self.loaded = True
         await self._create_missing()
