@@ -205,10 +205,10 @@ class Broker:
             **self.routes.handlers(),
             **QueueMoves(self.store, self.routes, self.durable).handlers(),
         }
+        handlers[CreateTopic] = self.routes.creating(handlers[CreateTopic])
         if config.clustered:
             self.routes.guard(handlers, Send, SendBatch, SendRecords, SendSequenced, Pull,
                               QueryOffsets, SearchOffset, GetOffset, CommitOffset, GetTopic)
-            handlers[CreateTopic] = self.routes.creating(handlers[CreateTopic])
             handlers[DeleteTopic] = self.routes.deleting(handlers[DeleteTopic])
         self.scaling.guard(handlers, Send, SendBatch, SendRecords, SendSequenced)
         self.pulls.visible_end = self.scaling.read_limit(self.pulls.visible_end)

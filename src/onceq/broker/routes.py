@@ -213,25 +213,48 @@ class Routes:
         """``CREATE_TOPIC`` in a cluster: the topic's route first (``route_for``), then the
         topic here as ``handler`` makes it."""
         def create(call: Call, req: Any) -> Message | None:
+            placement = req.placement
+            if placement is not None and (self.client is None or not isinstance(
+                    placement, list) or not placement
+                    or (req.queues is not None and len(placement) != req.queues)):
+                raise OnceqError(ErrorCode.INVALID_ARGUMENT, (
+                    "a placement is a broker group for each queue of the topic, on a "
+                    "broker of a cluster" if self.client is not None else
+                    "this broker is not in a cluster: a topic's placement over broker "
+                    "groups needs --cluster"))
             if self.client is None or req.follow_group is not None:
                 return handler(call, req)
-
-            _serve_after(call, req, handler, self.route_for(req.topic, req.queues),
-                         "written to")
+            _serve_after(call, req, handler,
+                         self.route_for(req.topic, req.queues, placement), "written to")
             return None
         return create
 
-    async def route_for(self, topic: str, queues: int | None) -> TopicRoute | None:
+    async def route_for(self, topic: str, queues: int | None,
+                        placement: list[Any] | None = None) -> TopicRoute | None:
         """The topic's route, made now when it has none and the topic is new here (an
-        existing topic without a route keeps all its queues where it is)."""
+        existing topic without a route keeps all its queues where it is): ``placement``
+        if given (every group registered), else an even spread over the groups."""
         assert self.client is not None
-        if topic in self.routes or topic in self.store.topics:
-            return self.routes.get(topic)
+        known = self.routes.get(topic)
+        if known is not None or topic in self.store.topics:
+            if placement is not None and (known is None or list(known.placement)
+                                          != placement):
+                raise OnceqError(ErrorCode.INVALID_ARGUMENT, (
+                    f"topic {topic!r} exists with another placement: move its queues "
+                    "with onceq topic reassign"))
+            return known
         directory = await read_directory(self.client, self.cluster)
         self.directory = directory
         n = queues or self.default_queues
-        route = await create_route(self.client, self.cluster,
-                                   TopicRoute(topic, place(n, list(directory.members))))
+        if placement is not None:
+            unknown = sorted({str(g) for g in placement} - set(directory.members))
+            if unknown:
+                raise OnceqError(ErrorCode.INVALID_ARGUMENT, (
+                    f"broker group(s) {', '.join(map(repr, unknown))} not registered in "
+                    f"the cluster (groups: {', '.join(sorted(directory.members))})"))
+        where = tuple(str(g) for g in placement) if placement is not None else place(
+            n, list(directory.members))
+        route = await create_route(self.client, self.cluster, TopicRoute(topic, where))
         self.routes[topic] = route
         log.info("topic %s: %d queues placed over groups %s", topic, route.queues,
                  ", ".join(route.groups))

@@ -50,12 +50,25 @@ def topic() -> None:
 @topic.command("create")
 @click.argument("name")
 @click.option("--queues", "-q", default=8, show_default=True, type=click.IntRange(1, 1024))
+@click.option("--groups", default=None, metavar="G1,G2,...",
+              help="In a cluster: spread the queues evenly over these broker groups only.")
+@click.option("--placement", default=None, metavar="G,G,...",
+              help="In a cluster: the broker group of each queue, in queue order.")
 @broker_option
 @async_command
-async def topic_create(name: str, queues: int, broker: str) -> None:
+async def topic_create(name: str, queues: int, groups: str | None, placement: str | None,
+                       broker: str) -> None:
     """Create topic NAME (or grow its queue count)."""
+    if groups is not None and placement is not None:
+        raise click.UsageError("give --groups or --placement, not both")
+    split = [g.strip() for g in (placement or "").split(",") if g.strip()] or None
+    if split is not None and len(split) != queues:
+        raise click.UsageError(f"--placement names {len(split)} groups for {queues} queues")
     async with Admin(broker) as admin:
-        t = await admin.create_topic(name, queues)
+        t = await admin.create_topic(
+            name, queues, placement=split,
+            groups=None if groups is None else [g.strip() for g in groups.split(",")
+                                                if g.strip()])
     click.echo(f"topic {t['topic']}: {t['queues']} queues")
 
 
@@ -169,6 +182,7 @@ from .demo.command import demo  # noqa: E402 - the main job
 from .offsets_cmds import offsets  # noqa: E402 - offsets show/reset
 from .pipeline_cmd import pipeline  # noqa: E402 - the Spark pipeline
 from .request_cmd import register as register_request  # noqa: E402 - request (RPC)
+from .rocketmq_cmd import register as register_rocketmq  # noqa: E402 - rocketmq group
 from .security_cmds import register as register_security  # noqa: E402 - user, acl, tls
 from .verify_cmd import register as register_verify  # noqa: E402 - broker verify/status
 
@@ -180,6 +194,7 @@ register_dedup(main)
 register_security(main)
 register_console(main)
 register_request(main)
+register_rocketmq(main)
 main.add_command(offsets)
 main.add_command(demo)
 main.add_command(pipeline)

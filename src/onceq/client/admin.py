@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..cluster._routes import place
 from ..log.record import MessageExt, decode_records
 from ..protocol.codes import (
     PROP_ORIGIN_TOPIC,
@@ -138,10 +139,19 @@ class Admin(BrokerClient):
                  security: ClientSecurity | None = None) -> None:
         super().__init__(address, security=security)
 
-    async def create_topic(self, topic: str, queues: int = 8, *, exclusive: bool = False
-                           ) -> dict[str, Any]:
-        """Create a topic, or grow its queue count (``exclusive``: fail if it exists)."""
-        t = _fields(await self._call(CreateTopic(topic, queues, exclusive)))
+    async def create_topic(self, topic: str, queues: int = 8, *, exclusive: bool = False,
+                           placement: Sequence[str] | None = None,
+                           groups: Sequence[str] | None = None) -> dict[str, Any]:
+        """Create a topic, or grow its queue count (``exclusive``: fail if it exists). In a
+        cluster of several broker groups: ``placement``, the group of each queue, or
+        ``groups``, the groups to spread the queues over evenly (default: all)."""
+        if groups is not None:
+            placement = place(queues, list(groups))
+        where = None if placement is None else [str(g) for g in placement]
+        if where is not None and len(where) != queues:
+            raise ValueError(f"placement names {len(where)} groups for {queues} queues")
+        t = _fields(await self._call(CreateTopic(topic, queues, exclusive,
+                                                 placement=where)))
         if t.get("write_queues") is None:  # all its queues written: not said
             t.pop("write_queues", None)
         return t

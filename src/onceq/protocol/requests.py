@@ -247,6 +247,9 @@ class CreateTopic(Message):
     min_queues: int | None = None
     max_queues: int | None = None
     key_order: bool = True  # a queue receiving moved keys waits for the queues they left
+    # in a cluster of several broker groups: the group of each queue (default: an even
+    # spread over the groups registered now); refused on a standalone broker
+    placement: list[Any] | None = None
 
 
 @message(RequestCode.DELETE_TOPIC)
