@@ -59,3 +59,24 @@ def test_a_redirect_raises_the_fence_to_the_leader_it_names() -> None:
     exc = OnceqError(ErrorCode.NOT_LEADER, "not the leader",
                      {"leader": "127.0.0.1:2", "epoch": 7})
     assert route.redirect(exc) and route.current == "127.0.0.1:2" and route.epoch == 7
+
+
+async def test_epochs_are_counted_per_broker_group() -> None:
+    """A bootstrap list naming brokers of two groups: a leader found in another group
+    starts the fence again (its epochs are its own), one of the same group does not."""
+    route = BrokerRoute("127.0.0.1:1,127.0.0.1:2,127.0.0.1:3")
+    status = {"127.0.0.1:1": {"role": "leader", "group": "g1"},
+              "127.0.0.1:2": {"role": "follower", "group": "g1", "leader": "127.0.0.1:1"},
+              "127.0.0.1:3": {"role": "leader", "group": "g2"}}
+
+    async def ask(address: str) -> dict | None:
+        return status.get(address)
+
+    route.current = "127.0.0.1:3"
+    assert await route.find_leader(ask) == "127.0.0.1:1"
+    route.epoch = 9  # g1's leader answered with epoch 9
+    del status["127.0.0.1:1"]  # out of reach: its follower still names it
+    assert await route.find_leader(ask) == "127.0.0.1:1" and route.epoch == 9
+    del status["127.0.0.1:2"]
+    assert await route.find_leader(ask) == "127.0.0.1:3"
+    assert route.epoch == 0 and route.group_name == "g2"  # g2's epoch 1 is not refused

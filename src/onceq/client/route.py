@@ -45,6 +45,7 @@ class BrokerRoute:
         # the highest leader epoch seen in an answer: answers of older leaders are refused
         # (``BrokerConnection.fence``)
         self.epoch = 0
+        self.group_name: str | None = None  # the broker group of the leader, once known
 
     @property
     def group(self) -> bool:
@@ -86,12 +87,21 @@ class BrokerRoute:
             st = await ask(address)
             if not st:
                 continue
-            if st.get("role") == "leader":
-                return address
-            leader = st.get("leader")
+            leader = address if st.get("role") == "leader" else st.get("leader")
             if isinstance(leader, str) and leader:
+                self._in_group(st.get("group"))
                 return leader
         return None
+
+    def _in_group(self, name: object) -> None:
+        """The leader found is of broker group ``name``: epochs are counted per group, so
+        moving to another group's leader (a bootstrap list naming several groups) starts
+        the fence again."""
+        if not isinstance(name, str) or name == self.group_name:
+            return
+        if self.group_name is not None:
+            self.epoch = 0
+        self.group_name = name
 
 
 def follows(exc: OnceqError) -> bool:
