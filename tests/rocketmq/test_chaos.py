@@ -22,9 +22,9 @@ run. Then:
 part of a topic, is shut down gracefully, and a new process of the same group consumes the
 rest: nothing lost, nothing consumed twice.
 
-``test_an_old_handle_is_refused_when_its_message_is_delivered_during_the_ack`` (xfail): a
-receipt handle of before a restart, acknowledged while a receive delivers its message
-again, must be refused.
+``test_an_old_handle_is_refused_when_its_message_is_delivered_during_the_ack``: a receipt
+handle of before a restart, acknowledged while a receive delivers its message again, is
+refused.
 
 ``run_chaos`` is shared with ``benchmarks/rocketmq_chaos.py`` (a longer run, more kills).
 """
@@ -392,10 +392,6 @@ def test_push_consumer_graceful_restart_consumes_the_rest_once(rmq: RmqBroker,
 
 
 # ---------------------------------------------------------------- a race of an old handle
-@pytest.mark.xfail(strict=True, reason="PopService.ack_earlier checks that a message of "
-                   "before the restart was not delivered again before it awaits GetOffset, "
-                   "not after: a delivery made meanwhile is missed and the stale handle's "
-                   "acknowledgement is answered OK")
 async def test_an_old_handle_is_refused_when_its_message_is_delivered_during_the_ack(
         tmp_path: Path) -> None:
     """After a restart of the endpoint, the acknowledgement of a handle received before it
@@ -410,7 +406,7 @@ async def test_an_old_handle_is_refused_when_its_message_is_delivered_during_the
 
     from onceq.protocol.requests import GetOffset
     from onceq.rocketmq.consume import Receive
-    from onceq.rocketmq.mapping import RmqError
+    from onceq.rocketmq.mapping import Code, RmqError
     from onceq.rocketmq.server import GrpcFrontEnd
     from tests.helpers import running_broker
 
@@ -453,7 +449,9 @@ async def test_an_old_handle_is_refused_when_its_message_is_delivered_during_the
             again = await pop.receive(Receive(group, topic, None, 1, 60, 0))
             assert [m.body for m in again] == [b"m"]  # delivered again, a new handle
             delivered.set()
-            with pytest.raises(RmqError):  # the old handle is stale now
+            with pytest.raises(RmqError) as e:  # the old handle is stale now
                 await acking
+            assert e.value.code == Code.INVALID_RECEIPT_HANDLE
+            await pop.ack(group, topic, again[0].system_properties.receipt_handle)
         finally:
             await second.stop()

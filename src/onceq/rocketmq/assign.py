@@ -184,6 +184,9 @@ class QueueConsumers:
                                                     client=client), 0)
                 if reply is None or reply.status == PullStatus.LOCKED:
                     return self._lost(client, key, table, fresh)
+                # afresh: acknowledged, changed or delivered again while the pull waited
+                if not table.still_due(group, topic, qid, offset, self.clock()):
+                    continue
                 msgs = decode(reply, offset, offset + 1, None) if reply.payload else []
                 if msgs:
                     out.append(self.pop.deliver(table, r, msgs[0]))
@@ -228,8 +231,9 @@ class QueueConsumers:
         q = table.queue(*key)
         now = self.clock()
         if q is not None and q.inflight:
-            wait = min(wait, max(min(d.visible_at for d in q.inflight.values()) - now,
-                                 0.0) + 0.01)
+            times = [d.visible_at for d in q.inflight.values() if not d.settling]
+            if times:
+                wait = min(wait, max(min(times) - now, 0.0) + 0.01)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(ev.wait(), max(wait, 0.0))
 
@@ -265,7 +269,7 @@ class QueueConsumers:
                 # next member must not consume a message group while this one still does
                 drained = now - since >= DRAIN_S and not self.pop.settings(group).fifo
                 if (client not in members or drained
-                        or all(d.visible_at <= now for d in q.inflight.values())):
+                        or all(d.due(now) for d in q.inflight.values())):
                     await self._release(client, key, table, q)
 
     async def _release(self, client: str, key: Key3, table: PopTable, q: QueuePop) -> None:
@@ -308,13 +312,17 @@ class QueueConsumers:
                 return cid, table
         return None
 
+    def _in_flight(self, client: str, rc: Receipt) -> QueuePop | None:
+        """The session queue the delivery ``rc`` names is in flight in now (None)."""
+        found = self._find(client, rc)
+        return None if found is None else found[1].queue(rc.group, rc.topic, rc.queue)
+
     async def ack(self, client: str, group: str, topic: str, handle: str) -> None:
         rc = self.pop.receipt(group, topic, handle)
         key = (group, topic, rc.queue)
-        found = self._find(client, rc)
-        q = None if found is None else found[1].queue(*key)
-        if await self.pop.ack_earlier(rc, q, client):
+        if await self.pop.ack_earlier(rc, lambda: self._in_flight(client, rc), client):
             return
+        found = self._find(client, rc)
         if found is None:
             raise RmqError(Code.INVALID_RECEIPT_HANDLE, f"message {topic}:{rc.queue}:"
                            f"{rc.offset} of group {group} is not in flight: acknowledged "
@@ -358,6 +366,7 @@ class QueueConsumers:
                            "already, or its queue went to another member")
         holder, table = found if found is not None else (client, PopTable())
         q = table.queue(*key)
-        await self.pop.forward(table, rc, q, holder, attempt, limit)
+        await self.pop.forward(table, rc, lambda: self._in_flight(client, rc), holder,
+                               attempt, limit)
         if q is not None and not q.inflight:
             await self.release_revoked(group, topic, await self.queues_of(topic))

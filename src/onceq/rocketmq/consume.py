@@ -19,6 +19,13 @@ goes to ``%DLQ%<group>`` (onceq's ``SEND_BACK`` to the dead-letter queue, the sa
 onceq's own consumers make) instead of being delivered again, and counts as acknowledged.
 ``ForwardMessageToDeadLetterQueue`` (a FIFO PushConsumer giving up on a message after its
 local retries) does the same at once.
+
+Acknowledgements, changes and forwards await the broker (``GetOffset``, ``SEND_BACK``, the
+journal) while receives of the group go on: whatever they checked before an await is read
+again after it. A receipt handle of before a restart is refused once its message was
+delivered again, also when that delivery is made while the acknowledgement waits; a delivery
+being moved to the dead-letter queue is held (``Delivery.settling``) until the move is
+stored, so that no receive delivers it again meanwhile.
 """
 
 from __future__ import annotations
@@ -142,12 +149,23 @@ class PopService:
     async def dead_letter(self, table: PopTable, key: Key3, offset: int,
                           client: str | None, reason: str) -> None:
         """Move the message at ``offset`` (in flight in ``table``) to the group's
-        dead-letter queue; it then counts as acknowledged."""
-        await self._to_dlq(key, offset, reason)
+        dead-letter queue; it then counts as acknowledged. Its delivery is held while the
+        move is stored (``settling``: not delivered again, its handle settles nothing) and
+        released as it was when the move fails."""
         q = table.queue(*key)
-        table.drop(*key, offset)
-        if q is not None:
-            await self.settle(key, q, offset, client)
+        d = None if q is None else q.inflight.get(offset)
+        if d is None or d.settling:
+            return  # settled already, or being moved by another request
+        d.settling = True
+        try:
+            await self._to_dlq(key, offset, reason)
+        finally:
+            d.settling = False
+        q = table.queue(*key)  # afresh: the queue may have restarted meanwhile (a reset)
+        if q is None or q.inflight.get(offset) is not d:
+            return
+        del q.inflight[offset]
+        await self.settle(key, q, offset, client)
 
     async def _to_dlq(self, key: Key3, offset: int, reason: str) -> None:
         group, topic, queue = key
@@ -177,12 +195,14 @@ class PopService:
                                f"consumers (max delivery attempts {limit})")
         return False
 
-    async def forward(self, table: PopTable, rc: Receipt, q: QueuePop | None,
-                      client: str | None, attempt: int, limit: int) -> None:
-        """``ForwardMessageToDeadLetterQueue`` of the delivery ``rc`` names."""
+    async def forward(self, table: PopTable, rc: Receipt,
+                      inflight: Callable[[], QueuePop | None], client: str | None,
+                      attempt: int, limit: int) -> None:
+        """``ForwardMessageToDeadLetterQueue`` of the delivery ``rc`` names (in flight in
+        ``table`` unless it is of before a restart; ``inflight`` as for ``ack_earlier``)."""
         reason = (f"forwarded to the dead-letter queue by the RocketMQ consumer after "
                   f"{attempt} attempts (max {limit})")
-        if await self.ack_earlier(rc, q, client, dead_letter=reason):
+        if await self.ack_earlier(rc, inflight, client, dead_letter=reason):
             return
         try:
             table.current(rc.group, rc.topic, rc.queue, rc.offset, rc.generation)
@@ -396,8 +416,7 @@ class PopService:
         message was the lowest in flight of its queue, the journal keeps it otherwise."""
         rc = self.receipt(group, topic, handle)
         key = (group, topic, rc.queue)
-        q = self.table.queue(group, topic, rc.queue)
-        if await self.ack_earlier(rc, q, None):
+        if await self.ack_earlier(rc, lambda: self.table.queue(*key), None):
             return
         try:
             q = self.table.ack(group, topic, rc.queue, rc.offset, rc.generation)
@@ -405,25 +424,31 @@ class PopService:
             raise RmqError(Code.INVALID_RECEIPT_HANDLE, str(exc)) from None
         await self.settle(key, q, rc.offset, None)
 
-    async def ack_earlier(self, rc: Receipt, q: QueuePop | None, client: str | None,
-                          dead_letter: str = "") -> bool:
+    async def ack_earlier(self, rc: Receipt, inflight: Callable[[], QueuePop | None],
+                          client: str | None, dead_letter: str = "") -> bool:
         """The acknowledgement of a delivery made before the broker restarted (its handle
         still decodes: the key is kept). Settled here unless the message was delivered
-        again since (then the handle is stale): True when settled. With ``dead_letter``
-        (a reason) the message goes to the dead-letter queue first, unless settled."""
+        again since (then the handle is stale, refused): True when settled. With
+        ``dead_letter`` (a reason) the message goes to the dead-letter queue first, unless
+        settled. False at once (without awaiting) for a handle of this run.
+
+        ``inflight`` reads the queue state the message would be in flight in now (or
+        None); it is called again after every await, as a receive may deliver the message
+        again while this one waits for the broker."""
         if rc.generation >= self.first_generation:
             return False
         key = (rc.group, rc.topic, rc.queue)
-        if q is not None and rc.offset in q.inflight:
-            raise RmqError(Code.INVALID_RECEIPT_HANDLE, f"message {rc.topic}:{rc.queue}:"
-                           f"{rc.offset} of group {rc.group} was delivered again since the "
-                           "broker restarted: only the newest receipt handle counts")
+        _not_again(rc, inflight())
         stored = await self.bridge.call(self.conn, GetOffset(*key))
         assert isinstance(stored, OffsetReply)
+        q = _not_again(rc, inflight())  # afresh: delivered again while GetOffset waited?
         if rc.offset < stored.offset or (q is not None and rc.offset < q.next):
             return True  # settled already (acknowledged, or covered by the group's offset)
         if dead_letter and not self.is_acked(key, rc.offset):
             await self._to_dlq(key, rc.offset, dead_letter)
+            # delivered again while the dead letter was stored: the newer delivery counts
+            # (the message is consumed again; its dead letter stays)
+            _not_again(rc, inflight())
         if self.journal is not None:
             await self.journal.ack(key, rc.offset)  # passed over when the cursor gets there
         return True
@@ -453,8 +478,18 @@ class PopService:
                           limit: int) -> None:
         """``ForwardMessageToDeadLetterQueue`` of a SimpleConsumer's delivery."""
         rc = self.receipt(group, topic, handle)
-        await self.forward(self.table, rc, self.table.queue(group, topic, rc.queue), None,
-                           attempt, limit)
+        await self.forward(self.table, rc, lambda: self.table.queue(group, topic, rc.queue),
+                           None, attempt, limit)
+
+
+def _not_again(rc: Receipt, q: QueuePop | None) -> QueuePop | None:
+    """Refuse a handle of before a restart whose message is in flight again in ``q``
+    (delivered again since: only the newest handle counts); ``q`` otherwise."""
+    if q is not None and rc.offset in q.inflight:
+        raise RmqError(Code.INVALID_RECEIPT_HANDLE, f"message {rc.topic}:{rc.queue}:"
+                       f"{rc.offset} of group {rc.group} was delivered again since the "
+                       "broker restarted: only the newest receipt handle counts")
+    return q
 
 
 def decode(reply: PullReply, first: int, end: int, tags: list[str] | None

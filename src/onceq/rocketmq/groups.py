@@ -21,7 +21,8 @@ subscription groups; onceq keeps them in ``rocketmq_groups.json`` in the data di
   onceq's delay-level notation (``1s 30s 5m``), attempt 1 first, the last repeated;
   whole seconds of at least 1 (the clients read only the seconds of each).
 
-A group not named has the defaults. The broker reads the file at start and again when it
+A group not named has the defaults. ``onceq rocketmq group set/list/delete`` write and
+show the file (``cli/rocketmq_cmd.py``). The broker reads the file at start and again when it
 changes (checked at most once a second), so a group is marked FIFO without a restart; its
 members already running keep the mode they started with (the clients read it once), so
 restart them after the change. A file that does not read leaves the settings read before in
@@ -104,6 +105,22 @@ def dump(groups: dict[str, dict[str, object]]) -> bytes:
                      sort_keys=True).encode()
     parse(raw)
     return raw
+
+
+def load(data_dir: str) -> dict[str, dict[str, object]]:
+    """The entries of the settings file of ``data_dir`` as written (``{}`` without the
+    file), checked; ValueError (or OSError) saying what is wrong."""
+    path = os.path.join(data_dir, FILE)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return {}
+    try:
+        parse(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    return {str(g): dict(e) for g, e in json.loads(raw).get("groups", {}).items()}
 
 
 def save(data_dir: str, groups: dict[str, dict[str, object]]) -> None:

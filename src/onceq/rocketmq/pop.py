@@ -26,7 +26,10 @@ was acknowledged (or dead-lettered), also across a redelivery.
 
 Each delivery counts its attempt (1 at the first); ``prior`` attempts (journaled before a
 broker restart) carry on. A message whose attempts reach the group's maximum goes to the
-dead-letter queue instead of being delivered again (``consume.py``).
+dead-letter queue instead of being delivered again (``consume.py``). While it is being
+moved there its delivery is ``settling``: not due, not visible to a FIFO queue's gate, and
+its receipt handle settles nothing (``StaleReceipt``), so no receive delivers it again and no
+acknowledgement or change acts on it until the move is stored (or failed).
 """
 
 from __future__ import annotations
@@ -46,6 +49,11 @@ class Delivery:
     generation: int
     visible_at: float  # when the message may be delivered again (the clock's seconds)
     attempt: int  # 1 at the first delivery
+    settling: bool = False  # being moved to the dead-letter queue (awaiting the store)
+
+    def due(self, now: float) -> bool:
+        """Visible again: it may be delivered again (or dead-lettered)."""
+        return self.visible_at <= now and not self.settling
 
 
 @dataclass(slots=True)
@@ -66,7 +74,7 @@ class QueuePop:
     def blocked(self, now: float) -> bool:
         """For a FIFO group: a delivery of the queue is still invisible, so nothing of the
         queue may be handed out."""
-        return any(d.visible_at > now for d in self.inflight.values())
+        return any(d.visible_at > now or d.settling for d in self.inflight.values())
 
 
 Key = tuple[str, str]  # (group, topic)
@@ -140,7 +148,7 @@ class PopTable:
             return [(qid, off) for qid, q in sorted(qs.items()) if not q.blocked(now)
                     for off in sorted(q.inflight)]
         out = [(d.visible_at, qid, off) for qid, q in qs.items()
-               for off, d in q.inflight.items() if d.visible_at <= now]
+               for off, d in q.inflight.items() if d.due(now)]
         return [(qid, off) for _t, qid, off in sorted(out)]
 
     def still_due(self, group: str, topic: str, queue: int, offset: int, now: float) -> bool:
@@ -148,7 +156,7 @@ class PopTable:
         delivered it again since it was listed ``due``)."""
         q = self.queue(group, topic, queue)
         d = None if q is None else q.inflight.get(offset)
-        return d is not None and d.visible_at <= now
+        return d is not None and d.due(now)
 
     def attempt(self, group: str, topic: str, queue: int, offset: int) -> int:
         """The attempt of the message's current delivery (0: not in flight)."""
@@ -157,9 +165,10 @@ class PopTable:
         return 0 if d is None else d.attempt
 
     def next_visible(self, group: str, topic: str) -> float | None:
-        """When the next delivery in flight becomes visible again (None: none in flight)."""
+        """When the next delivery in flight becomes visible again (None: none in flight;
+        one being moved to the dead-letter queue does not count)."""
         times = [d.visible_at for q in self._topics.get((group, topic), {}).values()
-                 for d in q.inflight.values()]
+                 for d in q.inflight.values() if not d.settling]
         return min(times) if times else None
 
     def _current(self, group: str, topic: str, queue: int, offset: int, generation: int
@@ -173,6 +182,9 @@ class PopTable:
             raise StaleReceipt(f"message {topic}:{queue}:{offset} of group {group} was "
                                "delivered again after its invisible duration: only the "
                                "newest receipt handle counts")
+        if d.settling:
+            raise StaleReceipt(f"message {topic}:{queue}:{offset} of group {group} is being "
+                               "moved to its dead-letter queue")
         return q, d
 
     def current(self, group: str, topic: str, queue: int, offset: int, generation: int
