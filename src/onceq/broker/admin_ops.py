@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..log.record import RecordError, decode_records
-from ..protocol.codes import PullStatus
+from ..protocol.codes import SYSTEM_PREFIX, PullStatus
 from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.replies import AccessLocks, FoundMessages, StatusReply, TraceReply
 from ..protocol.requests import BrokerStatus, GroupTrace, QueryAccessLocks, QueryMessage
@@ -121,7 +121,21 @@ class AdminOps:
                                           if self.recent_errors is not None else []),
                            cluster=None if self.cluster_status is None
                            else self.cluster_status(),
-                           fuse=None if self.fuse is None else self.fuse.summary())
+                           fuse=None if self.fuse is None else self.fuse.summary(),
+                           counts=self._counts())
+
+    def _counts(self) -> dict[str, int]:
+        """Messages ever stored in the user topics and the sum of the consumer groups'
+        committed offsets on them: two reads give write and consume rates (``onceq
+        cluster status``, the console). One pass over the queues and the offsets table."""
+        store = self.store
+        messages = sum(cq.max_offset for (topic, _), cq in list(store.topics.queues.items())
+                       if not topic.startswith(SYSTEM_PREFIX))
+        consumed = sum(max(0, offset) for topics in list(store.offsets.groups.values())
+                       for topic, queues in list(topics.items())
+                       if not topic.startswith(SYSTEM_PREFIX)
+                       for offset in list(queues.values()))
+        return {"messages": messages, "consumed": consumed}
 
     def h_query_access_locks(self, call: Call, req: QueryAccessLocks) -> AccessLocks:
         """A group's access-lock holders and orderly queue locks."""

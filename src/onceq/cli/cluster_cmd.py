@@ -2,30 +2,196 @@
 broker groups of a cluster as etcd and their leaders see
 them: each group's leader and epoch, the in-sync replicas published in etcd, and each
 member with its log end, its lag behind the leader and whether it is in sync (from the
-leader's ``BROKER_STATUS``, whose ``cluster`` section carries the ISR and the lags)."""
+leader's ``BROKER_STATUS``, whose ``cluster`` section carries the ISR and the lags).
+
+Per group its load: the queues the routes place on it, its leader's stored bytes and,
+from two reads of the leader's status ``--sample-s`` apart, the bytes written and the
+messages stored and consumed per second (``BROKER_STATUS``'s ``counts``). ``build_view``
+makes the view from what was read, without I/O (the console's Cluster page uses it too,
+with groups and routes taken from the brokers' ``GET_ROUTE`` instead of etcd)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Any
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
 
 import click
 from rich.console import Console
 from rich.table import Table
 
+from ..client.connection import BrokerConnection, call
 from ..client.reassign import drain_group, reassign
-from ..client.route import cluster_status
-from ..client.security import ClientSecurity
-from ..cluster import EtcdClient, EtcdError, current_leader, members, read_isr, read_routes
+from ..client.security import ClientSecurity, CredentialsError
+from ..cluster import (
+    EtcdClient,
+    EtcdError,
+    TopicRoute,
+    current_leader,
+    members,
+    read_isr,
+    read_routes,
+)
 from ..cluster._keys import ROOT, check_name
 from ..protocol.errors import OnceqError
+from ..protocol.replies import StatusReply
+from ..protocol.requests import BrokerStatus
 from .common import async_command, fail
 
+# (monotonic time, a broker's status or None when it was out of reach)
+Read: TypeAlias = tuple[float, dict[str, Any] | None]
 
-async def _status(address: str) -> dict[str, Any] | None:
-    return await cluster_status(address, timeout=2.0)
+
+@dataclass
+class GroupFacts:
+    """One broker group as etcd (or the routes the brokers answer) describes it, before its
+    brokers are asked for their status."""
+
+    group: str
+    leader: str | None = None  # the leader's broker id
+    leader_address: str | None = None
+    epoch: int | None = None
+    published_isr: list[str] | None = None
+    isr_epoch: int | None = None
+    members: dict[str, str] = field(default_factory=dict)  # broker id -> address
 
 
+async def read_status(address: str, security: ClientSecurity | None = None,
+                      timeout: float = 2.0) -> Read:
+    """The broker's ``BROKER_STATUS`` (``log_start``, ``log_end``, ``counts``, ``cluster``)
+    and when it was read; None for a broker out of reach."""
+    try:
+        conn = await BrokerConnection.open(address, timeout=1.0, security=security)
+    except (OnceqError, OSError):
+        return time.monotonic(), None
+    try:
+        reply: StatusReply = await call(conn, BrokerStatus(), timeout)
+    except (OnceqError, OSError, TimeoutError):
+        return time.monotonic(), None
+    finally:
+        conn.close()
+    return time.monotonic(), {"log_start": reply.log_start, "log_end": reply.log_end,
+                              "counts": reply.counts, "cluster": reply.cluster}
+
+
+async def read_statuses(addresses: Iterable[str], security: ClientSecurity | None = None
+                        ) -> dict[str, Read]:
+    """``read_status`` of each address, all at once."""
+    todo = sorted(set(addresses))
+    reads = await asyncio.gather(*(read_status(a, security) for a in todo))
+    return dict(zip(todo, reads, strict=True))
+
+
+async def sample_leaders(facts: list[GroupFacts], sample_s: float,
+                         first: dict[str, Read], security: ClientSecurity | None = None
+                         ) -> dict[str, Read]:
+    """The leaders' status read again ``sample_s`` seconds after ``first`` (nothing for 0)."""
+    leaders = [f.leader_address for f in facts if f.leader_address]
+    if sample_s <= 0 or not leaders:
+        return {}
+    read_at = [first[a][0] for a in leaders if a in first]
+    wait = sample_s - (time.monotonic() - min(read_at)) if read_at else sample_s
+    if wait > 0:
+        await asyncio.sleep(wait)
+    return await read_statuses(leaders, security)
+
+
+# ---------------------------------------------------------------- the view (pure)
+def per_second(before: int | None, after: int | None, seconds: float) -> float | None:
+    """The rate of a counter between two reads; None when it is unknown or went back (a
+    restarted broker, a new leader)."""
+    if before is None or after is None or seconds <= 0 or after < before:
+        return None
+    return (after - before) / seconds
+
+
+def route_doc(route: TopicRoute) -> dict[str, Any]:
+    """A route as the view shows it: queues, placement, queues per group, moving queues."""
+    return {"queues": route.queues, "placement": list(route.placement),
+            "by_group": {g: route.queues_of(g) for g in route.groups},
+            "version": route.version, "moving": [list(m) for m in route.moving]}
+
+
+def group_load(group: str, routes: dict[str, dict[str, Any]], first: Read | None,
+               second: Read | None = None) -> dict[str, Any]:
+    """A group's load: the queues it holds (in all and per routed topic), the queues moving
+    out of and into it, its leader's stored bytes (``log_end - log_start``) and, from two
+    reads of the leader's status, the bytes written, messages stored and messages consumed
+    (committed by the consumer groups) per second."""
+    by_topic = {t: len(r["by_group"][group]) for t, r in routes.items()
+                if r["by_group"].get(group)}
+    moving_out = sum(1 for r in routes.values() for q, _to, _ph in r.get("moving", [])
+                     if r["placement"][q] == group)
+    moving_in = sum(1 for r in routes.values() for _q, to, _ph in r.get("moving", [])
+                    if to == group)
+    load: dict[str, Any] = {"queues": sum(by_topic.values()), "queues_by_topic": by_topic,
+                            "moving_out": moving_out, "moving_in": moving_in,
+                            "bytes": None, "write_bytes_s": None, "write_msgs_s": None,
+                            "consume_msgs_s": None, "sampled_s": None}
+    last = second if second is not None and second[1] is not None else first
+    if last is None or last[1] is None:
+        return load
+    st = last[1]
+    load["bytes"] = st["log_end"] - st["log_start"]
+    if first is None or first[1] is None or last is first:
+        return load
+    seconds = last[0] - first[0]
+    before, after = first[1].get("counts") or {}, st.get("counts") or {}
+    load.update(sampled_s=round(seconds, 3),
+                write_bytes_s=per_second(first[1]["log_end"], st["log_end"], seconds),
+                write_msgs_s=per_second(before.get("messages"), after.get("messages"),
+                                        seconds),
+                consume_msgs_s=per_second(before.get("consumed"), after.get("consumed"),
+                                          seconds))
+    return load
+
+
+def member_rows(facts: GroupFacts, reads: dict[str, Read]) -> list[dict[str, Any]]:
+    """Each member of a group: its role, log end, high watermark, lag behind the leader
+    (bytes) and whether it is in sync, as its own status and its leader's tell."""
+    lead = reads.get(facts.leader_address or "", (0.0, None))[1]
+    lead_cl = (lead or {}).get("cluster") or {}
+    lags = lead_cl.get("lag") or {}
+    in_sync = set(lead_cl.get("isr") or [])
+    rows = []
+    for bid, address in sorted(facts.members.items()):
+        is_leader = facts.leader is not None and bid == facts.leader
+        st = ((reads.get(address, (0.0, None))[1]) or {}).get("cluster") or {}
+        rows.append({"broker_id": bid, "address": address,
+                     "role": st.get("role", "unreachable"), "log_end": st.get("log_end"),
+                     "hw": st.get("hw"), "lag": 0 if is_leader else lags.get(bid),
+                     "in_sync": bid in in_sync})
+    return rows
+
+
+def build_view(cluster: str, etcd: dict[str, Any], facts: list[GroupFacts],
+               routes: dict[str, TopicRoute], reads: dict[str, Read],
+               second: dict[str, Read] | None = None,
+               sample_s: float = 0.0) -> dict[str, Any]:
+    """Everything ``onceq cluster status`` (and the console's Cluster page) shows, from
+    what was read: the groups as etcd knows them, the routes, each broker's status
+    (``reads``, by address) and the leaders' status read again (``second``)."""
+    docs = {t: route_doc(r) for t, r in sorted(routes.items())}
+    groups = []
+    for f in sorted(facts, key=lambda f: f.group):
+        lead = reads.get(f.leader_address or "")
+        lead_cl = ((lead or (0.0, None))[1] or {}).get("cluster") or {}
+        again = (second or {}).get(f.leader_address or "")
+        groups.append({"group": f.group, "leader": f.leader,
+                       "leader_address": f.leader_address, "epoch": f.epoch,
+                       "hw": lead_cl.get("hw"), "published_isr": f.published_isr,
+                       "isr_epoch": f.isr_epoch, "members": member_rows(f, reads),
+                       "load": group_load(f.group, docs, lead, again)})
+    moving = [{"topic": t, "queue": q, "from": d["placement"][q], "to": to, "phase": phase}
+              for t, d in docs.items() for q, to, phase in d["moving"]]
+    return {"cluster": cluster, "etcd": etcd, "sample_s": sample_s, "groups": groups,
+            "routes": docs, "moving": moving}
+
+
+# ---------------------------------------------------------------- reading etcd
 async def _groups(client: EtcdClient, cluster: str) -> list[str]:
     prefix = f"{ROOT}/{check_name('cluster', cluster)}/".encode()
     kvs, _ = await client.range(prefix, prefix=True)
@@ -37,8 +203,25 @@ async def _groups(client: EtcdClient, cluster: str) -> list[str]:
     return sorted(names)
 
 
-async def cluster_view(endpoints: str, cluster: str) -> dict[str, Any]:
-    """Everything ``onceq cluster status`` shows, as one JSON-able dict."""
+async def group_facts(client: EtcdClient, cluster: str) -> list[GroupFacts]:
+    """Every group registered in etcd: its leader, epoch, published ISR and members."""
+    out = []
+    for name in await _groups(client, cluster):
+        leader, epoch = await current_leader(client, cluster, name)
+        isr = await read_isr(client, cluster, name)
+        found = await members(client, cluster, name)
+        out.append(GroupFacts(
+            name, None if leader is None else leader.broker_id,
+            None if leader is None else leader.address, epoch,
+            None if isr is None else list(isr.members), None if isr is None else isr.epoch,
+            {bid: m.address for bid, m in found.by_id.items()}))
+    return out
+
+
+async def cluster_view(endpoints: str, cluster: str, sample_s: float = 0.0,
+                       security: ClientSecurity | None = None) -> dict[str, Any]:
+    """Everything ``onceq cluster status`` shows, as one JSON-able dict; with ``sample_s``
+    > 0 the leaders are read twice, that many seconds apart, for their rates."""
     client = EtcdClient(endpoints)
     try:
         health = await client.call("maintenance/status", {})
@@ -46,37 +229,29 @@ async def cluster_view(endpoints: str, cluster: str) -> dict[str, Any]:
                 "leader": health.get("leader")}
     except EtcdError as exc:
         return {"cluster": cluster, "etcd": {"healthy": False, "error": str(exc)},
-                "groups": []}
-    groups = []
-    for name in await _groups(client, cluster):
-        leader, epoch = await current_leader(client, cluster, name)
-        isr = await read_isr(client, cluster, name)
-        found = await members(client, cluster, name)
-        lead_st = await _status(leader.address) if leader is not None else None
-        lags = (lead_st or {}).get("lag") or {}
-        in_sync = set((lead_st or {}).get("isr") or [])
-        rows = []
-        for bid, m in sorted(found.by_id.items()):
-            st = lead_st if leader is not None and bid == leader.broker_id else \
-                await _status(m.address)
-            rows.append({"broker_id": bid, "address": m.address,
-                         "role": (st or {}).get("role", "unreachable"),
-                         "log_end": (st or {}).get("log_end"),
-                         "hw": (st or {}).get("hw"),
-                         "lag": 0 if leader is not None and bid == leader.broker_id
-                         else lags.get(bid),
-                         "in_sync": bid in in_sync})
-        groups.append({"group": name, "leader": None if leader is None else leader.broker_id,
-                       "leader_address": None if leader is None else leader.address,
-                       "epoch": epoch,
-                       "hw": (lead_st or {}).get("hw"),
-                       "published_isr": None if isr is None else list(isr.members),
-                       "isr_epoch": None if isr is None else isr.epoch,
-                       "members": rows})
-    routes = {t: {"queues": r.queues, "placement": list(r.placement),
-                  "by_group": {g: r.queues_of(g) for g in r.groups}}
-              for t, r in sorted((await read_routes(client, cluster)).items())}
-    return {"cluster": cluster, "etcd": etcd, "groups": groups, "routes": routes}
+                "sample_s": sample_s, "groups": [], "routes": {}, "moving": []}
+    facts = await group_facts(client, cluster)
+    routes = await read_routes(client, cluster)
+    addresses = [a for f in facts for a in (*f.members.values(), f.leader_address) if a]
+    reads = await read_statuses(addresses, security)
+    second = await sample_leaders(facts, sample_s, reads, security)
+    return build_view(cluster, etcd, facts, routes, reads, second, sample_s)
+
+
+# ---------------------------------------------------------------- printing
+def human_bytes(n: float | None) -> str:
+    """1536 -> "1.5 KiB"; None -> "-"."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _rate(v: float | None, unit: str = "/s") -> str:
+    return "-" if v is None else f"{v:,.1f}{unit}"
 
 
 def _print(view: dict[str, Any]) -> None:
@@ -97,12 +272,33 @@ def _print(view: dict[str, Any]) -> None:
                           "-" if m["lag"] is None else str(m["lag"]),
                           "yes" if m["in_sync"] else "no")
         console.print(table)
+    if view["groups"]:
+        sampled = view.get("sample_s") or 0
+        table = Table("group", "queues", "moving out/in", "stored", "written",
+                      "messages in", "consumed",
+                      title="load per group (leader's log; rates over "
+                            f"{sampled:g} s)" if sampled else
+                            "load per group (leader's log; no rate: --sample-s 0)")
+        for g in view["groups"]:
+            ld = g["load"]
+            table.add_row(g["group"], str(ld["queues"]),
+                          f"{ld['moving_out']}/{ld['moving_in']}", human_bytes(ld["bytes"]),
+                          "-" if ld["write_bytes_s"] is None
+                          else f"{human_bytes(ld['write_bytes_s'])}/s",
+                          _rate(ld["write_msgs_s"], " msg/s"),
+                          _rate(ld["consume_msgs_s"], " msg/s"))
+        console.print(table)
     if view.get("routes"):
         table = Table("topic", "queues", "placement (group: queues)",
                       title="topics spread over groups")
         for topic, r in view["routes"].items():
             table.add_row(topic, str(r["queues"]), "; ".join(
                 f"{g}: {_ranges(qs)}" for g, qs in r["by_group"].items()))
+        console.print(table)
+    if view.get("moving"):
+        table = Table("topic", "queue", "from", "to", "phase", title="queues moving")
+        for m in view["moving"]:
+            table.add_row(m["topic"], str(m["queue"]), m["from"], m["to"], m["phase"])
         console.print(table)
 
 
@@ -179,13 +375,20 @@ def register(main: click.Group) -> None:
                   help="etcd endpoints, etcd://host:port[,host:port...]")
     @click.option("--cluster-name", default="onceq", show_default=True,
                   envvar="ONCEQ_CLUSTER_NAME", help="Name of the cluster in etcd.")
+    @click.option("--sample-s", default=1.0, show_default=True, type=click.FloatRange(0, 60),
+                  help="Seconds between the two reads of each leader's status the rates "
+                       "are measured over (0: no rate).")
     @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
     @async_command
-    async def status(endpoints: str, cluster_name: str, as_json: bool) -> None:
-        """Groups, leaders, epochs, members with their log end, lag and in-sync state."""
+    async def status(endpoints: str, cluster_name: str, sample_s: float,
+                     as_json: bool) -> None:
+        """Groups, leaders, epochs, members with their log end, lag and in-sync state; per
+        group its load (queues held, bytes stored, write and consume rates); the routes
+        and the queues moving between groups."""
         try:
-            view = await cluster_view(endpoints, cluster_name)
-        except ValueError as exc:
+            view = await cluster_view(endpoints, cluster_name, sample_s,
+                                      ClientSecurity.from_env())
+        except (ValueError, CredentialsError) as exc:
             fail(str(exc))
         if as_json:
             click.echo(json.dumps(view, indent=2))

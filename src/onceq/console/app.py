@@ -10,7 +10,7 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
 
-from . import dlq, duplicates, groups, messages, overview, topics
+from . import cluster, dlq, duplicates, groups, messages, overview, topics
 from .access import Problem
 from .web import HERE, Console, ConsoleConfig, render
 
@@ -36,7 +36,7 @@ def create_app(config: ConsoleConfig | None = None) -> Starlette:
     console = Console(config or ConsoleConfig())
     app = Starlette(
         routes=[*overview.routes(), *topics.routes(), *groups.routes(), *messages.routes(),
-                *duplicates.routes(), *dlq.routes(),
+                *duplicates.routes(), *dlq.routes(), *cluster.routes(),
                 Mount("/static", StaticFiles(directory=str(HERE / "static")),
                       name="static")],
         exception_handlers={404: _not_found, 500: _server_error, Exception: _server_error},

@@ -4,6 +4,7 @@ and the checks a form that changes the broker goes through."""
 from __future__ import annotations
 
 import hmac
+import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,11 @@ class ConsoleConfig:
     refresh_ms: int = 2000  # how often an open page refreshes its live parts
     max_trace_records: int = 5000  # trace messages read per queue of %TRACE% (the newest)
     audit_window_s: int = 60
+    # the cluster's etcd endpoints, for the Cluster page's moving queues (None: from
+    # ONCEQ_CLUSTER, if set; the page works from the brokers without it) and its name
+    # (None: ONCEQ_CLUSTER_NAME, else "onceq")
+    cluster: str | None = None
+    cluster_name: str | None = None
 
 
 def _num(n: Any) -> str:
@@ -44,6 +50,18 @@ def _num(n: Any) -> str:
     if n is None:
         return "-"
     return f"{n:,}" if isinstance(n, int | float) else str(n)
+
+
+def _bytes(n: Any) -> str:
+    """1536 -> "1.5 KiB" ("-" for None)."""
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 @dataclass
@@ -55,6 +73,9 @@ class Console:
     # a form that changes the broker carries this token: a page of another site open in
     # the same browser cannot post to the console
     token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    # the group leaders' status at the Cluster page's last view: its rates are taken
+    # between two views (monotonic time, status)
+    cluster_reads: dict[str, tuple[float, dict[str, Any] | None]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.security = (self.config.security if self.config.security is not None
@@ -66,7 +87,14 @@ class Console:
         env.filters["q"] = lambda s: quote(str(s), safe="")
         env.filters["ms"] = iso_ms
         env.filters["num"] = _num
+        env.filters["bytes"] = _bytes
         env.globals["svg"] = Markup  # charts are built by charts.py, escaped there
+
+    def cluster_etcd(self) -> tuple[str | None, str]:
+        """The cluster's etcd endpoints (None: not given) and the cluster's name."""
+        c = self.config
+        return (c.cluster or os.environ.get("ONCEQ_CLUSTER") or None,
+                c.cluster_name or os.environ.get("ONCEQ_CLUSTER_NAME") or "onceq")
 
     def admin(self) -> ConsoleAdmin:
         return ConsoleAdmin(self.config.broker, security=self.security)

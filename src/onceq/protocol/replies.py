@@ -255,6 +255,10 @@ class StatusReply(Message):
     # the queue-depth fuse when on: limit, topics (per-topic limits), resume_ratio,
     # tripped ([topic, queue] of the queues refusing sends), refused (sends refused)
     fuse: dict[str, Any] | None = None
+    # counters of the user topics (names not starting with %), for rates from two reads:
+    # messages (ever stored: the sum of their queues' max offsets) and consumed (the sum
+    # of every consumer group's committed offsets on them)
+    counts: dict[str, Any] | None = None
 
 
 @message()
