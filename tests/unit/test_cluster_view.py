@@ -3,7 +3,8 @@ per group, moving queues, stored bytes and the rates between two reads of a lead
 
 from __future__ import annotations
 
-from onceq.cli.cluster_cmd import GroupFacts, build_view, group_load, per_second, route_doc
+from onceq.cli.cluster_cmd import GroupFacts, build_view, route_doc
+from onceq.client.cluster_view import group_load, per_second
 from onceq.cluster import TopicRoute
 
 ETCD = {"healthy": True, "version": "3.4", "leader": 1}
@@ -64,10 +65,12 @@ def test_the_view_has_each_groups_load_and_the_moving_queues() -> None:
 
 def test_without_a_second_read_there_is_no_rate() -> None:
     docs = {t: route_doc(r) for t, r in _routes().items()}
-    load = group_load("g2", docs, (1.0, _status(0, 800, 8, 0)), None)
+    placement = {t: d["placement"] for t, d in docs.items()}
+    moving = {t: d["moving"] for t, d in docs.items()}
+    load = group_load("g2", placement, moving, None, (1.0, _status(0, 800, 8, 0)))
     assert load["bytes"] == 800 and load["queues"] == 3
     assert load["write_bytes_s"] is None and load["sampled_s"] is None
-    unreachable = group_load("g1", docs, (1.0, None), None)
+    unreachable = group_load("g1", placement, moving, None, (1.0, None))
     assert unreachable["bytes"] is None and unreachable["queues"] == 4
     # a member nobody reaches is "unreachable", not in sync, lag unknown
     view = build_view("c", ETCD, _facts(), {}, {}, None)

@@ -7,23 +7,22 @@ leader's ``BROKER_STATUS``, whose ``cluster`` section carries the ISR and the la
 Per group its load: the queues the routes place on it, its leader's stored bytes and,
 from two reads of the leader's status ``--sample-s`` apart, the bytes written and the
 messages stored and consumed per second (``BROKER_STATUS``'s ``counts``). ``build_view``
-makes the view from what was read, without I/O (the console's Cluster page uses it too,
-with groups and routes taken from the brokers' ``GET_ROUTE`` instead of etcd)."""
+makes the view from what was read, without I/O, from the pieces the console's Cluster page
+shares (``client/cluster_view.py``: the statuses read, a group's load, a member's row)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-from ..client.connection import BrokerConnection, call
+from ..client.cluster_view import Read, cluster_of, group_load, member_row, moves, read_statuses
 from ..client.reassign import drain_group, reassign
 from ..client.security import ClientSecurity, CredentialsError
 from ..cluster import (
@@ -37,12 +36,7 @@ from ..cluster import (
 )
 from ..cluster._keys import ROOT, check_name
 from ..protocol.errors import OnceqError
-from ..protocol.replies import StatusReply
-from ..protocol.requests import BrokerStatus
 from .common import async_command, fail
-
-# (monotonic time, a broker's status or None when it was out of reach)
-Read: TypeAlias = tuple[float, dict[str, Any] | None]
 
 
 @dataclass
@@ -57,32 +51,6 @@ class GroupFacts:
     published_isr: list[str] | None = None
     isr_epoch: int | None = None
     members: dict[str, str] = field(default_factory=dict)  # broker id -> address
-
-
-async def read_status(address: str, security: ClientSecurity | None = None,
-                      timeout: float = 2.0) -> Read:
-    """The broker's ``BROKER_STATUS`` (``log_start``, ``log_end``, ``counts``, ``cluster``)
-    and when it was read; None for a broker out of reach."""
-    try:
-        conn = await BrokerConnection.open(address, timeout=1.0, security=security)
-    except (OnceqError, OSError):
-        return time.monotonic(), None
-    try:
-        reply: StatusReply = await call(conn, BrokerStatus(), timeout)
-    except (OnceqError, OSError, TimeoutError):
-        return time.monotonic(), None
-    finally:
-        conn.close()
-    return time.monotonic(), {"log_start": reply.log_start, "log_end": reply.log_end,
-                              "counts": reply.counts, "cluster": reply.cluster}
-
-
-async def read_statuses(addresses: Iterable[str], security: ClientSecurity | None = None
-                        ) -> dict[str, Read]:
-    """``read_status`` of each address, all at once."""
-    todo = sorted(set(addresses))
-    reads = await asyncio.gather(*(read_status(a, security) for a in todo))
-    return dict(zip(todo, reads, strict=True))
 
 
 async def sample_leaders(facts: list[GroupFacts], sample_s: float,
@@ -100,14 +68,6 @@ async def sample_leaders(facts: list[GroupFacts], sample_s: float,
 
 
 # ---------------------------------------------------------------- the view (pure)
-def per_second(before: int | None, after: int | None, seconds: float) -> float | None:
-    """The rate of a counter between two reads; None when it is unknown or went back (a
-    restarted broker, a new leader)."""
-    if before is None or after is None or seconds <= 0 or after < before:
-        return None
-    return (after - before) / seconds
-
-
 def route_doc(route: TopicRoute) -> dict[str, Any]:
     """A route as the view shows it: queues, placement, queues per group, moving queues."""
     return {"queues": route.queues, "placement": list(route.placement),
@@ -115,80 +75,40 @@ def route_doc(route: TopicRoute) -> dict[str, Any]:
             "version": route.version, "moving": [list(m) for m in route.moving]}
 
 
-def group_load(group: str, routes: dict[str, dict[str, Any]], first: Read | None,
-               second: Read | None = None) -> dict[str, Any]:
-    """A group's load: the queues it holds (in all and per routed topic), the queues moving
-    out of and into it, its leader's stored bytes (``log_end - log_start``) and, from two
-    reads of the leader's status, the bytes written, messages stored and messages consumed
-    (committed by the consumer groups) per second."""
-    by_topic = {t: len(r["by_group"][group]) for t, r in routes.items()
-                if r["by_group"].get(group)}
-    moving_out = sum(1 for r in routes.values() for q, _to, _ph in r.get("moving", [])
-                     if r["placement"][q] == group)
-    moving_in = sum(1 for r in routes.values() for _q, to, _ph in r.get("moving", [])
-                    if to == group)
-    load: dict[str, Any] = {"queues": sum(by_topic.values()), "queues_by_topic": by_topic,
-                            "moving_out": moving_out, "moving_in": moving_in,
-                            "bytes": None, "write_bytes_s": None, "write_msgs_s": None,
-                            "consume_msgs_s": None, "sampled_s": None}
-    last = second if second is not None and second[1] is not None else first
-    if last is None or last[1] is None:
-        return load
-    st = last[1]
-    load["bytes"] = st["log_end"] - st["log_start"]
-    if first is None or first[1] is None or last is first:
-        return load
-    seconds = last[0] - first[0]
-    before, after = first[1].get("counts") or {}, st.get("counts") or {}
-    load.update(sampled_s=round(seconds, 3),
-                write_bytes_s=per_second(first[1]["log_end"], st["log_end"], seconds),
-                write_msgs_s=per_second(before.get("messages"), after.get("messages"),
-                                        seconds),
-                consume_msgs_s=per_second(before.get("consumed"), after.get("consumed"),
-                                          seconds))
-    return load
-
-
 def member_rows(facts: GroupFacts, reads: dict[str, Read]) -> list[dict[str, Any]]:
     """Each member of a group: its role, log end, high watermark, lag behind the leader
     (bytes) and whether it is in sync, as its own status and its leader's tell."""
-    lead = reads.get(facts.leader_address or "", (0.0, None))[1]
-    lead_cl = (lead or {}).get("cluster") or {}
-    lags = lead_cl.get("lag") or {}
-    in_sync = set(lead_cl.get("isr") or [])
-    rows = []
-    for bid, address in sorted(facts.members.items()):
-        is_leader = facts.leader is not None and bid == facts.leader
-        st = ((reads.get(address, (0.0, None))[1]) or {}).get("cluster") or {}
-        rows.append({"broker_id": bid, "address": address,
-                     "role": st.get("role", "unreachable"), "log_end": st.get("log_end"),
-                     "hw": st.get("hw"), "lag": 0 if is_leader else lags.get(bid),
-                     "in_sync": bid in in_sync})
-    return rows
+    lead = cluster_of(reads.get(facts.leader_address or ""))
+    return [member_row(bid, address, cluster_of(reads.get(address)), lead,
+                       facts.leader is not None and bid == facts.leader)
+            for bid, address in sorted(facts.members.items())]
 
 
 def build_view(cluster: str, etcd: dict[str, Any], facts: list[GroupFacts],
                routes: dict[str, TopicRoute], reads: dict[str, Read],
                second: dict[str, Read] | None = None,
                sample_s: float = 0.0) -> dict[str, Any]:
-    """Everything ``onceq cluster status`` (and the console's Cluster page) shows, from
-    what was read: the groups as etcd knows them, the routes, each broker's status
-    (``reads``, by address) and the leaders' status read again (``second``)."""
+    """Everything ``onceq cluster status`` shows, from what was read: the groups as etcd
+    knows them, the routes, each broker's status (``reads``, by address) and the leaders'
+    status read again (``second``)."""
     docs = {t: route_doc(r) for t, r in sorted(routes.items())}
+    placement = {t: d["placement"] for t, d in docs.items()}
+    moving = {t: d["moving"] for t, d in docs.items() if d["moving"]}
     groups = []
     for f in sorted(facts, key=lambda f: f.group):
         lead = reads.get(f.leader_address or "")
-        lead_cl = ((lead or (0.0, None))[1] or {}).get("cluster") or {}
         again = (second or {}).get(f.leader_address or "")
+        # rates between the two reads of the leader; its first read alone when the second
+        # was not taken or did not reach it
+        before, now = (lead, again) if again is not None and again[1] is not None \
+            else (None, lead)
         groups.append({"group": f.group, "leader": f.leader,
                        "leader_address": f.leader_address, "epoch": f.epoch,
-                       "hw": lead_cl.get("hw"), "published_isr": f.published_isr,
+                       "hw": cluster_of(lead).get("hw"), "published_isr": f.published_isr,
                        "isr_epoch": f.isr_epoch, "members": member_rows(f, reads),
-                       "load": group_load(f.group, docs, lead, again)})
-    moving = [{"topic": t, "queue": q, "from": d["placement"][q], "to": to, "phase": phase}
-              for t, d in docs.items() for q, to, phase in d["moving"]]
+                       "load": group_load(f.group, placement, moving, before, now)})
     return {"cluster": cluster, "etcd": etcd, "sample_s": sample_s, "groups": groups,
-            "routes": docs, "moving": moving}
+            "routes": docs, "moving": moves(placement, moving)}
 
 
 # ---------------------------------------------------------------- reading etcd

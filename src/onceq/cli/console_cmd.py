@@ -30,12 +30,20 @@ from .common import broker_option, fail
 @click.option("--max-trace", default=5000, show_default=True, type=click.IntRange(1, 10**7),
               help="Trace messages the Duplicates page reads per queue of %TRACE% (the "
                    "newest).")
+@click.option("--cluster", "endpoints", default=None, envvar="ONCEQ_CLUSTER",
+              metavar="ENDPOINTS",
+              help="The cluster's etcd endpoints, etcd://host:port[,host:port...]: the "
+                   "Cluster page shows the queues moving between groups and every spread "
+                   "topic (it works from the brokers without it).")
+@click.option("--cluster-name", default="onceq", show_default=True,
+              envvar="ONCEQ_CLUSTER_NAME", help="Name of the cluster in etcd.")
 @broker_option
 def console(host: str, port: int, allow_remote: bool, metrics_url: str | None,
             read_only: bool, dedup_store: str | None, refresh: float, max_trace: int,
-            broker: str) -> None:
+            endpoints: str | None, cluster_name: str, broker: str) -> None:
     """Serve the web console for the broker at --broker: overview, topics, consumer groups
-    with lag over time, messages, duplicates by cause, dead letters (docs/console.md).
+    with lag over time, messages, duplicates by cause, dead letters, the cluster's broker
+    groups (docs/console.md).
 
     It uses the credentials of any client (ONCEQ_USER and ONCEQ_PASSWORD, or
     ONCEQ_CREDENTIALS_FILE; ONCEQ_TLS...), and reads the broker only while a page is open."""
@@ -56,7 +64,8 @@ def console(host: str, port: int, allow_remote: bool, metrics_url: str | None,
                f"{' as ' + security.user if security.user else ''}", err=True)
     serve(ConsoleConfig(broker=broker, host=host, port=port, metrics_url=metrics_url,
                         security=security, read_only=read_only, dedup_store=dedup_store,
-                        refresh_ms=int(refresh * 1000), max_trace_records=max_trace))
+                        refresh_ms=int(refresh * 1000), max_trace_records=max_trace,
+                        cluster=endpoints or None, cluster_name=cluster_name))
 
 
 def register(main: click.Group) -> None:

@@ -8,38 +8,33 @@ broker has no ``cluster`` section: the page says so) and ``LIST_TOPICS``; ``GET_
 each topic gives its placement and, per group, its members and leader; each member's
 ``BROKER_STATUS`` gives its role and log end, the leader's its lags, ISR and counters.
 Rates are taken between two views of the page (the live part refreshes every
-``refresh_ms``), from the leaders' log end and ``counts``.
+``refresh_ms``), from the leaders' log end and ``counts``. The statuses, each group's load,
+the member rows and the moving queues are made as ``onceq cluster status`` makes them
+(``client/cluster_view.py``).
 
 What the brokers cannot tell: the queues moving between groups (``moving`` of a route is
 in etcd only), the groups holding no queue of a topic this broker knows, and the topics
 with no queue on this broker's group. Given the cluster's etcd (``ConsoleConfig.cluster``,
-else ``ONCEQ_CLUSTER`` and ``ONCEQ_CLUSTER_NAME``), the page reads the routes there as
-well: every spread topic, and the moving queues marked.
+``onceq console --cluster``, else ``ONCEQ_CLUSTER`` and ``ONCEQ_CLUSTER_NAME``), the page
+reads the routes there as well: every spread topic, and the moving queues marked.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import HTMLResponse
 from starlette.routing import Route
 
-from ..client.connection import BrokerConnection, call
-from ..client.security import ClientSecurity
+from ..client.cluster_view import Read, cluster_of, group_load, member_row, moves, read_statuses
 from ..cluster import EtcdClient, EtcdError, TopicRoute, read_routes
 from ..protocol.codes import SYSTEM_PREFIX
-from ..protocol.errors import OnceqError
 from ..protocol.replies import RouteInfo, StatusReply
 from ..protocol.requests import BrokerStatus, GetRoute
 from .access import PAGE_ERRORS, ConsoleAdmin
 from .web import Console, console_of, failed, problem, render
-
-# (monotonic time, a broker's status or None when it was out of reach)
-Read: TypeAlias = tuple[float, dict[str, Any] | None]
 
 # background colours of the groups in the placement table (then repeated)
 PALETTE = ("#bfdbfe", "#bbf7d0", "#fde68a", "#fbcfe8", "#ddd6fe", "#fed7aa", "#a5f3fc",
@@ -56,60 +51,14 @@ class GroupFacts:
 
 
 # ---------------------------------------------------------------- the view (pure)
-def per_second(before: int | None, after: int | None, seconds: float) -> float | None:
-    """The rate of a counter between two reads; None when unknown or gone back (a
-    restarted broker, a new leader)."""
-    if before is None or after is None or seconds <= 0 or after < before:
-        return None
-    return (after - before) / seconds
-
-
-def group_load(group: str, placement: dict[str, list[str]],
-               moving: dict[str, list[tuple[int, str, str]]], before: Read | None,
-               now: Read | None) -> dict[str, Any]:
-    """A group's load: queues held (in all, per topic), queues moving out and in, its
-    leader's stored bytes and, between two reads of the leader (``before``, ``now``),
-    bytes written, messages stored and messages consumed per second."""
-    by_topic = {t: n for t, groups in placement.items() if (n := groups.count(group))}
-    load: dict[str, Any] = {
-        "queues": sum(by_topic.values()), "queues_by_topic": by_topic,
-        "moving_out": sum(1 for t, ms in moving.items() for q, _to, _ph in ms
-                          if placement[t][q] == group),
-        "moving_in": sum(1 for ms in moving.values() for _q, to, _ph in ms if to == group),
-        "bytes": None, "write_bytes_s": None, "write_msgs_s": None,
-        "consume_msgs_s": None, "sampled_s": None}
-    if now is None or now[1] is None:
-        return load
-    st = now[1]
-    load["bytes"] = st["log_end"] - st["log_start"]
-    if before is None or before[1] is None or now[0] <= before[0]:
-        return load
-    seconds = now[0] - before[0]
-    old, new = before[1].get("counts") or {}, st.get("counts") or {}
-    load.update(sampled_s=round(seconds, 3),
-                write_bytes_s=per_second(before[1]["log_end"], st["log_end"], seconds),
-                write_msgs_s=per_second(old.get("messages"), new.get("messages"), seconds),
-                consume_msgs_s=per_second(old.get("consumed"), new.get("consumed"), seconds))
-    return load
-
-
-def _cluster(read: Read | None) -> dict[str, Any]:
-    return ((read or (0.0, None))[1] or {}).get("cluster") or {}
-
-
 def member_rows(facts: GroupFacts, reads: dict[str, Read]) -> list[dict[str, Any]]:
     """Each member: broker id, role, log end, lag behind the leader, in sync."""
-    lead = _cluster(reads.get(facts.leader_address or ""))
-    lags, isr = lead.get("lag") or {}, set(lead.get("isr") or [])
+    lead = cluster_of(reads.get(facts.leader_address or ""))
     rows = []
     for address in sorted(set(facts.members) | ({facts.leader_address} - {None})):
-        st = _cluster(reads.get(address))
-        bid = st.get("broker_id")
-        leader = address == facts.leader_address
-        rows.append({"broker_id": bid, "address": address,
-                     "role": st.get("role", "unreachable"), "log_end": st.get("log_end"),
-                     "lag": 0 if leader and st else lags.get(bid),
-                     "in_sync": bid is not None and bid in isr})
+        st = cluster_of(reads.get(address))
+        rows.append(member_row(st.get("broker_id"), address, st, lead,
+                               address == facts.leader_address and bool(st)))
     return sorted(rows, key=lambda r: (str(r["broker_id"]), r["address"]))
 
 
@@ -126,7 +75,7 @@ def build_view(here: str, facts: dict[str, GroupFacts], placement: dict[str, lis
     for name in names:
         f = facts.get(name, GroupFacts(name))
         lead = reads.get(f.leader_address or "")
-        cl = _cluster(lead)
+        cl = cluster_of(lead)
         groups.append({"group": name, "colour": colour[name], "here": name == here,
                        "leader": cl.get("broker_id"), "leader_address": f.leader_address,
                        "epoch": cl.get("epoch"), "hw": cl.get("hw"),
@@ -136,37 +85,18 @@ def build_view(here: str, facts: dict[str, GroupFacts], placement: dict[str, lis
                                           before.get(f.leader_address or ""), lead)})
     table = []
     for topic, gs in sorted(placement.items()):
-        moves = {q: (to, phase) for q, to, phase in moving.get(topic, [])}
+        marks = {q: (to, phase) for q, to, phase in moving.get(topic, [])}
         table.append({"topic": topic, "queues": [
-            {"queue": q, "group": g, "colour": colour[g], "moving": moves.get(q)}
+            {"queue": q, "group": g, "colour": colour[g], "moving": marks.get(q)}
             for q, g in enumerate(gs)]})
     rates = [g["load"]["sampled_s"] for g in groups if g["load"]["sampled_s"]]
     return {"here": here, "groups": groups, "placement": table,
             "width": max((len(gs) for gs in placement.values()), default=0),
-            "moving": [{"topic": t, "queue": q, "from": placement[t][q], "to": to,
-                        "phase": phase} for t, ms in sorted(moving.items())
-                       for q, to, phase in ms],
+            "moving": moves(placement, moving),
             "sampled_s": max(rates) if rates else None}
 
 
 # ---------------------------------------------------------------- reading the brokers
-async def read_status(address: str, security: ClientSecurity, timeout: float = 2.0
-                      ) -> Read:
-    """A broker's ``BROKER_STATUS`` fields the page uses, and when; None out of reach."""
-    try:
-        conn = await BrokerConnection.open(address, timeout=1.0, security=security)
-    except (OnceqError, OSError):
-        return time.monotonic(), None
-    try:
-        reply: StatusReply = await call(conn, BrokerStatus(), timeout)
-    except (OnceqError, OSError, TimeoutError):
-        return time.monotonic(), None
-    finally:
-        conn.close()
-    return time.monotonic(), {"log_start": reply.log_start, "log_end": reply.log_end,
-                              "counts": reply.counts, "cluster": reply.cluster}
-
-
 async def _etcd_routes(c: Console) -> tuple[dict[str, TopicRoute] | None, str | None]:
     """The routes in etcd when the console has its endpoints (None: not configured)."""
     endpoints, name = c.cluster_etcd()
@@ -221,8 +151,7 @@ async def gather(c: Console, admin: ConsoleAdmin) -> dict[str, Any]:
                                                                          or [])))
     addresses = sorted({a for f in facts.values()
                         for a in (*f.members, f.leader_address) if a})
-    reads = dict(zip(addresses, await asyncio.gather(
-        *(read_status(a, c.security) for a in addresses)), strict=True))
+    reads = await read_statuses(addresses, c.security)
     leaders = {f.leader_address for f in facts.values() if f.leader_address}
     before = dict(c.cluster_reads)
     c.cluster_reads = {a: r for a, r in reads.items() if a in leaders and r[1] is not None}
