@@ -6,7 +6,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cluster._routes import place
 from ..log.record import MessageExt, decode_records
 from ..protocol.codes import (
     PROP_ORIGIN_TOPIC,
@@ -145,7 +144,9 @@ class Admin(BrokerClient):
         """Create a topic, or grow its queue count (``exclusive``: fail if it exists). In a
         cluster of several broker groups: ``placement``, the group of each queue, or
         ``groups``, the groups to spread the queues over evenly (default: all)."""
-        if groups is not None:
+        if groups is not None:  # (the cluster package only when asked: a client's import
+            from ..cluster._routes import place  # stays light)
+
             placement = place(queues, list(groups))
         where = None if placement is None else [str(g) for g in placement]
         if where is not None and len(where) != queues:
