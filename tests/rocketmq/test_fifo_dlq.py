@@ -174,21 +174,6 @@ def test_forward_message_to_dead_letter_queue(rmq: RmqBroker):
     assert [m.body.decode() for m in dead] == ["f-1"]
 
 
-def test_delayed_messages_are_refused_clearly(rmq: RmqBroker):
-    asyncio.run(_topic(rmq.addr, "delay-topic", 1))
-    # the official producer checks the route: its queues accept NORMAL and FIFO only
-    out = rmq.client("produce", topic="delay-topic",
-                     messages=[{"body": "later", "deliver_at_s": 60}])
-    assert "message_type:DELAY" in out["sent"][0]["error"]
-    # a client that sends it anyway is answered UNSUPPORTED, saying why
-    raw = rmq.client("resend", topic="delay-topic", body="later", message_id="0A0B0C0D",
-                     times=1, deliver_at_s=60)
-    answer = raw["answers"][0]
-    assert answer["code"] == 50500  # UNSUPPORTED
-    assert "schedule delays only the retries of consumer groups" in answer["message"]
-    assert asyncio.run(_read(rmq.addr, "delay-topic", 1)) == []
-
-
 def test_delivery_attempts_carry_on_across_a_broker_sigkill(tmp_path: Path):
     """Delivered twice, the broker killed and started again: the third delivery is the
     last, then the message is in the dead-letter queue (the journal kept the count)."""

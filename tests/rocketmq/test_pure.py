@@ -152,7 +152,7 @@ def test_gzip_body_is_stored_inflated():
 
 @pytest.mark.parametrize("kw, code", [
     ({"message_type": pb.FIFO}, Code.ILLEGAL_MESSAGE_GROUP),  # FIFO needs a group
-    ({"message_type": pb.DELAY}, Code.UNSUPPORTED),
+    ({"message_type": pb.DELAY}, Code.ILLEGAL_DELIVERY_TIME),  # DELAY needs a time
     ({"message_type": pb.TRANSACTION}, Code.UNSUPPORTED),
     ({"message_id": ""}, Code.ILLEGAL_MESSAGE_ID),
     ({"message_id": "é"}, Code.ILLEGAL_MESSAGE_ID),
@@ -188,13 +188,13 @@ def test_filters():
     assert e.value.code == Code.ILLEGAL_FILTER_EXPRESSION
 
 
-def test_route_announces_writable_normal_and_fifo_queues_on_broker_zero():
+def test_route_announces_writable_normal_fifo_and_delay_queues_on_broker_zero():
     where = pb.Endpoints(scheme=pb.IPv4)
     where.addresses.add(host="127.0.0.1", port=8081)
     qs = list(route("orders", 3, namespace="", broker="onceq", where=where))
     assert [q.id for q in qs] == [0, 1, 2]
     assert all(q.permission == pb.READ_WRITE and q.broker.id == 0
-               and list(q.accept_message_types) == [pb.NORMAL, pb.FIFO]
+               and list(q.accept_message_types) == [pb.NORMAL, pb.FIFO, pb.DELAY]
                and q.broker.endpoints.addresses[0].port == 8081 for q in qs)
 
 

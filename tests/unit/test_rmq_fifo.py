@@ -123,21 +123,12 @@ def test_a_user_property_cannot_fake_a_message_group():
      "printable"),
     ({"message_type": pb.FIFO, "message_group": "g" * 129}, Code.ILLEGAL_MESSAGE_GROUP,
      "1-128"),
-    ({"message_type": pb.DELAY}, Code.UNSUPPORTED, "schedule delays only the retries"),
+    ({"message_type": pb.DELAY}, Code.ILLEGAL_DELIVERY_TIME, "needs a"),
 ])
 def test_messages_onceq_cannot_store_are_refused_clearly(kw, code, words):
     with pytest.raises(RmqError) as e:
         to_part(_message(**kw))
     assert e.value.code == code and words in e.value.message
-
-
-def test_a_delivery_timestamp_is_refused_clearly():
-    m = _message()
-    m.system_properties.delivery_timestamp.seconds = 1_900_000_000
-    with pytest.raises(RmqError) as e:
-        to_part(m)
-    assert e.value.code == Code.UNSUPPORTED
-    assert "delayed messages (delivery_timestamp) are refused" in e.value.message
 
 
 # ------------------------------------------------------------------ the FIFO gate

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .._net import is_loopback
+from ..log.delay import DEFAULT_MAX_DELAY_S
 from ..protocol.frame import HEADER_ALLOWANCE, max_frame_for_body
 from ..storage.config import StoreConfig
 from .fuse import parse_topic_limits
@@ -39,6 +40,8 @@ class BrokerConfig:
     max_pull_msgs: int = 1024
     max_pull_bytes: int = 8 * 1024 * 1024
     delay_levels: str = DEFAULT_DELAY_LEVELS  # retry delays, level 1 first
+    # delayed messages (log/delay.py): the furthest delivery time accepted, from now
+    timer_max_delay_s: float = DEFAULT_MAX_DELAY_S
     # transition-state queue access lock (CLUSTERING groups); see broker/access_lock.py
     access_lock: bool = True
     access_lock_hold_s: float = 30.0  # a connected holder not seen this long is displaced

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..log.batch import check_batch
+from ..log.delay import DELAYED, is_delayed
 from ..log.record import RecordError
 from ..log.sequence import SEQUENCED, SequenceError, check_writer_id
 from ..protocol.codes import dlq_topic
@@ -76,6 +77,8 @@ class SendService:
             self.fuse.check(topic, qid)
         parts = split_parts(req.payload)
         refuse_sequenced(parts)
+        if any(is_delayed(p) for p in parts):
+            return self._send_delayed(call, topic, qid, parts, len(req.payload))
         res = self.store.put(topic, qid, parts)
         if len(res.duplicates) < len(parts):
             self.on_put(topic, qid)
@@ -96,6 +99,8 @@ class SendService:
             raise MalformedMessage(f"malformed record batch: {exc}") from None
         if checked[3] & SEQUENCED:
             refuse_sequenced_flag()
+        if checked[3] & DELAYED:
+            refuse_delayed_batch()
         res = self.store.put_batch(topic, qid, req.payload, checked)
         n = len(checked[0])
         if len(res.duplicates) < n:
@@ -116,12 +121,29 @@ class SendService:
         if self.fuse is not None:
             self.fuse.check(topic, req.queue)
         parts = split_parts(req.payload)
+        if any(is_delayed(p) for p in parts):
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "a delayed message cannot be "
+                             "sent by an idempotent writer (SEND_SEQUENCED)")
         reply, end = send_sequenced(self.store, self.sequences, req, parts, topic=topic)
         if reply.n:
             self.on_put(topic, req.queue)
         if self.metrics is not None:
             self.metrics.on_send(topic, len(parts), len(req.payload), reply.dup)
         return self.durable.reply(call, reply, end=end)
+
+    def _send_delayed(self, call: Call, topic: str, qid: int, parts: list[memoryview],
+                      size: int) -> SendReply | None:
+        """A delayed message (the ``DELAYED`` flag, ``log/delay.py``): stored in the timer
+        at once, in its queue at its time (``RetryService.send_delayed``). The answer
+        names the target queue and offset -1 (its offset there is not known yet)."""
+        assert self.retry is not None
+        if len(parts) != 1:
+            refuse_delayed_batch()
+        res = self.retry.send_delayed(topic, qid, parts[0], self.config.timer_max_delay_s)
+        if self.metrics is not None:
+            self.metrics.on_send(topic, 1, size, len(res.duplicates))
+        reply = SendReply(qid, [-1], res.duplicates, [qid] * len(res.duplicates))
+        return self.durable.reply(call, reply, end=res.end_position)
 
     def h_send_back(self, call: Call, req: SendBack) -> SendBackReply | None:
         """A message the consumer failed: to the group's retry topic, or its DLQ.
@@ -150,6 +172,11 @@ class SendService:
         queue = res.duplicate_queues[0] if duplicate else 0
         reply = SendBackReply(queue=queue, offset=res.offsets[0], duplicate=duplicate)
         return self.durable.reply(call, reply, end=res.end_position)
+
+
+def refuse_delayed_batch() -> None:
+    raise OnceqError(ErrorCode.INVALID_ARGUMENT, "a delayed message is sent alone, not in "
+                     "a batch (as RocketMQ refuses delayed batch messages)")
 
 
 def send_reply(queue: int, res: PutResult) -> SendReply:

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..log.delay import MAX_DELAY_SETTING_S
 from ..storage.config import StoreConfig
 from ..storage.openfiles import default_capacity
 from ..storage.topics import MAX_QUEUES
@@ -142,6 +143,9 @@ _META: dict[str, tuple[str, float | None, float | None]] = {
     "max_pull_bytes": ("Most bytes one pull returns (1..1 GiB).", 1, 1 * GIB),
     "delay_levels": ("Retry delay levels, level 1 first (RocketMQ's 18 levels; 1..1024 "
                      "levels, one schedule queue each, each at most 365d).", None, None),
+    "timer_max_delay_s": ("Delayed messages: the furthest delivery time accepted, seconds "
+                          "ahead (further: INVALID_ARGUMENT; 1..31536000, a year; "
+                          "docs/delayed.md).", 1, MAX_DELAY_SETTING_S),
     "access_lock": ("Transition-state queue access lock for CLUSTERING groups.", None, None),
     "access_lock_hold_s": ("A connected holder not seen this long is displaced, seconds "
                            "(must exceed long_poll_max_s; at most 86400).", 0.001, DAY_S),

@@ -10,6 +10,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ..log.delay import DELAYED, PROP_TIMER_DELIVER_MS
 from ..log.record import MessageExt, encode_part
 
 __all__ = ["Message", "MessageExt", "SendResult", "UniqueKeyGenerator"]
@@ -18,20 +19,24 @@ __all__ = ["Message", "MessageExt", "SendResult", "UniqueKeyGenerator"]
 @dataclass(slots=True)
 class Message:
     """A message to send. ``keys`` are business keys (space separated); ``unique_key`` is
-    assigned by the producer unless set."""
+    assigned by the producer unless set. ``deliver_at_ms`` (ms since the epoch; 0: at once)
+    makes it a delayed message: stored at once, delivered to its queue at that time
+    (RocketMQ's delivery timestamp; ``Producer.send(..., delay_s=...)`` sets it; sent
+    alone, not in a batch; docs/delayed.md)."""
 
     body: bytes
     tags: str = ""
     keys: str = ""
     properties: Mapping[str, str] = field(default_factory=dict)
     unique_key: str = ""
+    deliver_at_ms: int = 0
 
 
 @dataclass(slots=True)
 class SendResult:
     topic: str
     queue_id: int
-    offset: int
+    offset: int  # -1 for a delayed message: its offset is known once it is delivered
     unique_key: str
     duplicate: bool = False  # the broker had already stored this message (producer retry)
 
@@ -84,4 +89,7 @@ class UniqueKeyGenerator:
 
 
 def encode_message(msg: Message, unique_key: str, now_ms: int) -> bytes:
+    if msg.deliver_at_ms:  # a delayed message: the flag and its time (log/delay.py)
+        props = {**msg.properties, PROP_TIMER_DELIVER_MS: str(int(msg.deliver_at_ms))}
+        return encode_part(msg.body, unique_key, now_ms, msg.tags, msg.keys, props, DELAYED)
     return encode_part(msg.body, unique_key, now_ms, msg.tags, msg.keys, msg.properties)

@@ -8,9 +8,11 @@ import struct
 import time
 import zlib
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ..log.batch import COMPRESSIONS, MAX_BATCH_COUNT, encode_batch, encode_bodies_batch
+from ..log.delay import deliver_ms_of
 from ..log.record import encode_part
 from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.replies import SendReply, TopicInfo
@@ -135,10 +137,18 @@ class Producer(BrokerClient):
 
     async def send(self, topic: str, message: Message | bytes | str, *,
                    sharding_key: str | None = None, queue: int | None = None,
-                   selector: QueueSelector | None = None) -> SendResult:
+                   selector: QueueSelector | None = None, deliver_at: float | None = None,
+                   delay_s: float | None = None) -> SendResult:
         """Send one message and wait for the broker's acknowledgement. The queue: ``queue``
         if given, else the one ``selector`` picks, else the hash of ``sharding_key``, else
-        round-robin."""
+        round-robin.
+
+        A delayed message (``deliver_at``: seconds since the epoch, as ``time.time()``; or
+        ``delay_s``: seconds from now) is stored at once and delivered to its queue at that
+        time, within a second (docs/delayed.md); its result's offset is -1."""
+        if deliver_at is not None or delay_s is not None:
+            message = replace(as_message(message), deliver_at_ms=deliver_ms_of(
+                deliver_at, delay_s, time.time()))
         results = await self.send_batch(topic, [message], sharding_key=sharding_key,
                                         queue=queue, selector=selector)
         return results[0]
@@ -225,6 +235,9 @@ class Producer(BrokerClient):
             raise OnceqError(ErrorCode.INVALID_ARGUMENT, f"a send holds at most "
                              f"{MAX_BATCH_COUNT} messages (got {n}): send them in several "
                              "batches")
+        if n > 1 and any(isinstance(m, Message) and m.deliver_at_ms for m in messages):
+            raise OnceqError(ErrorCode.INVALID_ARGUMENT, "a delayed message is sent alone "
+                             "(send), not in a batch")
         keys = self._keys.many(n) if keys is None else list(keys)
         if n > 1 and self._records and all(type(m) is bytes for m in messages):
             return SendRecords, encode_bodies_batch(messages, keys, now_ms,  # type: ignore[arg-type]

@@ -14,8 +14,10 @@ no sockets, no broker; the ``apache.rocketmq.v2`` message classes of ``_pb``).
   (``queue_of``), so onceq's orderly consumers and RocketMQ's FIFO consumers see one
   order; the group is kept in the ``__SHARDINGKEY`` property (RocketMQ's own name for it)
   and given back as the message group of a FIFO message.
-* Delayed messages (``delivery_timestamp``) are refused: onceq's schedule delays only the
-  retries of consumer groups, by fixed levels into ``%RETRY%<group>``.
+* Delayed messages (type ``DELAY``, ``delivery_timestamp``) are onceq's delayed messages:
+  the part carries the ``DELAYED`` flag and the time in ``TIMER_DELIVER_MS``
+  (``log/delay.py``), stored at once and delivered to their queue at that time; a consumer
+  gets them back as ``DELAY`` messages with their delivery timestamp.
 * Errors: onceq's stable codes become RocketMQ's status codes (``status_of``).
 """
 
@@ -26,6 +28,7 @@ import time
 import zlib
 from collections.abc import Iterable
 
+from ..log.delay import DELAYED, PROP_TIMER_DELIVER_MS, DelayError, check_delay
 from ..log.message import MessageExt
 from ..log.record import encode_part
 from ..protocol.errors import ErrorCode, OnceqError
@@ -95,19 +98,13 @@ def message_group(msg: pb.Message) -> str | None:
     sp = msg.system_properties
     mtype = sp.message_type
     group = sp.message_group if sp.HasField("message_group") else ""
-    if mtype not in (pb.MESSAGE_TYPE_UNSPECIFIED, pb.NORMAL, pb.FIFO):
+    if mtype not in (pb.MESSAGE_TYPE_UNSPECIFIED, pb.NORMAL, pb.FIFO, pb.DELAY):
         name = pb.MessageType.Name(mtype)
-        why = ("onceq's schedule delays only the retries of consumer groups (fixed delay "
-               "levels into %RETRY%<group>), it has no delivery of a message at a given time"
-               if mtype == pb.DELAY else "not built")
         raise RmqError(Code.UNSUPPORTED, f"message type {name}: onceq's RocketMQ endpoint "
-                       f"stores NORMAL and FIFO messages only ({why})")
-    if sp.HasField("delivery_timestamp") and (sp.delivery_timestamp.seconds
-                                              or sp.delivery_timestamp.nanos):
-        raise RmqError(Code.UNSUPPORTED, "delayed messages (delivery_timestamp) are refused "
-                       "by onceq's RocketMQ endpoint: onceq's schedule delays only the "
-                       "retries of consumer groups (fixed delay levels into "
-                       "%RETRY%<group>), it has no delivery of a message at a given time")
+                       "stores NORMAL, FIFO and DELAY messages only (not built)")
+    if delivery_ms(msg) is not None and (mtype == pb.FIFO or group):
+        raise RmqError(Code.MESSAGE_PROPERTY_CONFLICT_WITH_TYPE, "a delayed message "
+                       "(delivery_timestamp) has no message group")
     if mtype == pb.FIFO and not group:
         raise RmqError(Code.ILLEGAL_MESSAGE_GROUP, "a FIFO message needs a message group")
     if not group:
@@ -116,6 +113,34 @@ def message_group(msg: pb.Message) -> str | None:
         raise RmqError(Code.ILLEGAL_MESSAGE_GROUP, f"message group {group[:40]!r} must be "
                        f"1-{MAX_MESSAGE_GROUP} printable characters, not only blanks")
     return group
+
+
+def delivery_ms(msg: pb.Message) -> int | None:
+    """The delivery time in ms of a delayed message (None: not one); a DELAY message
+    without a delivery timestamp is refused."""
+    sp = msg.system_properties
+    ts = sp.delivery_timestamp if sp.HasField("delivery_timestamp") else None
+    if ts is None or not (ts.seconds or ts.nanos):
+        if sp.message_type == pb.DELAY:
+            raise RmqError(Code.ILLEGAL_DELIVERY_TIME, "a DELAY message needs a "
+                           "delivery_timestamp")
+        return None
+    ms = ts.seconds * 1000 + ts.nanos // 1_000_000
+    if ms < 0:
+        raise RmqError(Code.ILLEGAL_DELIVERY_TIME, f"delivery_timestamp {ms} ms is before "
+                       "the epoch")
+    return ms
+
+
+def check_delivery(msg: pb.Message, now_ms: int, max_delay_s: float) -> None:
+    """Refuse a delivery time further ahead than the broker takes, as RocketMQ does
+    (``ILLEGAL_DELIVERY_TIME``)."""
+    ms = delivery_ms(msg)
+    if ms is not None:
+        try:
+            check_delay(ms, now_ms, max_delay_s)
+        except DelayError as exc:
+            raise RmqError(Code.ILLEGAL_DELIVERY_TIME, str(exc)) from None
 
 
 def queue_of(group: str, queues: int) -> int:
@@ -145,10 +170,14 @@ def to_part(msg: pb.Message, now_ms: int | None = None) -> bytes:
         born_ms = int(time.time() * 1000) if now_ms is None else now_ms
     props = dict(msg.user_properties)
     props.pop(PROP_MESSAGE_GROUP, None)  # the message group alone sets it
+    props.pop(PROP_TIMER_DELIVER_MS, None)  # the delivery timestamp alone sets it
     if group is not None:
         props[PROP_MESSAGE_GROUP] = group
+    deliver = delivery_ms(msg)
+    if deliver is not None:
+        props[PROP_TIMER_DELIVER_MS] = str(deliver)
     return encode_part(bytes(body), unique_key, born_ms, sp.tag if sp.HasField("tag") else "",
-                       " ".join(keys), props or None)
+                       " ".join(keys), props or None, 0 if deliver is None else DELAYED)
 
 
 # ------------------------------------------------------------------ deliveries
@@ -163,9 +192,13 @@ def to_pb(m: MessageExt, *, namespace: str, receipt: str, invisible_s: float, at
     out.topic.name = m.topic
     out.topic.resource_namespace = namespace
     group = None
+    deliver = None
     for k, v in m.properties.items():
         if k == PROP_MESSAGE_GROUP:
             group = v if isinstance(v, str) else str(v)
+            continue
+        if k == PROP_TIMER_DELIVER_MS and isinstance(v, str) and v.isdigit():
+            deliver = int(v)  # a delayed message: its delivery timestamp
             continue
         out.user_properties[str(k)] = v if isinstance(v, str) else str(v)
     body = bytes(m.body)
@@ -182,6 +215,9 @@ def to_pb(m: MessageExt, *, namespace: str, receipt: str, invisible_s: float, at
     if group:
         sp.message_type = pb.FIFO
         sp.message_group = group
+    elif deliver is not None:
+        sp.message_type = pb.DELAY
+        sp.delivery_timestamp.FromMilliseconds(deliver)
     sp.born_timestamp.FromMilliseconds(m.born_ts_ms)
     sp.store_timestamp.FromMilliseconds(m.store_ts_ms)
     sp.store_host = store_host
@@ -223,7 +259,7 @@ def endpoints(host: str, port: int) -> pb.Endpoints:
 def route(topic: str, queues: int, *, namespace: str, broker: str, where: pb.Endpoints
           ) -> Iterable[pb.MessageQueue]:
     """The topic's queues as RocketMQ message queues: one broker (id 0, the leader),
-    readable and writable, accepting NORMAL and FIFO messages."""
+    readable and writable, accepting NORMAL, FIFO and DELAY messages."""
     for qid in range(queues):
         mq = pb.MessageQueue()
         mq.topic.name = topic
@@ -233,5 +269,5 @@ def route(topic: str, queues: int, *, namespace: str, broker: str, where: pb.End
         mq.broker.name = broker
         mq.broker.id = 0
         mq.broker.endpoints.CopyFrom(where)
-        mq.accept_message_types.extend((pb.NORMAL, pb.FIFO))
+        mq.accept_message_types.extend((pb.NORMAL, pb.FIFO, pb.DELAY))
         yield mq

@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ..log.delay import is_delayed
 from ..protocol.errors import OnceqError
 from ..protocol.replies import SendReply, TopicInfo
 from ..protocol.requests import (
@@ -54,6 +55,7 @@ from .consume import PopService, Receive, check_invisible
 from .mapping import (
     Code,
     RmqError,
+    check_delivery,
     endpoints,
     message_group,
     parse_filter,
@@ -345,6 +347,9 @@ class MessagingService:
                 raise RmqError(Code.BAD_REQUEST, "the messages of one SendMessage must be "
                                "for one topic")
             parts = [to_part(m) for m in msgs]
+            now_ms = int(time.time() * 1000)
+            for m in msgs:  # a delayed message too far ahead: RocketMQ's code for it
+                check_delivery(m, now_ms, self.config.timer_max_delay_s)
             groups = [message_group(m) for m in msgs]
             queues = await self._topic(topic)
             n = self._next_queue.get(topic, 0)
@@ -354,8 +359,9 @@ class MessagingService:
             i = 0
             while i < len(parts):  # one SEND per run of messages for one queue
                 j = i + 1
-                while j < len(parts) and targets[j] == targets[i]:
-                    j += 1
+                while (j < len(parts) and targets[j] == targets[i]
+                       and not is_delayed(parts[i]) and not is_delayed(parts[j])):
+                    j += 1  # a delayed message is sent alone
                 payload = b"".join(_U32.pack(len(p)) + p for p in parts[i:j])
                 reply = await self.bridge.call(self.conn, Send(topic, targets[i], payload))
                 assert isinstance(reply, SendReply)
