@@ -175,6 +175,9 @@ class Broker:
                              is_leader=lambda: self.cluster is not None
                              and self.cluster.is_leader(), create_local=topics.ensure)
         self.routes.on_change = self._route_changed
+        if self.cluster is not None:  # the routes' upkeep in BROKER_STATUS
+            status, routes = self.cluster.status, self.routes
+            self.admin.cluster_status = lambda: {**status(), "routes": routes.state()}
         groups, pulls, sends = self.consumer_groups, self.pulls, self.sends
         handlers: dict[type[Message], Handler] = {
             Ping: self.h_ping,

@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("onceq.broker")
 
 ROUTES_POLL_S = 1.0
+ROUTES_RECHECK_S = 30.0  # while watched: read again this often, in case the watch stalls
 SENDS = (Send, SendBatch, SendRecords, SendSequenced)
 
 
@@ -268,17 +269,46 @@ class Routes:
         every ``ROUTES_POLL_S``. A leader creates here the topics routed to its group that
         it does not know yet."""
         watcher = asyncio.get_running_loop().create_task(self._follow())
+        checked = time.monotonic()
         try:
             while True:
-                if not self.watching:
-                    try:
+                try:
+                    if not self.watching:
                         await self.refresh()
                         self.problem = ""
-                    except (EtcdError, OSError) as exc:
-                        self._trouble(exc)
+                    elif time.monotonic() - checked >= ROUTES_RECHECK_S:
+                        checked = time.monotonic()
+                        await self._recheck()
+                except (EtcdError, OSError) as exc:
+                    self._trouble(exc)
                 await asyncio.sleep(ROUTES_POLL_S)
         finally:
             watcher.cancel()
+
+    async def _recheck(self) -> None:
+        """A safety net under the watch (a stream that stalls without an error, e.g. a
+        connection dropped on the way): read the routes every ``ROUTES_RECHECK_S`` and
+        take any newer than the watch delivered."""
+        assert self.client is not None
+        missed = []
+        for topic, route in (await read_routes(self.client, self.cluster)).items():
+            known = self.routes.get(topic)
+            if known is None or known.version < route.version:
+                self.routes[topic] = route
+                missed.append(topic)
+        if missed:
+            self.changes += len(missed)
+            log.warning("routes: %d change(s) not delivered by the watch, read instead: %s",
+                        len(missed), ", ".join(sorted(missed)[:10]))
+            await self._create_missing()
+            for topic in missed:
+                self.on_change(topic, self.routes.get(topic))
+
+    def state(self) -> dict[str, object]:
+        """How the routes are kept: followed by the watch (or polled), the changes applied,
+        the routes known, the last problem with etcd."""
+        return {"watching": self.watching, "changes": self.changes,
+                "topics": len(self.routes), "problem": self.problem}
 
     def _trouble(self, exc: Exception) -> None:
         if not self.problem:
@@ -315,6 +345,8 @@ class Routes:
                         self.on_change(topic, self.routes.get(topic))
             except (EtcdError, OSError) as exc:
                 self._trouble(exc)
+            except Exception:  # never a silent end: the routes would stay as they were
+                log.exception("routes: following etcd failed; reading the routes again")
             self.watching = False
             await asyncio.sleep(ROUTES_POLL_S)
 
@@ -334,7 +366,10 @@ class Routes:
             if here and topic not in self.store.topics:
                 log.info("routes: topic %s holds queues %s on this group: creating it",
                          topic, route.queues_of(self.group or ""))
-                await self.create_local(topic, route.queues)
+                try:
+                    await self.create_local(topic, route.queues)
+                except (OnceqError, StorageError) as exc:  # (made meanwhile by a request)
+                    log.warning("routes: topic %s not created here: %s", topic, exc)
 
 
 def _serve_after(call: Call, req: Any, handler: Handler, first: Awaitable[Any],

@@ -43,6 +43,7 @@ from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.replies import PullReply, QueueStateReply, RouteInfo
 from ..protocol.requests import CopyQueue, GetRoute, Pull, QueueState
 from .base import BrokerClient
+from .route import cluster_status
 from .security import ClientSecurity
 
 COPY_BATCH = 256  # messages per pull and per copy request
@@ -154,9 +155,11 @@ async def _seen(broker: BrokerClient, topic: str, version: int, timeout: float =
         if info.version >= version:
             return
         if time.monotonic() > deadline:
+            st = await cluster_status(broker.address, broker.security)
             raise OnceqError(ErrorCode.SERVICE_UNAVAILABLE, (
                 f"broker {broker.address} still follows version {info.version} of the "
-                f"route of {topic!r} after {timeout}s (etcd out of its reach?)"))
+                f"route of {topic!r} after {timeout}s (etcd out of its reach?); its "
+                f"routes: {(st or {}).get('routes')}"))
         await asyncio.sleep(0.05)
 
 

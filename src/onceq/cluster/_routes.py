@@ -190,9 +190,13 @@ def apply_events(cluster: str, routes: dict[str, TopicRoute], events: list[Watch
             routes.pop(topic, None)
         else:
             try:
-                routes[topic] = _decode(cluster, ev.kv)
+                route = _decode(cluster, ev.kv)
             except ValueError:
                 continue
+            known = routes.get(topic)
+            if known is not None and known.version > route.version:
+                continue  # read already in a later version (a re-read under the watch)
+            routes[topic] = route
         changed.append(topic)
     return changed
 
