@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from onceq import Admin, PullConsumer
 from tests.helpers import free_port, spawn_broker
 
 PROC = Path(__file__).with_name("rmq_proc.py")
@@ -94,3 +95,23 @@ def rmq_broker(root: Path, *args: str) -> Iterator[RmqBroker]:
 def rmq(tmp_path_factory: Any) -> Iterator[RmqBroker]:
     with rmq_broker(tmp_path_factory.mktemp("rmq")) as b:
         yield b
+
+
+async def make_topic(addr: str, topic: str, queues: int = 4) -> None:
+    async with Admin(addr) as a:
+        await a.create_topic(topic, queues)
+
+
+async def read_all(addr: str, topic: str, queues: int = 4) -> list[Any]:
+    """Every message of the topic, as onceq's own PullConsumer reads it."""
+    out = []
+    async with PullConsumer(addr, "reader") as c:
+        for q in range(queues):
+            offset = 0
+            while True:
+                r = await c.pull(topic, q, offset, 64)
+                out += r.messages
+                if not r.messages:
+                    break
+                offset = r.next_offset
+    return out

@@ -16,11 +16,10 @@ from typing import Any
 
 import pytest
 
-from onceq import Admin, PullConsumer
 from onceq.protocol.codes import dlq_topic
 from tests.helpers import free_port, spawn_broker
 
-from .conftest import RmqBroker, _wait_port, need_client, rmq_broker
+from .conftest import RmqBroker, _wait_port, make_topic, need_client, read_all, rmq_broker
 
 GROUPS: dict[str, dict[str, object]] = {
     "fifo-simple-g": {"fifo": True},
@@ -43,23 +42,6 @@ def rmq(tmp_path_factory: Any) -> Iterator[RmqBroker]:
         yield b
 
 
-async def _topic(addr: str, topic: str, queues: int = 4) -> None:
-    async with Admin(addr) as a:
-        await a.create_topic(topic, queues)
-
-
-async def _read(addr: str, topic: str, queues: int = 4) -> list[Any]:
-    out = []
-    async with PullConsumer(addr, "reader") as c:
-        for q in range(queues):
-            offset = 0
-            while True:
-                r = await c.pull(topic, q, offset, 64)
-                out += r.messages
-                if not r.messages:
-                    break
-                offset = r.next_offset
-    return out
 
 
 def _fifo_messages(prefix: str, per_group: int) -> list[dict[str, Any]]:
@@ -76,10 +58,10 @@ def _by_group(bodies: list[str]) -> dict[str, list[str]]:
 
 
 def test_fifo_producer_places_each_message_group_as_onceqs_sharding_key(rmq: RmqBroker):
-    asyncio.run(_topic(rmq.addr, "fifo-place"))
+    asyncio.run(make_topic(rmq.addr, "fifo-place"))
     sent = _fifo_messages("", 4)
     rmq.client("produce", topic="fifo-place", messages=sent)
-    stored = asyncio.run(_read(rmq.addr, "fifo-place"))
+    stored = asyncio.run(read_all(rmq.addr, "fifo-place"))
     assert len(stored) == len(sent)
     for m in stored:
         group = m.properties["__SHARDINGKEY"]
@@ -92,7 +74,7 @@ def test_fifo_producer_places_each_message_group_as_onceqs_sharding_key(rmq: Rmq
 
 def test_fifo_simple_consumer_gets_each_group_in_order_also_across_a_redelivery(
         rmq: RmqBroker):
-    asyncio.run(_topic(rmq.addr, "fifo-simple"))
+    asyncio.run(make_topic(rmq.addr, "fifo-simple"))
     sent = _fifo_messages("s", 5)
     rmq.client("produce", topic="fifo-simple", messages=sent)
     # two at a time: the next receive comes while a message left is still out
@@ -120,7 +102,7 @@ def test_fifo_simple_consumer_gets_each_group_in_order_also_across_a_redelivery(
 
 def test_fifo_push_consumer_keeps_order_and_forwards_a_failing_message_to_the_dlq(
         rmq: RmqBroker):
-    asyncio.run(_topic(rmq.addr, "fifo-push"))
+    asyncio.run(make_topic(rmq.addr, "fifo-push"))
     sent = _fifo_messages("p", 5)
     rmq.client("produce", topic="fifo-push", messages=sent)
     out = rmq.client("fifo_push", topic="fifo-push", group="fifo-push-g", n=len(sent) - 1,
@@ -138,14 +120,14 @@ def test_fifo_push_consumer_keeps_order_and_forwards_a_failing_message_to_the_dl
     assert gamma == ["fail", "ok"]
     assert (next(i for i, e in enumerate(log) if e[0] == "pgamma-4")
             > [i for i, e in enumerate(log) if e[0] == "pgamma-3"][-1])
-    dead = asyncio.run(_read(rmq.addr, dlq_topic("fifo-push-g"), 1))
+    dead = asyncio.run(read_all(rmq.addr, dlq_topic("fifo-push-g"), 1))
     assert [m.body.decode() for m in dead] == ["pbeta-1"]
     assert "forwarded to the dead-letter queue" in dead[0].properties["DLQ_REASON"]
     assert dead[0].properties["ORIGIN_TOPIC"] == "fifo-push"
 
 
 def test_a_message_never_acknowledged_goes_to_the_dlq_after_max_attempts(rmq: RmqBroker):
-    asyncio.run(_topic(rmq.addr, "dlq-topic", 2))
+    asyncio.run(make_topic(rmq.addr, "dlq-topic", 2))
     rmq.client("produce", topic="dlq-topic", messages=[{"body": "d-0"}, {"body": "d-1"}])
     out = rmq.client("never_ack", topic="dlq-topic", group="dlq-g", invisible=1, idle=3,
                      timeout=25)
@@ -153,7 +135,7 @@ def test_a_message_never_acknowledged_goes_to_the_dlq_after_max_attempts(rmq: Rm
     for body, attempt in out["deliveries"]:
         got.setdefault(body, []).append(attempt)
     assert got == {"d-0": [1, 2, 3], "d-1": [1, 2, 3]}  # then not delivered again
-    dead = asyncio.run(_read(rmq.addr, dlq_topic("dlq-g"), 1))
+    dead = asyncio.run(read_all(rmq.addr, dlq_topic("dlq-g"), 1))
     assert sorted(m.body.decode() for m in dead) == ["d-0", "d-1"]
     assert all("not acknowledged after 3 deliveries" in m.properties["DLQ_REASON"]
                for m in dead)
@@ -162,7 +144,7 @@ def test_a_message_never_acknowledged_goes_to_the_dlq_after_max_attempts(rmq: Rm
 
 
 def test_forward_message_to_dead_letter_queue(rmq: RmqBroker):
-    asyncio.run(_topic(rmq.addr, "fwd-topic", 2))
+    asyncio.run(make_topic(rmq.addr, "fwd-topic", 2))
     rmq.client("produce", topic="fwd-topic",
                messages=[{"body": f"f-{i}"} for i in range(3)])
     out = rmq.client("forward", topic="fwd-topic", group="fwd-g", n=3, dlq=["f-1"])
@@ -170,7 +152,7 @@ def test_forward_message_to_dead_letter_queue(rmq: RmqBroker):
     # forwarded once; the same handle again is stale (the message is not in flight)
     assert out["answers"] == {"f-1": [20000, 40013]}
     assert out["extra"] == []  # acknowledged by the forward
-    dead = asyncio.run(_read(rmq.addr, dlq_topic("fwd-g"), 1))
+    dead = asyncio.run(read_all(rmq.addr, dlq_topic("fwd-g"), 1))
     assert [m.body.decode() for m in dead] == ["f-1"]
 
 
@@ -187,7 +169,7 @@ def test_delivery_attempts_carry_on_across_a_broker_sigkill(tmp_path: Path):
     try:
         _wait_port(gport, 15)
         b = RmqBroker(addr, f"127.0.0.1:{gport}", tmp_path)
-        asyncio.run(_topic(addr, "dlq-restart", 1))
+        asyncio.run(make_topic(addr, "dlq-restart", 1))
         b.client("produce", topic="dlq-restart", messages=[{"body": "r-0"}])
         before = b.client("never_ack", topic="dlq-restart", group="dlq-g", invisible=1,
                           until_attempt=2, timeout=15)
@@ -199,7 +181,7 @@ def test_delivery_attempts_carry_on_across_a_broker_sigkill(tmp_path: Path):
         after = b.client("never_ack", topic="dlq-restart", group="dlq-g", invisible=1,
                          idle=3, timeout=20)
         assert after["deliveries"] == [["r-0", 3]]
-        dead = asyncio.run(_read(addr, dlq_topic("dlq-g"), 1))
+        dead = asyncio.run(read_all(addr, dlq_topic("dlq-g"), 1))
         assert [m.body.decode() for m in dead] == ["r-0"]
     finally:
         proc.terminate()

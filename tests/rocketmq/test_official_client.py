@@ -8,29 +8,9 @@ import asyncio
 import time
 from typing import Any
 
-from onceq import Admin, PullConsumer
+from onceq import PullConsumer
 
-from .conftest import RmqBroker
-
-
-async def _topic(addr: str, topic: str, queues: int = 4) -> None:
-    async with Admin(addr) as a:
-        await a.create_topic(topic, queues)
-
-
-async def _read_all(addr: str, topic: str, queues: int = 4) -> list[Any]:
-    """Every message of the topic, as onceq's own PullConsumer reads it."""
-    out = []
-    async with PullConsumer(addr, "reader") as c:
-        for q in range(queues):
-            offset = 0
-            while True:
-                r = await c.pull(topic, q, offset, 64)
-                out += r.messages
-                if not r.messages:
-                    break
-                offset = r.next_offset
-    return out
+from .conftest import RmqBroker, make_topic, read_all
 
 
 async def _committed(addr: str, group: str, topic: str, queues: int = 4
@@ -45,12 +25,12 @@ def _messages(prefix: str, n: int) -> list[dict[str, Any]]:
 
 
 def test_official_producer_messages_read_back_equal_by_onceq(rmq: RmqBroker):
-    asyncio.run(_topic(rmq.addr, "rmq-produce"))
+    asyncio.run(make_topic(rmq.addr, "rmq-produce"))
     sent = _messages("p", 20)
     receipts = rmq.client("produce", topic="rmq-produce", messages=sent[:15])["sent"]
     receipts += rmq.client("produce", topic="rmq-produce", messages=sent[15:],
                            **{"async": True})["sent"]
-    stored = asyncio.run(_read_all(rmq.addr, "rmq-produce"))
+    stored = asyncio.run(read_all(rmq.addr, "rmq-produce"))
     assert len(stored) == len(sent) == len(receipts)
     by_id = {m.unique_key: m for m in stored}
     for msg, receipt in zip(sent, receipts, strict=True):
@@ -63,7 +43,7 @@ def test_official_producer_messages_read_back_equal_by_onceq(rmq: RmqBroker):
 
 
 def test_official_simple_consumer_receives_acks_and_gets_unacked_back(rmq: RmqBroker):
-    asyncio.run(_topic(rmq.addr, "rmq-simple"))
+    asyncio.run(make_topic(rmq.addr, "rmq-simple"))
     sent = _messages("s", 12)
     rmq.client("produce", topic="rmq-simple", messages=sent)
     out = rmq.client("simple", topic="rmq-simple", group="rmq-g1", n=len(sent),
@@ -80,7 +60,7 @@ def test_official_simple_consumer_receives_acks_and_gets_unacked_back(rmq: RmqBr
     assert out["again"][0]["after"] >= 3.9
     assert out["extra"] == []  # all acknowledged: nothing more is delivered
     # the group's committed offsets moved past every acknowledged message
-    stored = asyncio.run(_read_all(rmq.addr, "rmq-simple"))
+    stored = asyncio.run(read_all(rmq.addr, "rmq-simple"))
     ends = [1 + max([m.queue_offset for m in stored if m.queue_id == q], default=-1)
             for q in range(4)]
     committed = asyncio.run(_committed(rmq.addr, "rmq-g1", "rmq-simple"))
@@ -88,7 +68,7 @@ def test_official_simple_consumer_receives_acks_and_gets_unacked_back(rmq: RmqBr
 
 
 def test_simple_consumers_of_two_groups_each_get_everything(rmq: RmqBroker):
-    asyncio.run(_topic(rmq.addr, "rmq-groups"))
+    asyncio.run(make_topic(rmq.addr, "rmq-groups"))
     sent = _messages("g", 6)
     rmq.client("produce", topic="rmq-groups", messages=sent)
     for group in ("rmq-ga", "rmq-gb"):
@@ -98,7 +78,7 @@ def test_simple_consumers_of_two_groups_each_get_everything(rmq: RmqBroker):
 
 
 def test_tag_filter(rmq: RmqBroker):
-    asyncio.run(_topic(rmq.addr, "rmq-tags"))
+    asyncio.run(make_topic(rmq.addr, "rmq-tags"))
     rmq.client("produce", topic="rmq-tags", messages=_messages("t", 9))
     out = rmq.client("simple", topic="rmq-tags", group="rmq-gt", n=3, tags="tag2",
                      drain=True)
@@ -107,13 +87,13 @@ def test_tag_filter(rmq: RmqBroker):
 
 
 def test_retry_of_the_same_message_id_is_stored_once(rmq: RmqBroker):
-    asyncio.run(_topic(rmq.addr, "rmq-retry"))
+    asyncio.run(make_topic(rmq.addr, "rmq-retry"))
     out = rmq.client("resend", topic="rmq-retry", body="once", message_id="0A0B0C0D0E0F0102",
                      times=3)
     answers = out["answers"]
     assert [a["code"] for a in answers] == [20000] * 3
     assert len({(a["message_id"], a["offset"]) for a in answers}) == 1
-    stored = asyncio.run(_read_all(rmq.addr, "rmq-retry"))
+    stored = asyncio.run(read_all(rmq.addr, "rmq-retry"))
     assert [(m.unique_key, m.body) for m in stored] == [("0A0B0C0D0E0F0102", b"once")]
 
 
@@ -127,7 +107,7 @@ def test_unknown_topic_is_a_clear_error_in_the_official_client(rmq: RmqBroker):
 
 
 def test_official_push_consumer_consumes(rmq: RmqBroker):
-    asyncio.run(_topic(rmq.addr, "rmq-push"))
+    asyncio.run(make_topic(rmq.addr, "rmq-push"))
     sent = _messages("u", 8)
     rmq.client("produce", topic="rmq-push", messages=sent)
     out = rmq.client("push", topic="rmq-push", group="rmq-gp", n=8, linger=1, timeout=30)
@@ -137,7 +117,7 @@ def test_official_push_consumer_consumes(rmq: RmqBroker):
 def test_two_official_push_consumers_share_the_group_without_duplicates(rmq: RmqBroker):
     """Two members of one group, each with its share of the queues (onceq's allocation):
     every message consumed once, by one of them."""
-    asyncio.run(_topic(rmq.addr, "rmq-push2"))
+    asyncio.run(make_topic(rmq.addr, "rmq-push2"))
     members = [rmq.start("push", topic="rmq-push2", group="rmq-gp2", n=10_000, timeout=9)
                for _ in range(2)]
     time.sleep(3)  # both started (settings, first assignment)

@@ -5,6 +5,7 @@ its own port, and stops them first, before anything they call into closes."""
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -18,6 +19,15 @@ class FrontEnd(Protocol):
     async def start(self, broker: Broker) -> None: ...
 
     async def stop(self) -> None: ...
+
+
+def file_stamp(path: str) -> tuple[int, int, int] | None:
+    """(inode, size, mtime) of a file a front end re-reads when it changes (None: absent)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def write_file_atomic(path: str, data: bytes, *, private: bool = False) -> None:

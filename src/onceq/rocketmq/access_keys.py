@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..broker.front_end import write_file_atomic
+from ..broker.front_end import file_stamp, write_file_atomic
 
 FILE = "rocketmq_access_keys.json"
 VERSION = 1
@@ -93,11 +93,7 @@ class AccessKeys:
         self.keys = self._read()
 
     def _file_stamp(self) -> tuple[int, int, int] | None:
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            return None
-        return st.st_ino, st.st_size, st.st_mtime_ns
+        return file_stamp(self.path)
 
     def _read(self) -> dict[str, AccessKey]:
         stamp = self._file_stamp()

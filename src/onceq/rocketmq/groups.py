@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..broker.front_end import write_file_atomic
+from ..broker.front_end import file_stamp, write_file_atomic
 from ..broker.retry import parse_delay_levels
 
 log = logging.getLogger("onceq.rocketmq")
@@ -141,11 +141,7 @@ class GroupSettingsFile:
         self.refresh()
 
     def _file_stamp(self) -> tuple[int, int, int] | None:
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            return None
-        return st.st_ino, st.st_size, st.st_mtime_ns
+        return file_stamp(self.path)
 
     def refresh(self) -> None:
         self._checked = self.clock()
