@@ -8,6 +8,10 @@ import pytest
 # Brokers started by the tests (and the demo's) must not depend on how full this host's
 # disk is: the usage limit has its own tests, on a tmpfs of their own.
 os.environ.setdefault("ONCEQ_DISK_MAX_USED_RATIO", "1.0")
+# Some tests run the RocketMQ gRPC endpoint in this process; a process forked later (the
+# Spark JVM's launcher) must not run gRPC's fork handlers (they restart its poller in the
+# child, which then exits before it execs)
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from tests.cluster.group import start_etcd
 from tests.helpers import running_broker

@@ -26,12 +26,17 @@ def spark(tmp_path_factory):
 
     # executors' Python workers must run this interpreter (it has onceq installed)
     os.environ["PYSPARK_PYTHON"] = sys.executable
-    session = (SparkSession.builder.master("local[2]").appName("onceq-tests")
+    builder = (SparkSession.builder.master("local[2]").appName("onceq-tests")
                .config("spark.sql.shuffle.partitions", "2")
                .config("spark.ui.enabled", "false")
                .config("spark.sql.streaming.noDataMicroBatches.enabled", "false")
-               .config("spark.local.dir", str(tmp_path_factory.mktemp("spark-local")))
-               .getOrCreate())
+               .config("spark.local.dir", str(tmp_path_factory.mktemp("spark-local"))))
+    try:
+        session = builder.getOrCreate()
+    except Exception as exc:  # the JVM's launcher died before it started (once seen in
+        # a worker that had run gRPC servers): one more start, said on stderr
+        print(f"starting Spark failed ({exc}); starting it again", file=sys.stderr)
+        session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
     onceq.spark.register(session)
     yield session
