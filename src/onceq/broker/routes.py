@@ -157,14 +157,23 @@ class Routes:
                 raise OnceqError(ErrorCode.SERVICE_UNAVAILABLE, "this broker has not read "
                                  "the topics' routes from etcd yet: try again")
             topic = req.topic
-            if topic not in self.store.topics and topic not in self.routes \
-                    and self._may_be_new(topic):
-                self._after_route(call, req, handler)  # its route may be newer than ours
+            if topic not in self.store.topics and (
+                    self._placed_here(topic) if topic in self.routes
+                    else self._may_be_new(topic)):
+                # its route may be newer than ours, or this group has not created the
+                # topic its route places here yet (a moment after it was made elsewhere)
+                self._after_route(call, req, handler)
                 return None
             if self.routes:
                 self.check(topic, getattr(req, "queue", None), isinstance(req, SENDS))
             return handler(call, req)
         return guarded
+
+    def _placed_here(self, topic: str) -> bool:
+        route = self.routes.get(topic)
+        return route is not None and self.create_local is not None and (
+            self.group in route.placement or any(to == self.group
+                                                 for _, to, _ in route.moving))
 
     def _may_be_new(self, topic: str) -> bool:
         """Whether a topic this broker knows nothing of is worth a read of its route
@@ -190,9 +199,11 @@ class Routes:
         async def first() -> None:
             route = await read_route(client, self.cluster, req.topic)
             if route is not None:
-                self.routes[req.topic] = route
-                if self.group in route.placement and self.create_local is not None \
-                        and req.topic not in self.store.topics:
+                known = self.routes.get(req.topic)
+                if known is None or known.version <= route.version:
+                    self.routes[req.topic] = route
+                if self._placed_here(req.topic) and req.topic not in self.store.topics:
+                    assert self.create_local is not None
                     await self.create_local(req.topic, route.queues)
                 self.check(req.topic, getattr(req, "queue", None), isinstance(req, SENDS))
 
