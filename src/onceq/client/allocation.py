@@ -1,26 +1,8 @@
 """Queue allocation strategies for consumer-group rebalancing: the pure functions live in
-``onceq._allocation`` (the broker's RocketMQ endpoint allocates with them too)."""
+``onceq._allocation`` (the broker's RocketMQ endpoint allocates with them too); their
+public names are listed there once."""
 
-from .._allocation import (
-    STRATEGIES,
-    AllocateConfig,
-    AllocateConsistentHash,
-    AllocateNearby,
-    AllocateStrategy,
-    MessageQueue,
-    allocate_average,
-    allocate_average_by_circle,
-    get_strategy,
-)
+from .. import _allocation
+from .._allocation import *  # noqa: F403
 
-__all__ = [
-    "STRATEGIES",
-    "AllocateConfig",
-    "AllocateConsistentHash",
-    "AllocateNearby",
-    "AllocateStrategy",
-    "MessageQueue",
-    "allocate_average",
-    "allocate_average_by_circle",
-    "get_strategy",
-]
+__all__ = _allocation.__all__
