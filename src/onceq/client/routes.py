@@ -120,6 +120,7 @@ class GroupLinks:
             except OnceqError as exc:
                 if exc.code != ErrorCode.WRONG_GROUP or time.monotonic() >= deadline:
                     raise
+                self.wrong_group(topic)  # (the link's own answer does not reach this cache)
 
     async def close(self) -> None:
         for link in self._links.values():
