@@ -40,7 +40,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,6 +53,9 @@ sys.path.insert(0, str(HERE))
 
 from _progress import Steps, note  # noqa: E402
 from throughput import _free_port, start_broker  # noqa: E402
+
+sys.path.insert(0, str(HERE.parent))
+from tests.helpers import wait_port  # noqa: E402
 
 LOAD = HERE.parent / "tests" / "rocketmq" / "rmq_load.py"
 BODY = 100
@@ -69,15 +71,6 @@ RATIOS = {
 }
 
 
-def _wait_port(port: int, timeout: float = 15) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on {port}")
 
 
 # ---------------------------------------------------------------- onceq's side (children)
@@ -225,7 +218,7 @@ def run_once(n: int, queues: int, in_flight: int, steps: Steps) -> dict[str, flo
         proc, addr = start_broker(os.path.join(d, "data"), "async",
                                   ["--grpc-port", str(gport)])
         try:
-            _wait_port(gport)
+            wait_port(gport)
             endpoint = f"127.0.0.1:{gport}"
             asyncio.run(_setup(addr, queues, n))
             res: dict[str, float] = {}

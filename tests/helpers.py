@@ -60,6 +60,18 @@ def with_fd_limit(argv: list[str], fd_limit: int | None) -> list[str]:
             "os.execv(sys.argv[1], sys.argv[1:])", *argv]
 
 
+def wait_port(port: int, timeout: float = 15.0) -> None:
+    """Wait until something accepts connections on loopback ``port``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on {port} after {timeout}s")
+
+
 def spawn_broker(data_dir: str, *args: str, port: int | None = None,
                  fd_limit: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """Start ``onceq broker start`` in a child process and wait until it accepts;

@@ -6,10 +6,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,7 +17,7 @@ from typing import Any
 import pytest
 
 from onceq import Admin, PullConsumer
-from tests.helpers import free_port, spawn_broker
+from tests.helpers import free_port, spawn_broker, wait_port
 
 PROC = Path(__file__).with_name("rmq_proc.py")
 
@@ -59,15 +57,6 @@ class RmqBroker:
         return path.read_text() if path.exists() else ""
 
 
-def _wait_port(port: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise AssertionError(f"nothing listens on {port}")
 
 
 def need_client() -> None:
@@ -84,7 +73,7 @@ def rmq_broker(root: Path, *args: str) -> Iterator[RmqBroker]:
     gport = free_port()
     proc, addr = spawn_broker(str(root / "data"), "--grpc-port", str(gport), *args)
     try:
-        _wait_port(gport, 15)
+        wait_port(gport, 15)
         yield RmqBroker(addr, f"127.0.0.1:{gport}", root)
     finally:
         proc.terminate()

@@ -46,9 +46,9 @@ from typing import Any
 import pytest
 
 from onceq import Admin, Producer, PullConsumer
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_port
 
-from .conftest import RmqBroker, _wait_port, need_client
+from .conftest import RmqBroker, need_client
 
 LOAD = Path(__file__).with_name("rmq_load.py")
 TOPIC, SIMPLE_GROUP, PUSH_GROUP, QUEUES = "rmq-chaos", "rmq-chaos-simple", "rmq-chaos-push", 4
@@ -85,8 +85,8 @@ class Broker:
                  str(self.gport), "--log-level", "WARNING"],
                 stdout=subprocess.DEVNULL, stderr=err, env={**os.environ})
         try:
-            _wait_port(self.port, 30)
-            _wait_port(self.gport, 15)
+            wait_port(self.port, 30)
+            wait_port(self.gport, 15)
         except AssertionError:
             self.stop()
             raise AssertionError(f"the broker did not start:\n{self.stderr()}") from None

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from onceq.protocol.codes import dlq_topic
-from tests.helpers import free_port, spawn_broker
+from tests.helpers import free_port, spawn_broker, wait_port
 
-from .conftest import RmqBroker, _wait_port, make_topic, need_client, read_all, rmq_broker
+from .conftest import RmqBroker, make_topic, need_client, read_all, rmq_broker
 
 GROUPS: dict[str, dict[str, object]] = {
     "fifo-simple-g": {"fifo": True},
@@ -167,7 +167,7 @@ def test_delivery_attempts_carry_on_across_a_broker_sigkill(tmp_path: Path):
     port, gport = free_port(), free_port()
     proc, addr = spawn_broker(str(tmp_path / "data"), "--grpc-port", str(gport), port=port)
     try:
-        _wait_port(gport, 15)
+        wait_port(gport, 15)
         b = RmqBroker(addr, f"127.0.0.1:{gport}", tmp_path)
         asyncio.run(make_topic(addr, "dlq-restart", 1))
         b.client("produce", topic="dlq-restart", messages=[{"body": "r-0"}])
@@ -177,7 +177,7 @@ def test_delivery_attempts_carry_on_across_a_broker_sigkill(tmp_path: Path):
         proc.send_signal(signal.SIGKILL)
         proc.wait(15)
         proc, _ = spawn_broker(str(tmp_path / "data"), "--grpc-port", str(gport), port=port)
-        _wait_port(gport, 15)
+        wait_port(gport, 15)
         after = b.client("never_ack", topic="dlq-restart", group="dlq-g", invisible=1,
                          idle=3, timeout=20)
         assert after["deliveries"] == [["r-0", 3]]

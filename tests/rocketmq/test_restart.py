@@ -14,9 +14,9 @@ import subprocess
 from pathlib import Path
 
 from onceq import Admin, Producer
-from tests.helpers import free_port, spawn_broker
+from tests.helpers import free_port, spawn_broker, wait_port
 
-from .conftest import RmqBroker, _wait_port, need_client
+from .conftest import RmqBroker, need_client
 
 TOPIC, GROUP = "rmq-restart", "rmq-restart-g"
 
@@ -34,7 +34,7 @@ def _restart(root: Path, proc: subprocess.Popen[bytes], port: int, gport: int
     proc.send_signal(signal.SIGKILL)
     proc.wait(15)
     proc, _ = spawn_broker(str(root / "data"), "--grpc-port", str(gport), port=port)
-    _wait_port(gport, 15)
+    wait_port(gport, 15)
     return proc
 
 
@@ -48,7 +48,7 @@ def test_acknowledged_never_delivered_again_and_handles_survive_a_sigkill(tmp_pa
     port, gport = free_port(), free_port()
     proc, addr = spawn_broker(str(tmp_path / "data"), "--grpc-port", str(gport), port=port)
     try:
-        _wait_port(gport, 15)
+        wait_port(gport, 15)
         b = RmqBroker(addr, f"127.0.0.1:{gport}", tmp_path)
         asyncio.run(_prepare(addr, n))
         holder = b.start("simple_hold", topic=TOPIC, group=GROUP, n=n, ack_first=first,
