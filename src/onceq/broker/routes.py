@@ -372,9 +372,7 @@ class Routes:
         if not self.is_leader() or self.create_local is None:
             return
         for topic, route in list(self.routes.items()):
-            here = self.group in route.placement or any(
-                to == self.group for _, to, _ in route.moving)
-            if here and topic not in self.store.topics:
+            if self._placed_here(topic) and topic not in self.store.topics:
                 log.info("routes: topic %s holds queues %s on this group: creating it",
                          topic, route.queues_of(self.group or ""))
                 try:

@@ -82,11 +82,10 @@ class Coordinator:
         self.hold_s: float | None = None  # the broker's access-lock hold (heartbeat answer)
         # topics over several broker groups (``routes.py``, set by the consumer): a
         # topic's route; the broker group this coordinator is a member of (its queues of
-        # routed topics are consumed here); whether it also consumes the topics without a
-        # route (the consumer's own group); and what starts the members of the other groups
+        # routed topics are consumed here); and, on the consumer's own group (which also
+        # consumes the topics without a route), what starts its members on the others
         self.route: Callable[[str], Awaitable[Any]] | None = None
         self.broker_group: Callable[[], str | None] = lambda: None
-        self.home = True
         self.spawn: Callable[[Any], Awaitable[None]] | None = None
         self._to_drop: set[MessageQueue] = set()  # the next rebalance drops these
         self._confirming: asyncio.Task[None] | None = None  # a heartbeat for a lapsed lease
@@ -316,7 +315,7 @@ class Coordinator:
             mine = self.broker_group()
             return [MessageQueue(topic, i) for i, g in enumerate(route.placement)
                     if g == mine]
-        if not self.home and topic != retry_topic(self.group):
+        if self.spawn is None and topic != retry_topic(self.group):
             return []
         try:
             info: TopicInfo = await self.call(GetTopic(topic))

@@ -84,8 +84,9 @@ class PushConsumer(BrokerClient):
         # each of them (docs/cluster.md, "Consumer groups across broker groups"); the
         # consumer itself is the member on the group it reached, these on the others
         self.members: dict[str, PushConsumer] = {}
-        self._shared_runner = False  # a member of another group: the runner is its owner's
-        self._owner: PushConsumer | None = None  # the consumer such a member belongs to
+        # a member on another broker group: the consumer it belongs to (whose listener
+        # runner, idempotency guard and routes it shares)
+        self._owner: PushConsumer | None = None
         self.offsets: OffsetStore = BrokerOffsets(self.coordinator, self.owned)
         self.service: ConsumeService | None = None
         self.runner: ListenerRunner | None = None
@@ -179,14 +180,14 @@ class PushConsumer(BrokerClient):
             # a listener may check its settings against the broker before consuming (the
             # idempotent wrapper checks its retention against the redelivery horizon)
             hook = getattr(listener, "on_consumer_start", None)
-            if hook is not None and not self._shared_runner:
+            if hook is not None and self._owner is None:
                 await hook(self)
         except BaseException:  # e.g. no broker: leave nothing half started behind
             self._running = coordinator.running = False
             await self._close_guard()
             if self._conn is not None:
                 self._conn.close()
-            if not self._shared_runner:
+            if self._owner is None:
                 self.runner.shutdown()
             raise
         self._tasks = coordinator.start()
@@ -229,9 +230,7 @@ class PushConsumer(BrokerClient):
         member.coordinator.subscriptions = self._subs
         member.coordinator.route = self.links.route
         member.coordinator.broker_group = lambda: name
-        member.coordinator.home = False
         member.coordinator.spawn = None
-        member._shared_runner = True
         member._owner = self
         member.offset_owner = f"{self.offset_owner}@{name}"
         return member
@@ -256,7 +255,7 @@ class PushConsumer(BrokerClient):
         self._no_reconnect = True  # late listener calls must not open a new connection
         if self._conn is not None:
             self._conn.close()
-        if self.runner is not None and not self._shared_runner:
+        if self.runner is not None and self._owner is None:
             self.runner.shutdown()
         await self._close_guard()
 

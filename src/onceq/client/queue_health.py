@@ -75,7 +75,7 @@ class QueueHealth:
         """The queue of an unkeyed send whose round-robin turn is ``start`` (over
         ``among``, else all ``n`` queues): the first healthy one from there, else the one
         healthy again soonest."""
-        queues = among or list(range(n))
+        queues = among or range(n)
         if not self._queues:
             return queues[start % len(queues)]
         for i in range(len(queues)):

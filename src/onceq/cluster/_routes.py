@@ -201,9 +201,6 @@ def apply_events(cluster: str, routes: dict[str, TopicRoute], events: list[Watch
     return changed
 
 
-async def delete_route(client: EtcdClient, cluster: str, topic: str) -> None:
-    await client.delete(route_key(cluster, topic))
-
 
 @dataclass(frozen=True)
 class GroupDirectory:
@@ -213,9 +210,6 @@ class GroupDirectory:
     members: dict[str, list[str]]  # group -> member addresses, by broker id
     leaders: dict[str, str | None]  # group -> the leader's address
 
-    def to_json(self) -> dict[str, Any]:
-        return {g: {"members": self.members.get(g, []), "leader": self.leaders.get(g)}
-                for g in sorted(set(self.members) | set(self.leaders))}
 
 
 async def read_directory(client: EtcdClient, cluster: str) -> GroupDirectory:

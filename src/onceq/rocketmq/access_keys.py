@@ -92,11 +92,8 @@ class AccessKeys:
         self.problem = ""  # why the last refresh did not take the file ("": it did)
         self.keys = self._read()
 
-    def _file_stamp(self) -> tuple[int, int, int] | None:
-        return file_stamp(self.path)
-
     def _read(self) -> dict[str, AccessKey]:
-        stamp = self._file_stamp()
+        stamp = file_stamp(self.path)
         if stamp is None:
             self._stamp = None
             return {}
@@ -111,7 +108,7 @@ class AccessKeys:
 
     def refresh(self) -> bool:
         """Read the file again when it changed since it was read; whether it did."""
-        if self._file_stamp() == self._stamp:
+        if file_stamp(self.path) == self._stamp:
             return False
         try:
             self.keys = self._read()
@@ -151,4 +148,4 @@ class AccessKeys:
         write_file_atomic(self.path, json.dumps(doc, indent=1, sort_keys=True).encode(),
                           private=True)
         self.keys = keys
-        self._stamp = self._file_stamp()
+        self._stamp = file_stamp(self.path)

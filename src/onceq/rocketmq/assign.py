@@ -129,14 +129,18 @@ class QueueConsumers:
             if left <= 0:
                 return out
             if locked:  # not ours (yet): woken by a release, or tried again
-                ev = self._released.setdefault(key, asyncio.Event())
+                ev = self._released.get(key)
+                if ev is None:
+                    ev = self._released[key] = asyncio.Event()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(ev.wait(), min(left, LOCK_RETRY_S))
 
     async def _session(self, client: str, key: Key3) -> tuple[PopTable, QueuePop, bool]:
         """The member's session of the queue: (its table, the queue, whether it is new).
         A new one starts at the group's committed offset (the queue's first without)."""
-        table = self.tables.setdefault(client, PopTable(generations=self.pop.generation))
+        table = self.tables.get(client)
+        if table is None:
+            table = self.tables[client] = PopTable(generations=self.pop.generation)
         q = table.queue(*key)
         if q is not None:
             return table, q, False
@@ -289,7 +293,9 @@ class QueueConsumers:
         self.handovers += 1
         log.info("push consumer %s released %s:%d of group %s at %d (%d in flight)",
                  client, key[1], key[2], key[0], point, len(q.inflight))
-        self._released.pop(key, asyncio.Event()).set()
+        released = self._released.pop(key, None)
+        if released is not None:
+            released.set()
 
     async def gone(self, client: str) -> None:
         """The member left: every queue it holds is released now."""

@@ -140,12 +140,9 @@ class GroupSettingsFile:
         self._checked = float("-inf")
         self.refresh()
 
-    def _file_stamp(self) -> tuple[int, int, int] | None:
-        return file_stamp(self.path)
-
     def refresh(self) -> None:
         self._checked = self.clock()
-        stamp = self._file_stamp()
+        stamp = file_stamp(self.path)
         if stamp == self._stamp:
             return
         self._stamp = stamp
