@@ -108,10 +108,13 @@ class QueueConsumers:
         return info.queues
 
     # ---------------------------------------------------------------- receive
-    async def receive(self, r: Receive, client: str, queue: int) -> list[pb.Message]:
+    async def receive(self, r: Receive, client: str, queue: int,
+                      queues: int | None = None) -> list[pb.Message]:
         """Up to ``r.batch`` messages of ``queue``, while it is assigned to ``client`` and
-        the access lock lets it pull; waits up to ``r.wait_s`` otherwise."""
-        queues = await self.queues_of(r.topic)
+        the access lock lets it pull; waits up to ``r.wait_s`` otherwise. ``queues``: the
+        topic's queue count, when the caller has it."""
+        if queues is None:
+            queues = await self.queues_of(r.topic)
         if not 0 <= queue < queues:
             raise RmqError(Code.BAD_REQUEST, f"topic {r.topic} has no queue {queue}")
         key = (r.group, r.topic, queue)

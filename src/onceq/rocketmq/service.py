@@ -390,7 +390,7 @@ class MessagingService:
             if push:
                 c.client_type = pb.PUSH_CONSUMER
             self._group_of_onceq(group, push)
-            await self._topic(topic)
+            queues = await self._topic(topic)
             wait = (_seconds(req.long_polling_timeout) if req.HasField("long_polling_timeout")
                     else DEFAULT_WAIT_S)
             remaining = context.time_remaining()
@@ -407,7 +407,8 @@ class MessagingService:
                         req.message_queue.topic.resource_namespace)
             if push:
                 await self._member(c, group, topic, (expr.expression if expr else "") or "*")
-                msgs = await self.queues.receive(r, c.client_id, req.message_queue.id)
+                msgs = await self.queues.receive(r, c.client_id, req.message_queue.id,
+                                                 queues)
             else:
                 msgs = await self.pop.receive(r)
         except (RmqError, OnceqError) as exc:
