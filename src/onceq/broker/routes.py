@@ -21,6 +21,7 @@ A standalone broker has no routes: ``GET_ROUTE`` answers an empty placement.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -76,6 +77,8 @@ class Routes:
         self.problem = ""
         self.loaded = False  # the routes were read once (until then queues are refused)
         self._looked: dict[str, float] = {}  # unknown topics whose route was read, when
+        # topics whose route is being read (and created here): requests on them wait
+        self._arriving: dict[str, asyncio.Future[None]] = {}
         self.watching = False  # the routes follow etcd's watch (else they are polled)
         self.changes = 0  # route changes applied from the watch
         # a route changed (from the watch): the broker tells its clients
@@ -94,19 +97,22 @@ class Routes:
         unknown_group = known is not None and any(
             not self.directory.members.get(g) for g in known.groups)
         if self.client is not None and (unknown_group or (
-                known is None and self._may_be_new(topic))):
+                known is None and (topic in self._arriving or self._may_be_new(topic)))):
             # made on another broker a moment ago (this one may even hold the topic: a
             # follower, or a leader that created it): read it rather than answer "no
             # route" (a client keeps that answer, and would send where the route says
             # not); a group registered since the last read of the groups: read them
             client = self.client
+            arriving = None if known is not None else self._arrival(topic)
 
             async def first() -> None:
-                route = await read_route(client, self.cluster, topic)
-                if route is not None:
-                    self.routes[topic] = route
-                    if any(not self.directory.members.get(g) for g in route.groups):
-                        self.directory = await read_directory(client, self.cluster)
+                if arriving is not None:
+                    with contextlib.suppress(OnceqError, StorageError):  # (not created)
+                        await asyncio.shield(arriving)
+                route = self.routes.get(topic)
+                if route is not None and any(not self.directory.members.get(g)
+                                             for g in route.groups):
+                    self.directory = await read_directory(client, self.cluster)
 
             _serve_after(call, req, lambda c, r: self._route_info(topic), first(),
                          "read from")
@@ -158,10 +164,12 @@ class Routes:
                                  "the topics' routes from etcd yet: try again")
             topic = req.topic
             if topic not in self.store.topics and (
-                    self._placed_here(topic) if topic in self.routes
-                    else self._may_be_new(topic)):
-                # its route may be newer than ours, or this group has not created the
-                # topic its route places here yet (a moment after it was made elsewhere)
+                    topic in self._arriving or (
+                        self._placed_here(topic) if topic in self.routes
+                        else self._may_be_new(topic))):
+                # its route may be newer than ours (or is being read), or this group has
+                # not created the topic its route places here yet (a moment after it was
+                # made elsewhere)
                 self._after_route(call, req, handler)
                 return None
             if self.routes:
@@ -192,22 +200,39 @@ class Routes:
         """A request on a topic this broker does not know: read its route first (made on
         another group a moment ago, before this broker's next read), create the topic here
         with the route's queue count when the route places queues here (not with
-        ``default_queues``, as creating it on first use would), then serve the request."""
-        assert self.client is not None
-        client = self.client
+        ``default_queues``, as creating it on first use would), then serve the request.
+        Requests arriving meanwhile wait for the same read and creation."""
+        topic = req.topic
+        arriving = self._arrival(topic)
 
         async def first() -> None:
-            route = await read_route(client, self.cluster, req.topic)
-            if route is not None:
-                known = self.routes.get(req.topic)
-                if known is None or known.version <= route.version:
-                    self.routes[req.topic] = route
-                if self._placed_here(req.topic) and req.topic not in self.store.topics:
-                    assert self.create_local is not None
-                    await self.create_local(req.topic, route.queues)
-                self.check(req.topic, getattr(req, "queue", None), isinstance(req, SENDS))
+            await asyncio.shield(arriving)
+            self.check(topic, getattr(req, "queue", None), isinstance(req, SENDS))
 
         _serve_after(call, req, handler, first(), "read from")
+
+    def _arrival(self, topic: str) -> asyncio.Future[None]:
+        """The read of ``topic``'s route in flight (started now if none)."""
+        arriving = self._arriving.get(topic)
+        if arriving is None:
+            arriving = self._arriving[topic] = asyncio.ensure_future(self._arrive(topic))
+            arriving.add_done_callback(lambda _: self._arriving.pop(topic, None))
+        return arriving
+
+    async def _arrive(self, topic: str) -> None:
+        """Read ``topic``'s route (kept unless older than the one known); a leader of a
+        group it places queues on creates the topic here."""
+        assert self.client is not None
+        route = await read_route(self.client, self.cluster, topic)
+        if route is None:
+            return
+        known = self.routes.get(topic)
+        if known is None or known.version <= route.version:
+            self.routes[topic] = route
+        if self._placed_here(topic) and topic not in self.store.topics \
+                and self.is_leader():
+            assert self.create_local is not None
+            await self.create_local(topic, route.queues)
 
     def deleting(self, handler: Handler) -> Handler:
         """``DELETE_TOPIC`` of a topic spread over several groups is refused (its queues
