@@ -26,7 +26,6 @@ from ..protocol.replies import (
     ResetReply,
     SendBackReply,
     StatusReply,
-    TopicInfo,
     TopicList,
     TopicStatusReply,
     TraceReply,
@@ -39,7 +38,6 @@ from ..protocol.requests import (
     CreateTopic,
     DeleteTopic,
     GetOffset,
-    GetTopic,
     GroupTrace,
     ListGroupMembers,
     ListGroups,
@@ -184,11 +182,7 @@ class Admin(BrokerClient):
         return reply.topics
 
     async def queue_count(self, topic: str) -> int:
-        route = await self.links.route(topic)  # spread over groups: its placement
-        if route is not None:
-            return len(route.placement)
-        reply: TopicInfo = await self._call(GetTopic(topic))
-        return reply.queues
+        return await self.links.queue_count(topic)
 
     async def queue_offsets(self, topic: str, queue: int) -> tuple[int, int]:
         reply: QueueOffsets = await self.links.call_at(topic, queue, QueryOffsets(topic, queue))

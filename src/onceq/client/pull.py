@@ -12,11 +12,10 @@ from dataclasses import dataclass
 from ..log.record import MessageExt, decode_records
 from ..protocol.codes import PullStatus
 from ..protocol.errors import OnceqError
-from ..protocol.replies import OffsetReply, PullReply, QueueOffsets, TopicInfo
+from ..protocol.replies import OffsetReply, PullReply, QueueOffsets
 from ..protocol.requests import (
     CommitOffset,
     GetOffset,
-    GetTopic,
     Pull,
     QueryOffsets,
     SearchOffset,
@@ -159,8 +158,4 @@ class PullConsumer(BrokerClient):
         return reply.offset
 
     async def queue_count(self, topic: str) -> int:
-        route = await self.links.route(topic)  # spread over groups: its placement
-        if route is not None:
-            return len(route.placement)
-        reply: TopicInfo = await self._call(GetTopic(topic))
-        return reply.queues
+        return await self.links.queue_count(topic)

@@ -17,8 +17,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..protocol.errors import ErrorCode, OnceqError
-from ..protocol.replies import RouteInfo
-from ..protocol.requests import GetRoute
+from ..protocol.replies import RouteInfo, TopicInfo
+from ..protocol.requests import GetRoute, GetTopic
 
 if TYPE_CHECKING:
     from ..protocol.schema import Message
@@ -79,6 +79,15 @@ class GroupLinks:
             self.home = info.here
         self._routes[topic] = (route := routed(info), now + self.ttl_s)
         return route
+
+    async def queue_count(self, topic: str, written: bool = False) -> int:
+        """The topic's queue count: its route's when spread over groups, else the topic's
+        (``written``: the queues written to, when fewer are read than written)."""
+        route = await self.route(topic)
+        if route is not None:
+            return len(route.placement)
+        info: TopicInfo = await self.owner._call(GetTopic(topic))
+        return (info.write_queues or info.queues) if written else info.queues
 
     def forget(self, topic: str) -> None:
         self._routes.pop(topic, None)

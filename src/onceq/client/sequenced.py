@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from ..log.record import encode_part
 from ..log.sequence import SEQ_PROPERTY, SEQUENCED, check_writer_id, marker
 from ..protocol.errors import ErrorCode, OnceqError
-from ..protocol.replies import SequencedReply, TopicInfo
-from ..protocol.requests import GetTopic, SendSequenced
+from ..protocol.replies import SequencedReply
+from ..protocol.requests import SendSequenced
 from .base import BrokerClient
 from .connection import ConnectionLost, retriable
 from .security import ClientSecurity
@@ -79,11 +79,7 @@ class SequencedWriter(BrokerClient):
         delay = 0.05
         while True:
             try:
-                route = await self.links.route(topic)  # spread over groups: its placement
-                if route is not None:
-                    return len(route.placement)
-                info: TopicInfo = await self._call(GetTopic(topic))
-                return info.write_queues or info.queues  # the queues written
+                return await self.links.queue_count(topic, written=True)
             except OnceqError as exc:
                 if not retriable(exc) or time.monotonic() + delay >= deadline:
                     raise
