@@ -23,7 +23,6 @@ A business-key lookup without a range scans the last 24 hours.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +33,7 @@ from ..protocol.replies import AccessLocks, FoundMessages, StatusReply, TraceRep
 from ..protocol.requests import BrokerStatus, GroupTrace, QueryAccessLocks, QueryMessage
 from ..storage.store import check_name
 from .fields import Call
-from .store_errors import StorageError, wire_error
+from .store_errors import as_wire_error
 
 if TYPE_CHECKING:
     from ..protocol.schema import Message
@@ -47,7 +46,6 @@ if TYPE_CHECKING:
     from .retry import RetryService
     from .trace import DeliveryTrace
 
-log = logging.getLogger("onceq.broker")
 
 DEFAULT_MAX_SCAN = 1_000_000
 LIMIT_MAX_SCAN = 10_000_000
@@ -182,15 +180,8 @@ class AdminOps:
             async with self._scan_turns:
                 found, scanned, truncated = await self._scan_queues(
                     topic, queues, key, by, begin, end, max_scan, max_results)
-        except OnceqError as exc:
-            call.fail(exc)
-            return
-        except StorageError as exc:
-            call.fail(wire_error(exc))
-            return
         except Exception as exc:  # answer it: the client must not wait for its timeout
-            log.exception("message query failed")
-            call.fail(OnceqError(ErrorCode.SYSTEM_ERROR, f"internal: {exc}"))
+            call.fail(as_wire_error(exc))
             return
         if not found:
             what = "unique key" if by == "unique" else "business key"

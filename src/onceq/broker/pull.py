@@ -10,7 +10,6 @@ messages, the same next offset; the client retries.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -23,7 +22,7 @@ from ..storage.store import check_name
 from .fields import Call, user_topic
 from .longpoll import HeldPull, PullHold
 from .ownership import Refusal
-from .store_errors import StorageError, wire_error
+from .store_errors import as_wire_error
 
 if TYPE_CHECKING:
     from ..protocol.requests import GetOffset, Pull, QueryOffsets, SearchOffset
@@ -32,8 +31,6 @@ if TYPE_CHECKING:
     from .metrics import BrokerMetrics
     from .ownership_service import OwnershipService
     from .trace import DeliveryTrace
-
-log = logging.getLogger("onceq.broker")
 
 
 @dataclass(slots=True, eq=False)
@@ -183,17 +180,10 @@ class PullService:
                                  self._locked(job.topic, job.queue, offset=job.offset))
                 return True
             reply = self._do_pull(job, final)
-        except OnceqError as exc:
-            held.conn.respond(held.corr_id, int(exc.code), {"message": exc.message})
-            return True
-        except StorageError as exc:
-            err = wire_error(exc)
-            held.conn.respond(held.corr_id, int(err.code), {"message": err.message})
-            return True
         except Exception as exc:  # answer it: the puller must not wait for its timeout
-            log.exception("held pull failed")
-            held.conn.respond(held.corr_id, int(ErrorCode.SYSTEM_ERROR),
-                              {"message": f"internal: {exc}"})
+            err = as_wire_error(exc)
+            held.conn.respond(held.corr_id, int(err.code), {**err.details,
+                                                            "message": err.message})
             return True
         if reply is None:
             return False

@@ -44,7 +44,7 @@ from ..cluster import (
 from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.replies import RouteInfo
 from ..protocol.requests import GetRoute, Send, SendBatch, SendRecords, SendSequenced
-from .store_errors import StorageError, wire_error
+from .store_errors import StorageError, as_wire_error
 
 if TYPE_CHECKING:
     from ..cluster import EtcdClient
@@ -436,13 +436,3 @@ def _serve_after(call: Call, req: Any, handler: Handler, first: Awaitable[Any],
 
 _RUNNING: set[asyncio.Task[None]] = set()
 
-
-def as_wire_error(exc: Exception) -> OnceqError:
-    """An error raised serving a request later, as ``Broker.dispatch`` would answer it: a
-    store error by its wire code, anything else ``SYSTEM_ERROR`` (and logged)."""
-    if isinstance(exc, OnceqError):
-        return exc
-    if isinstance(exc, StorageError):
-        return wire_error(exc)
-    log.error("request failed: %r", exc, exc_info=exc)
-    return OnceqError(ErrorCode.SYSTEM_ERROR, f"internal: {exc}")

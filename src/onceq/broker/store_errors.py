@@ -7,6 +7,8 @@ kind its stable error code and keeps the store's message as it is.
 
 from __future__ import annotations
 
+import logging
+
 from ..protocol.errors import ErrorCode, OnceqError
 from ..storage.errors import (
     DiskFull,
@@ -19,8 +21,11 @@ from ..storage.errors import (
     StoreUnavailable,
     TopicNotFound,
 )
+from ..storage.failures import storage_error
 
-__all__ = ["StorageError", "wire_error"]
+__all__ = ["StorageError", "as_wire_error", "wire_error"]
+
+log = logging.getLogger("onceq.broker")
 
 _CODES: dict[type[StorageError], ErrorCode] = {
     InvalidName: ErrorCode.INVALID_NAME,
@@ -48,3 +53,17 @@ def wire_error(exc: StorageError) -> OnceqError:
     err = OnceqError(error_code(exc), exc.message)
     err.__cause__ = exc
     return err
+
+
+def as_wire_error(exc: Exception) -> OnceqError:
+    """An error raised serving a request later (off the dispatch path), as the broker
+    answers it: a store error or a failing disk by its wire code, anything else
+    ``SYSTEM_ERROR`` (and logged)."""
+    if isinstance(exc, OnceqError):
+        return exc
+    if isinstance(exc, StorageError):
+        return wire_error(exc)
+    if isinstance(exc, OSError):
+        return wire_error(storage_error(exc, "the request failed"))
+    log.error("request failed: %r", exc, exc_info=exc)
+    return OnceqError(ErrorCode.SYSTEM_ERROR, f"internal: {exc}")

@@ -17,11 +17,9 @@ from ..log.offset_record import OFFSETS_TOPIC
 from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.replies import Empty, TopicInfo, TopicList, TopicStatusReply
 from ..protocol.requests import CreateTopic, DeleteTopic, GetTopic, ListTopics, TopicStatus
-from ..storage.errors import StorageError
-from ..storage.failures import storage_error
 from ..storage.topics import MAX_QUEUES, TopicConfig, check_name
 from .fields import Call, Handler, client_written_topic
-from .store_errors import wire_error
+from .store_errors import as_wire_error
 
 if TYPE_CHECKING:
     from ..protocol.schema import Message
@@ -186,15 +184,8 @@ class TopicAdmin:
         async def run() -> None:
             try:
                 call.answer(await work)
-            except OnceqError as exc:
-                call.fail(exc)
-            except StorageError as exc:
-                call.fail(wire_error(exc))
-            except OSError as exc:
-                call.fail(wire_error(storage_error(exc, "the request failed")))
             except Exception as exc:
-                log.exception("topic administration failed")
-                call.fail(OnceqError(ErrorCode.SYSTEM_ERROR, f"internal: {exc}"))
+                call.fail(as_wire_error(exc))
 
         self._spawn(run())
 
