@@ -190,7 +190,8 @@ def test_dlq_list_and_resend_json(baddr):
         sent = [p.send("adm-dl", Message(f"bad {i}".encode()), queue=0) for i in range(2)]
 
     async def to_dlq(a: Admin):
-        await a.reset_offsets("adm-d", "adm-dl", to_offset=0)  # the broker knows the group
+        for group in ("adm-d", "adm-g"):  # the broker knows the groups
+            await a.reset_offsets(group, "adm-dl", to_offset=0)
         for m in sent:  # failed for good: max_reconsume 0 goes to the dead-letter queue
             await a._request(RequestCode.CONSUMER_SEND_BACK, {
                 "group": "adm-d", "topic": "adm-dl", "queue": 0, "offset": m.offset,
