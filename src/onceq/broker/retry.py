@@ -55,8 +55,6 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import msgpack
-
 from .._aio import wait_event
 from ..log.delay import (
     DELAYED,
@@ -65,6 +63,7 @@ from ..log.delay import (
     TIMER_TOPIC,
     DelayError,
     check_delay,
+    decimal_ms,
     level_ms,
     parse_deliver_ms,
     timer_due,
@@ -78,6 +77,7 @@ from ..log.record import (
     check_part,
     decode_records,
     encode_part,
+    variable_fields,
 )
 from ..log.sequence import SEQUENCED
 from ..protocol.codes import (
@@ -108,7 +108,6 @@ log = logging.getLogger("onceq.broker")
 DEFAULT_DELAY_LEVELS = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
 SCHEDULE_GROUP = "%SCHEDULE%"
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
-_MAX_DIGITS = 18  # a due time in ms (an i64 holds 18 decimal digits whatever they are)
 _READ_AHEAD = 16  # records of a schedule queue read at once
 RECONCILE_SCAN = 4096  # records of a target queue looked through for a copy after a start
 
@@ -137,11 +136,10 @@ class BadScheduled(ValueError):
 
 
 def _decimal(props: dict, name: str) -> int:
-    value = props.get(name)
-    if (not isinstance(value, str) or not value.isascii() or not value.isdigit()
-            or len(value) > _MAX_DIGITS):
-        raise BadScheduled(f"{name} is not a decimal integer: {str(value)[:40]!r}")
-    return int(value)
+    value = decimal_ms(props.get(name))
+    if value is None:
+        raise BadScheduled(f"{name} is not a decimal integer: {str(props.get(name))[:40]!r}")
+    return value
 
 
 def scheduled_delivery(m: MessageExt, delay_ms: int) -> tuple[int, str]:
@@ -614,13 +612,6 @@ def _part_fields(part: bytes | memoryview
     message part; raises RecordError for one that does not decode."""
     check_part(part)
     born, flags, recons, ulen, tlen, klen, plen, blen = PART_FIXED.unpack_from(part)
-    p = PART_FIXED_SIZE
-    key = bytes(part[p:p + ulen]).decode("ascii")
-    p += ulen
-    tags = bytes(part[p:p + tlen]).decode()
-    p += tlen
-    keys = bytes(part[p:p + klen]).decode()
-    p += klen
-    props = msgpack.unpackb(part[p:p + plen], raw=False) if plen else {}
-    p += plen
-    return dict(props), (bytes(part[p:p + blen]), key, born, tags, keys, flags, recons)
+    key, tags, keys, props, body = variable_fields(memoryview(part), PART_FIXED_SIZE, ulen,
+                                                   tlen, klen, plen, blen)
+    return dict(props), (body, key, born, tags, keys, flags, recons)

@@ -65,15 +65,23 @@ def timer_level(remaining_ms: int) -> int:
     return min((remaining_ms // TIMER_BASE_MS).bit_length() - 1, TIMER_LEVELS - 1)
 
 
+def decimal_ms(value: object) -> int | None:
+    """A time in ms written as a property: a decimal integer string (None: not one)."""
+    if (not isinstance(value, str) or not value.isascii() or not value.isdigit()
+            or len(value) > _MAX_DIGITS):
+        return None
+    return int(value)
+
+
 def parse_deliver_ms(value: object) -> int:
     """The delivery time of ``TIMER_DELIVER_MS``: a decimal integer string, ms since the
     epoch; raises DelayError (its message is what the producer reads)."""
-    if (not isinstance(value, str) or not value.isascii() or not value.isdigit()
-            or len(value) > _MAX_DIGITS):
+    ms = decimal_ms(value)
+    if ms is None:
         raise DelayError(f"delayed message: property {PROP_TIMER_DELIVER_MS} must be the "
                          "delivery time in ms since the epoch, a decimal integer, got "
                          f"{str(value)[:40]!r}")
-    return int(value)
+    return ms
 
 
 def check_delay(deliver_ms: int, now_ms: int, max_delay_s: float) -> None:

@@ -339,7 +339,7 @@ def decode_records(buf: bytes | memoryview, verify: bool = True, first: int = 0,
             raise RecordError("record checksum mismatch")
         try:
             p = pos + head_size
-            uk, tags, keys, props, body = _fields(mv, p, ulen, tgl, kl, pl, bl)
+            uk, tags, keys, props, body = variable_fields(mv, p, ulen, tgl, kl, pl, bl)
             raw_topic = mv[rec_end - tlen:rec_end]
             if raw_topic != topic_raw:
                 topic_raw = bytes(raw_topic)
@@ -353,7 +353,7 @@ def decode_records(buf: bytes | memoryview, verify: bool = True, first: int = 0,
         pos = rec_end
 
 
-def _fields(mv: memoryview, p: int, ulen: int, tgl: int, kl: int, pl: int, bl: int
+def variable_fields(mv: memoryview, p: int, ulen: int, tgl: int, kl: int, pl: int, bl: int
             ) -> tuple[str, str, str, Any, bytes]:
     """The variable fields of a message part whose fixed header ends at ``p``."""
     uk = str(mv[p:p + ulen], "ascii")
@@ -408,7 +408,7 @@ def _decode_batch_record(mv: memoryview, pos: int, verify: bool, first: int,
             continue
         q = starts[i]
         try:
-            _u, tags, keys, props, body = _fields(memoryview(plain), q, 0, tgl, kl, pl,
+            _u, tags, keys, props, body = variable_fields(memoryview(plain), q, 0, tgl, kl, pl,
                                                   starts[i + 1] - q - tgl - kl - pl)
         except Exception as exc:  # a corrupt record read without verification
             raise RecordError(f"undecodable record: {exc}") from None
