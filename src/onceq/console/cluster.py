@@ -21,6 +21,7 @@ reads the routes there as well: every spread topic, and the moving queues marked
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,7 @@ from .access import PAGE_ERRORS, ConsoleAdmin
 from .web import Console, console_of, failed, problem, render
 
 # background colours of the groups in the placement table (then repeated)
+ROUTE_READS = 16  # GET_ROUTE requests in flight while the page is made
 PALETTE = ("#bfdbfe", "#bbf7d0", "#fde68a", "#fbcfe8", "#ddd6fe", "#fed7aa", "#a5f3fc",
            "#d9f99d", "#fecaca", "#e5e7eb")
 
@@ -116,17 +118,20 @@ async def gather(c: Console, admin: ConsoleAdmin) -> dict[str, Any]:
     if not own:
         return {"standalone": True}
     here = str(own.get("group"))
+    turns = asyncio.Semaphore(ROUTE_READS)
+
+    async def route(name: str) -> RouteInfo:
+        async with turns:
+            return await admin._call(GetRoute(name))
+
     infos: list[RouteInfo] = []
     unrouted = []
-    for t in await admin.list_topics():
-        name = t["topic"]
-        if name.startswith(SYSTEM_PREFIX):
-            continue
-        info: RouteInfo = await admin._call(GetRoute(name))
+    for info in await asyncio.gather(*(route(t["topic"]) for t in await admin.list_topics()
+                                       if not t["topic"].startswith(SYSTEM_PREFIX))):
         if info.placement:
             infos.append(info)
         else:
-            unrouted.append(name)
+            unrouted.append(info.topic)
     placement = {i.topic: [str(g) for g in i.placement] for i in infos}
     moving: dict[str, list[tuple[int, str, str]]] = {}
     etcd_routes, etcd_problem = await _etcd_routes(c)
