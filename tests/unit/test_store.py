@@ -284,6 +284,27 @@ def test_retention_by_age(tmp_path):
     assert [m.queue_offset for m in read_all(store, "T", 0)] == list(range(lo, hi))
 
 
+def test_an_empty_queue_restarts_at_a_later_offset_and_keeps_it(tmp_path):
+    """A queue moved here from a group where retention removed its head (``COPY_QUEUE``):
+    its next message gets the offset asked for, also after a restart; a queue holding
+    messages, or a lower offset, is refused."""
+    store = open_store(tmp_path)
+    store.create_topic("T", 2)
+    store.put("T", 0, [part(0)])
+    for queue, offset in ((0, 5), (1, -1)):
+        with pytest.raises(StorageError) as err:
+            store.restart_queue("T", queue, offset)
+        assert error_code(err.value) == ErrorCode.INVALID_ARGUMENT
+    store.restart_queue("T", 1, 12)
+    assert store.min_max("T", 1) == (12, 12)
+    assert store.put("T", 1, [part(1), part(2)]).offsets == [12, 13]
+    store.close()
+    store = open_store(tmp_path)
+    assert store.min_max("T", 1) == (12, 14)
+    assert [m.queue_offset for m in read_all(store, "T", 1)] == [12, 13]
+    store.close()
+
+
 # ================================================================== dedup window
 def test_dedup_retry_returns_first_offsets_and_stores_nothing(tmp_path):
     clock = FakeClock(T0)

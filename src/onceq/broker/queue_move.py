@@ -5,12 +5,14 @@ docs/cluster.md "Moving a queue to another group").
   whatever its route says (the mover reads the group it leaves, also once handed over).
 * ``COPY_QUEUE``: on the group a queue moves to (its route says so), the queue's messages
   stored from the offset they had (``start`` must be the queue's end here: a copy sent
-  twice stores nothing the second time, and the answer says where the queue ends), and
+  twice stores nothing the second time, and the answer says where the queue ends; with
+  ``restart``, an empty queue here restarts at a later ``start``), and
   consumer offsets taken where higher. Both as any write: flushed and replicated before
   the answer.
 
-The queue keeps its offsets across the move: its messages are stored here from offset 0,
-in order, so offset ``n`` names the same message on both groups.
+The queue keeps its offsets across the move: its messages are stored here from the first
+one its group still holds (offset 0, or later when retention removed its head there), in
+order, so offset ``n`` names the same message on both groups.
 """
 
 from __future__ import annotations
@@ -60,11 +62,23 @@ class QueueMoves:
             raise OnceqError(ErrorCode.INVALID_ARGUMENT, (
                 f"queue {queue} of topic {topic!r} is not moving to this broker group "
                 f"({self.routes.group!r}): nothing is copied"))
+        if topic not in self.store.topics:  # (a group holding none of its queues yet)
+            self.routes.created_first(call, req, self._copy)
+            return None
+        return self._copy(call, req)
+
+    def _copy(self, call: Call, req: CopyQueue) -> QueueStateReply | None:
+        topic, queue = req.topic, req.queue
         if topic not in self.store.topics:
             raise OnceqError(ErrorCode.SERVICE_UNAVAILABLE, (
                 f"topic {topic!r} is not created on this broker group yet: try again"))
-        end = self.store.min_max(topic, queue)[1]
+        lo, end = self.store.min_max(topic, queue)
         last = self.store.log.end
+        if req.restart and req.start > end and lo == end:
+            # its head went to retention on the group it leaves: it starts here where its
+            # first message left is (or, none left, where its next one will be)
+            self.store.restart_queue(topic, queue, req.start)
+            end = req.start
         if req.payload and req.start == end:
             parts = split_parts(req.payload)
             res = self.store.put(topic, queue, parts, dedup=False)

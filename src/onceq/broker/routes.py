@@ -211,6 +211,17 @@ class Routes:
 
         _serve_after(call, req, handler, first(), "read from")
 
+    def created_first(self, call: Call, req: Any, handler: Handler) -> None:
+        """Serve ``req`` once its topic's route is read and the topic created here when
+        the route places a queue here (one moving here included), without the queue
+        check of ``guard``."""
+        arriving = self._arrival(req.topic)
+
+        async def first() -> None:
+            await asyncio.shield(arriving)
+
+        _serve_after(call, req, handler, first(), "read from")
+
     def _arrival(self, topic: str) -> asyncio.Future[None]:
         """The read of ``topic``'s route in flight (started now if none)."""
         arriving = self._arriving.get(topic)

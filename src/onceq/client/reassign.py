@@ -164,11 +164,19 @@ async def _seen(broker: BrokerClient, topic: str, version: int, timeout: float =
 
 
 async def _copy(src: BrokerClient, dst: BrokerClient, topic: str, queue: int) -> int:
-    """Copy the sealed queue's messages the new group lacks; how many were copied."""
+    """Copy the sealed queue's messages the new group lacks; how many were copied. A
+    queue whose head went to retention on its group starts on the new group at the first
+    message left."""
     copied = 0
     state: QueueStateReply = await dst._call(CopyQueue(topic, queue))
-    end = (await src._call(QueueState(topic, queue))).max
+    source: QueueStateReply = await src._call(QueueState(topic, queue))
+    end = source.max
     at = state.max
+    restart = state.min == state.max < source.min  # nothing here yet: from its first
+    if restart:
+        at = source.min
+        if at == end:  # (none left: the queue's next offset)
+            await dst._call(CopyQueue(topic, queue, at, restart=True))
     while at < end:
         reply: PullReply = await src._call(Pull(topic, queue, at, COPY_BATCH))
         if reply.status != PullStatus.FOUND or not reply.payload:
@@ -179,7 +187,8 @@ async def _copy(src: BrokerClient, dst: BrokerClient, topic: str, queue: int) ->
                              m.properties, 0, m.reconsume_times)
                  for m in decode_records(reply.payload, first=at, end=reply.next)]
         payload = b"".join(len(p).to_bytes(4, "little") + p for p in parts)
-        after: QueueStateReply = await dst._call(CopyQueue(topic, queue, at, None, payload))
+        after: QueueStateReply = await dst._call(CopyQueue(topic, queue, at, None, payload,
+                                                           restart))
         if after.max != at + len(parts):
             raise OnceqError(ErrorCode.SYSTEM_ERROR, (
                 f"copy of queue {queue} of topic {topic!r} from offset {at}: it ends at "

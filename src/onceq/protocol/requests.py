@@ -494,13 +494,15 @@ class CopyQueue(Message):
     """Copy of a moving queue into the group it moves to: ``payload`` (message parts as
     ``SEND_BATCH`` carries them) stored from offset ``start`` (the queue's end here, else
     nothing is stored), and ``offsets`` (group -> committed offset) taken where higher.
-    Answered with the queue's state after it."""
+    ``restart``: an empty queue here first restarts at a higher ``start`` (the first
+    offset the group it leaves still holds). Answered with the queue's state after it."""
 
     topic: str
     queue: int
     start: int = 0
     offsets: dict[str, Any] | None = None
     payload: bytes = b""
+    restart: bool = False
 
 
 REQUESTS: dict[int, type[Message]] = {

@@ -36,6 +36,7 @@ from .config import StoreConfig
 from .damage import DamageRegistry
 from .dedup import DedupWindow
 from .dedup_journal import DedupJournal
+from .errors import InvalidArgument
 from .failures import DiskGuard, RateLimitedLog, WriteGate, disk_state_changed
 from .files import OS_FILES, FileOps
 from .metadata import decode_checkpoint, decode_checkpoint_ends
@@ -194,6 +195,19 @@ class MessageStore:
 
     def min_max(self, topic: str, queue_id: int) -> tuple[int, int]:
         return self.reader.min_max(topic, queue_id)
+
+    def restart_queue(self, topic: str, queue_id: int, offset: int) -> None:
+        """Make an empty queue's next offset ``offset`` (a queue moved here from a group
+        where retention removed its head): its next message is stored at ``offset``, and
+        the offsets below it are never used (``ConsumeQueue.reset``). Followers take the
+        restart from the offset of that message's record."""
+        cq = self.topics.queue(topic, queue_id)
+        if cq.min_offset != cq.max_offset or offset < cq.max_offset:
+            raise InvalidArgument(
+                f"queue {queue_id} of topic {topic!r} holds offsets {cq.min_offset}.."
+                f"{cq.max_offset}: it cannot restart at {offset}")
+        if offset > cq.max_offset:
+            cq.reset(offset)
 
     def _append_offsets(self, parts: list[bytes]) -> int:
         """Append offset-commit records to the internal topic (created at the first);
