@@ -63,7 +63,7 @@ class QueueMoves:
                 f"queue {queue} of topic {topic!r} is not moving to this broker group "
                 f"({self.routes.group!r}): nothing is copied"))
         if topic not in self.store.topics:  # (a group holding none of its queues yet)
-            self.routes.created_first(call, req, self._copy)
+            self.routes.serve_created(call, req, self._copy, check=False)
             return None
         return self._copy(call, req)
 

@@ -170,7 +170,7 @@ class Routes:
                 # its route may be newer than ours (or is being read), or this group has
                 # not created the topic its route places here yet (a moment after it was
                 # made elsewhere)
-                self._after_route(call, req, handler)
+                self.serve_created(call, req, handler)
                 return None
             if self.routes:
                 self.check(topic, getattr(req, "queue", None), isinstance(req, SENDS))
@@ -196,29 +196,21 @@ class Routes:
                             if now - w < ROUTES_POLL_S}
         return True
 
-    def _after_route(self, call: Call, req: Any, handler: Handler) -> None:
+    def serve_created(self, call: Call, req: Any, handler: Handler,
+                      check: bool = True) -> None:
         """A request on a topic this broker does not know: read its route first (made on
         another group a moment ago, before this broker's next read), create the topic here
-        with the route's queue count when the route places queues here (not with
-        ``default_queues``, as creating it on first use would), then serve the request.
-        Requests arriving meanwhile wait for the same read and creation."""
+        with the route's queue count when the route places queues here (one moving here
+        included; not with ``default_queues``, as creating it on first use would), then
+        serve the request (after the queue check of ``guard`` with ``check``). Requests
+        arriving meanwhile wait for the same read and creation."""
         topic = req.topic
         arriving = self._arrival(topic)
 
         async def first() -> None:
             await asyncio.shield(arriving)
-            self.check(topic, getattr(req, "queue", None), isinstance(req, SENDS))
-
-        _serve_after(call, req, handler, first(), "read from")
-
-    def created_first(self, call: Call, req: Any, handler: Handler) -> None:
-        """Serve ``req`` once its topic's route is read and the topic created here when
-        the route places a queue here (one moving here included), without the queue
-        check of ``guard``."""
-        arriving = self._arrival(req.topic)
-
-        async def first() -> None:
-            await asyncio.shield(arriving)
+            if check:
+                self.check(topic, getattr(req, "queue", None), isinstance(req, SENDS))
 
         _serve_after(call, req, handler, first(), "read from")
 
