@@ -444,15 +444,21 @@ async def test_a_crash_before_a_completion_riding_with_claims_commits(tmp_path, 
         stop = asyncio.Event()
 
         async def produce() -> None:  # new claims keep coming while batches complete
-            async with Producer(addr) as p:
-                while len(sent) < 4000 and not stop.is_set():
+            async with Producer(addr) as p:  # (until the crash: it needs a completion
+                while len(sent) < 40_000 and not stop.is_set():  # and claims in one call)
                     sent.extend(r.unique_key for r in await p.send_batch(
                         "T", [f"order {len(sent) + j}".encode() for j in range(40)]))
                     await asyncio.sleep(0.02)
 
         producing = asyncio.create_task(produce())
         try:
-            line = await asyncio.wait_for(child.stdout.readline(), 60)
+            try:
+                line = await asyncio.wait_for(child.stdout.readline(), 60)
+            except TimeoutError:
+                raise AssertionError(
+                    f"no crash after 60 s: {len(sent)} sent, "
+                    f"{len(effect_counts(effects_db))} consumed; the child's stderr: "
+                    f"{effects_db.with_suffix('.stderr').read_text()[-3000:]}") from None
         finally:
             stop.set()  # not cancelled: a batch stored but cut off before its answer would
             await producing  # be consumed later without being in ``sent``
