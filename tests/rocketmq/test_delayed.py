@@ -22,7 +22,7 @@ from onceq.log.delay import DELAYED, PROP_TIMER_DELIVER_MS
 from onceq.log.record import decode_records
 from onceq.protocol.codes import PullStatus
 from onceq.rocketmq._pb import definition_pb2 as pb
-from onceq.rocketmq.mapping import RmqError, check_delivery, route, to_part, to_pb
+from onceq.rocketmq.mapping import RmqError, route, to_part, to_pb, to_send
 
 from .conftest import RmqBroker
 
@@ -77,10 +77,10 @@ def test_delay_messages_refused(msg, code):
 
 
 def test_too_far_ahead_is_an_illegal_delivery_time():
-    check_delivery(_message(T_MS + 60_000), T_MS, 60)
-    check_delivery(_message(T_MS - 10**9), T_MS, 60)  # the past: at once
+    to_send(_message(T_MS + 60_000), T_MS, 60)
+    to_send(_message(T_MS - 10**9), T_MS, 60)  # the past: at once
     with pytest.raises(RmqError) as e:
-        check_delivery(_message(T_MS + 60_001), T_MS, 60)
+        to_send(_message(T_MS + 60_001), T_MS, 60)
     assert e.value.code == pb.ILLEGAL_DELIVERY_TIME
     assert "timer_max_delay_s" in e.value.message
 

@@ -94,9 +94,12 @@ class QueueConsumers:
         return [m.client_id for m in self.registry.members(group)
                 if m.meta.get("rocketmq") == PUSH and topic in m.subscriptions]
 
-    def assigned(self, group: str, topic: str, queues: int, client: str) -> list[int]:
-        """The queues of ``topic`` onceq's allocation gives ``client`` in ``group``."""
-        members = self.members(group, topic)
+    def assigned(self, group: str, topic: str, queues: int, client: str,
+                 members: list[str] | None = None) -> list[int]:
+        """The queues of ``topic`` onceq's allocation gives ``client`` in ``group``
+        (``members``: the group's, when the caller has them)."""
+        if members is None:
+            members = self.members(group, topic)
         if client not in members:
             return []
         mqs = [MessageQueue(topic, q) for q in range(queues)]
@@ -260,12 +263,13 @@ class QueueConsumers:
         once everything it received from them is acknowledged or visible again (at once
         for a member that is gone)."""
         now = self.clock()
-        members = set(self.members(group, topic))
+        listed = self.members(group, topic)
+        members = set(listed)
         for client, table in list(self.tables.items()):
             sessions = table.queues(group, topic)
             if not sessions:
                 continue
-            mine = set(self.assigned(group, topic, queues, client))
+            mine = set(self.assigned(group, topic, queues, client, listed))
             for queue, q in sessions.items():
                 key = (group, topic, queue)
                 if queue in mine and client in members:

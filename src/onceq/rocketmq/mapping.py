@@ -132,17 +132,6 @@ def delivery_ms(msg: pb.Message) -> int | None:
     return ms
 
 
-def check_delivery(msg: pb.Message, now_ms: int, max_delay_s: float) -> None:
-    """Refuse a delivery time further ahead than the broker takes, as RocketMQ does
-    (``ILLEGAL_DELIVERY_TIME``)."""
-    ms = delivery_ms(msg)
-    if ms is not None:
-        try:
-            check_delay(ms, now_ms, max_delay_s)
-        except DelayError as exc:
-            raise RmqError(Code.ILLEGAL_DELIVERY_TIME, str(exc)) from None
-
-
 def queue_of(group: str, queues: int) -> int:
     """The queue of a message group: as onceq's producers place a ``sharding_key``."""
     return zlib.crc32(group.encode()) % queues
@@ -150,8 +139,22 @@ def queue_of(group: str, queues: int) -> int:
 
 def to_part(msg: pb.Message, now_ms: int | None = None) -> bytes:
     """One RocketMQ message as the onceq message part the send path stores."""
+    return to_send(msg, int(time.time() * 1000) if now_ms is None else now_ms)[0]
+
+
+def to_send(msg: pb.Message, now_ms: int, max_delay_s: float | None = None
+            ) -> tuple[bytes, str | None]:
+    """One RocketMQ message as the onceq message part the send path stores, and its
+    message group (None: not a FIFO message); with ``max_delay_s``, a delivery time
+    further ahead is refused as RocketMQ does (``ILLEGAL_DELIVERY_TIME``)."""
     sp = msg.system_properties
     group = message_group(msg)
+    deliver = delivery_ms(msg)
+    if deliver is not None and max_delay_s is not None:
+        try:
+            check_delay(deliver, now_ms, max_delay_s)
+        except DelayError as exc:
+            raise RmqError(Code.ILLEGAL_DELIVERY_TIME, str(exc)) from None
     unique_key = check_message_id(sp.message_id)
     body = msg.body
     if sp.body_encoding == pb.GZIP:
@@ -167,17 +170,17 @@ def to_part(msg: pb.Message, now_ms: int | None = None) -> bytes:
     born = sp.born_timestamp
     born_ms = born.seconds * 1000 + born.nanos // 1_000_000
     if born_ms <= 0:
-        born_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        born_ms = now_ms
     props = dict(msg.user_properties)
     props.pop(PROP_MESSAGE_GROUP, None)  # the message group alone sets it
     props.pop(PROP_TIMER_DELIVER_MS, None)  # the delivery timestamp alone sets it
     if group is not None:
         props[PROP_MESSAGE_GROUP] = group
-    deliver = delivery_ms(msg)
     if deliver is not None:
         props[PROP_TIMER_DELIVER_MS] = str(deliver)
-    return encode_part(bytes(body), unique_key, born_ms, sp.tag if sp.HasField("tag") else "",
+    part = encode_part(bytes(body), unique_key, born_ms, sp.tag if sp.HasField("tag") else "",
                        " ".join(keys), props or None, 0 if deliver is None else DELAYED)
+    return part, group
 
 
 # ------------------------------------------------------------------ deliveries

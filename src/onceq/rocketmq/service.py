@@ -55,15 +55,13 @@ from .consume import PopService, Receive, check_invisible
 from .mapping import (
     Code,
     RmqError,
-    check_delivery,
     endpoints,
-    message_group,
     parse_filter,
     queue_of,
     route,
     status,
     status_of,
-    to_part,
+    to_send,
 )
 
 if TYPE_CHECKING:
@@ -346,11 +344,9 @@ class MessagingService:
             if any(m.topic.name != topic for m in msgs):
                 raise RmqError(Code.BAD_REQUEST, "the messages of one SendMessage must be "
                                "for one topic")
-            parts = [to_part(m) for m in msgs]
             now_ms = int(time.time() * 1000)
-            for m in msgs:  # a delayed message too far ahead: RocketMQ's code for it
-                check_delivery(m, now_ms, self.config.timer_max_delay_s)
-            groups = [message_group(m) for m in msgs]
+            parts, groups = zip(*(to_send(m, now_ms, self.config.timer_max_delay_s)
+                                  for m in msgs), strict=True)
             queues = await self._topic(topic)
             n = self._next_queue.get(topic, 0)
             self._next_queue[topic] = n + 1
