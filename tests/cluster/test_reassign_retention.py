@@ -112,3 +112,5 @@ def test_queues_past_retention_move_with_their_offsets(tmp_path: Path, etcd_endp
     # the follower serves the same offsets after its leader's SIGKILL
     assert out["after_kill"][0][:2] == (lo, hi + 1) and out["after_kill"][1][:2] == (10, 11)
     assert out["read_after_kill"] == out["copied"]
+    print("reassign past retention:", {"queue_0": [lo, hi], "copied": m0["copied"],
+                                       "seconds": [m0["seconds"], m1["seconds"]]})
