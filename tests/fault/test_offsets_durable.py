@@ -167,6 +167,32 @@ def test_snapshot_records_what_it_covers_and_replay_starts_after_it(tmp_path):
     store.close()
 
 
+def test_a_deleted_group_stays_deleted_across_a_kill_and_a_snapshot(tmp_path):
+    """``DELETE_GROUP``: the deletion is a journal record replayed in its place (commits
+    before it are gone, a commit after it starts the group again), and once a snapshot
+    is written the group is not in it."""
+    root = str(tmp_path)
+    store = open_store(root)
+    store.create_topic("T", 2)
+    fill(store, "T", 2, 10)
+    store.commit_offset("g", "T", 0, 3)
+    store.commit_offset("h", "T", 1, 5)
+    store.offsets.commit_later("g", "T", 1, 4)  # pending: journaled before the deletion
+    assert store.delete_group("g") == (2, store.log.end)
+    assert store.get_offset("g", "T", 0) == store.get_offset("g", "T", 1) == -1
+    crash(store)
+    store = open_store(root)
+    assert "g" not in store.offsets.groups and store.get_offset("h", "T", 1) == 5
+    store.commit_offset("g", "T", 0, 2)  # a member of the group again, later
+    store.offsets.save()
+    assert snapshot_file(root)["groups"] == {"g": {"T": {"0": 2}}, "h": {"T": {"1": 5}}}
+    assert store.delete_group("g") == (1, store.log.end)
+    crash(store)
+    store = open_store(root)
+    assert sorted(store.offsets.groups) == ["h"] and store.offsets.replayed == 1
+    store.close()
+
+
 def test_first_format_snapshot_is_read(tmp_path):
     root = str(tmp_path)
     store = open_store(root)

@@ -33,7 +33,7 @@ SAMPLES: dict[type, rq.Message] = {s.__class__: s for s in (
     rq.SendBack("G", "T", 0, 0), rq.Pull("T", 0, 0, group="G", client="c-m"),
     rq.QueryOffsets("T", 0), rq.SearchOffset("T", 0, 0), rq.GetOffset("G", "T", 0),
     rq.CommitOffset("G", "T", 0, 0, client="c-m"), rq.ReleaseQueue("G", "c-m", "T", 0),
-    rq.ResetOffsets("G2", "T", [[0, 0]]), rq.CreateTopic("Tnew", 1),
+    rq.ResetOffsets("G2", "T", [[0, 0]]), rq.DeleteGroup("G3"), rq.CreateTopic("Tnew", 1),
     rq.DeleteTopic("Tdel"), rq.ListTopics(), rq.GetTopic("T"), rq.TopicStatus("T"),
     rq.Heartbeat("c-m", [rq.GroupBeat("G", {"T": "*"})]), rq.Unregister("G", "c-m"),
     rq.ListGroupMembers("G"), rq.ListGroups(), rq.QueryAccessLocks("G"),

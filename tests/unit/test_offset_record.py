@@ -9,12 +9,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from onceq.log.offset_record import (
+    GroupDeleted,
     OffsetCommit,
     OffsetRecordError,
     commit_part,
     decode_commit,
+    decode_offset_record,
     decode_snapshot,
     encode_commit,
+    encode_group_deleted,
     encode_snapshot,
 )
 from onceq.log.record import check_part
@@ -46,6 +49,34 @@ def test_every_cut_of_a_record_is_refused(c, data):
         decode_commit(raw[:cut])
     with pytest.raises(OffsetRecordError):
         decode_commit(raw + b"\0")
+
+
+@given(st.one_of(commits, st.builds(GroupDeleted, names)))
+def test_journal_record_round_trip(r):
+    raw = encode_commit(r) if isinstance(r, OffsetCommit) else encode_group_deleted(r)
+    assert decode_offset_record(raw) == r
+
+
+@given(st.binary(max_size=300))
+def test_arbitrary_bytes_decode_to_a_journal_record_or_raise_the_format_error(raw):
+    try:
+        r = decode_offset_record(raw)
+    except OffsetRecordError:
+        return
+    again = encode_commit(r) if isinstance(r, OffsetCommit) else encode_group_deleted(r)
+    assert again == raw  # anything accepted is exactly one encoding
+
+
+@given(st.builds(GroupDeleted, names), st.data())
+def test_every_cut_of_a_group_deletion_is_refused(d, data):
+    raw = encode_group_deleted(d)
+    cut = data.draw(st.integers(0, len(raw) - 1))
+    with pytest.raises(OffsetRecordError):
+        decode_offset_record(raw[:cut])
+    with pytest.raises(OffsetRecordError):
+        decode_offset_record(raw + b"\0")
+    with pytest.raises(OffsetRecordError):
+        encode_group_deleted(GroupDeleted(""))
 
 
 def test_unknown_version_and_bad_values_are_refused():

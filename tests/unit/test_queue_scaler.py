@@ -157,6 +157,25 @@ def test_a_group_with_offsets_only_holds_the_drain(world):
     assert w.layout() == (1, 1, 2)
 
 
+def test_a_deleted_group_holds_nothing(world):
+    """A group that will not come back (no member, offsets behind) holds the drain until
+    its offsets are forgotten (``onceq group delete``)."""
+    w = world
+    w.members(2)
+    w.scaler.follow("T", "g", 1, 8)
+    w.put(1)
+    w.store.commit_offset("gone", "T", 1, 1)
+    w.members(1)
+    w.settle(GRACE)
+    w.settle(GRACE)
+    w.consume_all("g")
+    w.scaler.tick()
+    assert w.scaler.status("T")["draining"][0]["waiting"] == ["gone"]
+    assert w.store.delete_group("gone")[0] == 1
+    w.scaler.tick()
+    assert w.layout() == (1, 1, 2)
+
+
 def test_no_change_while_one_is_in_flight(world):
     w = world
     w.scaler.follow("T", "g", 1, 16)

@@ -126,6 +126,7 @@ REQUIRED: dict[type[Message], Callable[[Any], list[Need]]] = {
     rq.CommitOffset: lambda r: [_g(r.group, S), _t(r.topic, S)],
     rq.ReleaseQueue: lambda r: [_g(r.group, S)],
     rq.ResetOffsets: lambda r: [_g(r.group, U)],
+    rq.DeleteGroup: lambda r: [_g(r.group, U)],
     rq.CreateTopic: lambda r: [_t(r.topic, C)],
     rq.DeleteTopic: lambda r: [_t(r.topic, D)],
     rq.ListTopics: lambda r: [_c(L)],

@@ -1,6 +1,7 @@
 """The consumer group service: membership (``HEARTBEAT``, ``UNREGISTER``, member and group
 lists, the ``GROUP_CHANGED`` push), the group's ack offsets (``COMMIT_OFFSET``, the
-``RELEASE_QUEUE`` at the end of a drain, the admin's ``RESET_OFFSETS``).
+``RELEASE_QUEUE`` at the end of a drain, the admin's ``RESET_OFFSETS`` and
+``DELETE_GROUP``).
 
 The registry of members is ``groups.py``; who holds a queue and whose commits count is the
 queue-ownership core (``ownership.py``, served by ``ownership_service.py``); a forced reset
@@ -17,6 +18,7 @@ from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.replies import (
     Empty,
     GroupChanged,
+    GroupDeletedReply,
     GroupList,
     GroupMembers,
     HeartbeatReply,
@@ -32,6 +34,7 @@ from .ownership import Refusal
 if TYPE_CHECKING:
     from ..protocol.requests import (
         CommitOffset,
+        DeleteGroup,
         Heartbeat,
         ListGroupMembers,
         ListGroups,
@@ -228,3 +231,22 @@ class ConsumerGroupService:
                                    group=group, topic=topic, targets=targets, force=req.force,
                                    restored=self.restored_members(group))
         return self.durable.reply(call, reply, end=end)
+
+    def h_delete_group(self, call: Call, req: DeleteGroup) -> GroupDeletedReply | None:
+        """Admin: forget a group's committed offsets (as Kafka's ``--delete`` of a group):
+        refused with ``GROUP_ACTIVE`` while it has live members (or holders restored from
+        before a restart), ``GROUP_NOT_EXIST`` for a group the broker does not know. Its
+        retry and dead-letter topics stay (topics of their own). Answered once durable."""
+        group = check_name("group", req.group)
+        members = [m.client_id for m in self.groups.members(group)]
+        members += [c for c in self.restored_members(group) if c not in members]
+        if members:
+            raise OnceqError(ErrorCode.GROUP_ACTIVE, (
+                f"group {group!r} has {len(members)} live member(s) "
+                f"({', '.join(members[:5])}{', ...' if len(members) > 5 else ''}): stop them "
+                "first"))
+        if group not in self.store.offsets.groups:
+            raise OnceqError(ErrorCode.GROUP_NOT_EXIST, f"consumer group {group!r} is unknown")
+        queues, end = self.store.delete_group(group)
+        log.info("group %s deleted: %d committed offset(s) forgotten", group, queues)
+        return self.durable.reply(call, GroupDeletedReply(group, queues), end=end)

@@ -1,5 +1,6 @@
 """Admin commands in the shape of RocketMQ's mqadmin: ``topic status``, ``message show``,
-``group trace`` and ``group reset-offsets`` (tables by default, ``--json`` for scripts)."""
+``group trace``, ``group reset-offsets`` and ``group delete`` (tables by default,
+``--json`` for scripts)."""
 
 from __future__ import annotations
 
@@ -237,10 +238,32 @@ async def group_trace(group: str, state: str | None, broker: str) -> None:
     click.echo(f"delivery trace of group {group}: {'on' if on else 'off'}")
 
 
+# ---------------------------------------------------------------- group delete
+@click.command("delete")
+@click.argument("group")
+@json_option
+@broker_option
+@async_command
+async def group_delete(group: str, as_json: bool, broker: str) -> None:
+    """Forget GROUP's committed offsets (the group is gone from `onceq group list`).
+
+    Refused while the group has live members (GROUP_ACTIVE: stop them first). A member
+    joining later starts the group afresh, from its consume_from. The group's retry and
+    dead-letter topics stay. In a cluster of several broker groups, run it against a
+    broker of each group holding the group's offsets."""
+    async with Admin(broker) as admin:
+        queues = await admin.delete_group(group)
+    if as_json:
+        click.echo(json.dumps({"group": group, "deleted": True, "queues": queues}))
+        return
+    click.echo(f"group {group} deleted: {queues} committed offset(s) forgotten")
+
+
 def register(main: click.Group) -> None:
     main.commands["topic"].add_command(topic_status)  # type: ignore[attr-defined]
     main.commands["topic"].add_command(topic_follow)  # type: ignore[attr-defined]
     group = main.commands["group"]
     group.add_command(group_trace)  # type: ignore[attr-defined]
     group.add_command(offsets_reset, "reset-offsets")  # type: ignore[attr-defined]
+    group.add_command(group_delete)  # type: ignore[attr-defined]
     main.add_command(message)

@@ -17,6 +17,7 @@ from ..protocol.codes import (
 from ..protocol.errors import ErrorCode, OnceqError
 from ..protocol.replies import (
     AccessLocks,
+    GroupDeletedReply,
     GroupList,
     GroupMembers,
     OffsetReply,
@@ -36,6 +37,7 @@ from ..protocol.requests import (
     AclRevoke,
     BrokerStatus,
     CreateTopic,
+    DeleteGroup,
     DeleteTopic,
     GetOffset,
     GroupTrace,
@@ -221,6 +223,14 @@ class Admin(BrokerClient):
         reply: ResetReply = await self._call(ResetOffsets(group, topic, targets, force))
         return [OffsetReset(int(q), None if old < 0 else int(old), int(new))
                 for q, old, new in reply.queues]
+
+    async def delete_group(self, group: str) -> int:
+        """Forget ``group``'s committed offsets on the broker (its group of brokers); how
+        many queues had one. Refused with GROUP_ACTIVE while the group has live members,
+        GROUP_NOT_EXIST for a group the broker does not know. A later commit (a member
+        joining again) starts the group afresh, from its ``consume_from``."""
+        reply: GroupDeletedReply = await self._call(DeleteGroup(group))
+        return reply.queues
 
     async def list_groups(self) -> list[str]:
         reply: GroupList = await self._call(ListGroups())

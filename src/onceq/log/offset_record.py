@@ -10,6 +10,12 @@ and damage handling apply to offsets as to messages. The message body is::
     u32 queue id
     i64 committed offset (next offset to consume, >= 0)
 
+A consumer group deleted (``DELETE_GROUP``: every offset of the group forgotten; a later
+commit starts it again) is a record of its own::
+
+    u8  2
+    u8  group length      group bytes (ascii)
+
 The offsets snapshot (``offsets.json``) records up to which offset of ``%OFFSETS%`` it
 covers: ``{"format": 2, "covered": N, "groups": {group: {topic: {queue: offset}}}}``. The
 first format (only the groups map) is read as covering nothing.
@@ -26,6 +32,7 @@ from .record import encode_part
 
 OFFSETS_TOPIC = "%OFFSETS%"
 VERSION = 1
+GROUP_DELETED = 2  # the first byte of a group deletion
 SNAPSHOT_FORMAT = 2
 _TAIL = struct.Struct("<Iq")
 _MAX_NAME = 255
@@ -75,9 +82,38 @@ def decode_commit(body: bytes) -> OffsetCommit:
     return OffsetCommit(group, topic, queue_id, offset)
 
 
-def commit_part(c: OffsetCommit, now_ms: int) -> bytes:
-    """The message part stored in ``%OFFSETS%`` for one commit (no unique key: no dedup)."""
-    return encode_part(encode_commit(c), "", now_ms)
+@dataclass(frozen=True, slots=True)
+class GroupDeleted:
+    group: str
+
+
+def encode_group_deleted(d: GroupDeleted) -> bytes:
+    """The message body of one group deletion."""
+    g = d.group.encode("ascii")
+    if not 0 < len(g) <= _MAX_NAME:
+        raise OffsetRecordError("a group must be 1-255 ascii characters")
+    return bytes((GROUP_DELETED, len(g))) + g
+
+
+def decode_offset_record(body: bytes) -> OffsetCommit | GroupDeleted:
+    """A record of ``%OFFSETS%``: a commit or a group deletion; raises OffsetRecordError
+    on anything else."""
+    if body[:1] != bytes((GROUP_DELETED,)):
+        return decode_commit(body)
+    try:
+        group = body[2:2 + body[1]].decode("ascii")
+    except (IndexError, UnicodeDecodeError):
+        raise OffsetRecordError("malformed group deletion record") from None
+    if not group or len(body) != 2 + body[1]:
+        raise OffsetRecordError("malformed group deletion record")
+    return GroupDeleted(group)
+
+
+def commit_part(c: OffsetCommit | GroupDeleted, now_ms: int) -> bytes:
+    """The message part stored in ``%OFFSETS%`` for one commit or group deletion (no
+    unique key: no dedup)."""
+    body = encode_commit(c) if isinstance(c, OffsetCommit) else encode_group_deleted(c)
+    return encode_part(body, "", now_ms)
 
 
 def encode_snapshot(groups: Offsets, covered: int) -> bytes:

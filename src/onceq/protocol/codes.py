@@ -20,6 +20,7 @@ class RequestCode(IntEnum):
     CONSUMER_SEND_BACK = 32  # a failed message goes to the group's retry topic (or DLQ)
     RELEASE_QUEUE = 33  # commit and give up a queue's access lock (end of a drain)
     RESET_OFFSETS = 34  # admin: move a group's offsets (refused while members are live)
+    DELETE_GROUP = 35  # admin: forget a group's offsets (refused while members are live)
     CREATE_TOPIC = 40
     DELETE_TOPIC = 41
     LIST_TOPICS = 42

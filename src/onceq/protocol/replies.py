@@ -147,6 +147,12 @@ class Released(Message):
 
 
 @message()
+class GroupDeletedReply(Message):
+    group: str
+    queues: int  # committed offsets forgotten
+
+
+@message()
 class ResetReply(Message):
     group: str
     topic: str
@@ -388,7 +394,8 @@ REPLY_OF: dict[int, type[Message]] = {
     R.SEND_SEQUENCED: SequencedReply, R.CONSUMER_SEND_BACK: SendBackReply,
     R.PULL: PullReply, R.QUERY_OFFSETS: QueueOffsets, R.SEARCH_OFFSET: OffsetReply,
     R.GET_OFFSET: OffsetReply, R.COMMIT_OFFSET: Empty, R.RELEASE_QUEUE: Released,
-    R.RESET_OFFSETS: ResetReply, R.CREATE_TOPIC: TopicInfo, R.DELETE_TOPIC: Empty,
+    R.RESET_OFFSETS: ResetReply, R.DELETE_GROUP: GroupDeletedReply,
+    R.CREATE_TOPIC: TopicInfo, R.DELETE_TOPIC: Empty,
     R.LIST_TOPICS: TopicList, R.GET_TOPIC: TopicInfo, R.TOPIC_STATUS: TopicStatusReply,
     R.HEARTBEAT: HeartbeatReply, R.UNREGISTER: Empty, R.LIST_GROUP_MEMBERS: GroupMembers,
     R.LIST_GROUPS: GroupList, R.QUERY_ACCESS_LOCKS: AccessLocks, R.LOCK_QUEUES: Locked,

@@ -235,6 +235,13 @@ class ResetOffsets(Message):
     force: bool = False
 
 
+@message(RequestCode.DELETE_GROUP)
+class DeleteGroup(Message):
+    """Admin: forget ``group``'s committed offsets (refused while it has live members)."""
+
+    group: str
+
+
 # ------------------------------------------------------------------ topics
 @message(RequestCode.CREATE_TOPIC)
 class CreateTopic(Message):
@@ -508,8 +515,8 @@ class CopyQueue(Message):
 REQUESTS: dict[int, type[Message]] = {
     cls.CODE: cls for cls in (
         Send, SendBatch, SendRecords, SendSequenced, SendBack, Pull, QueryOffsets, SearchOffset,
-        GetOffset, CommitOffset, ReleaseQueue, ResetOffsets, CreateTopic, DeleteTopic,
-        ListTopics, GetTopic, TopicStatus, Heartbeat, Unregister, ListGroupMembers,
+        GetOffset, CommitOffset, ReleaseQueue, ResetOffsets, DeleteGroup, CreateTopic,
+        DeleteTopic, ListTopics, GetTopic, TopicStatus, Heartbeat, Unregister, ListGroupMembers,
         ListGroups, QueryAccessLocks, LockQueues, UnlockQueues, Ping, BrokerStatus,
         QueryMessage, GroupTrace, Authenticate, UserCreate, UserUpdate, UserDelete, UserList,
         AclGrant, AclRevoke, AclList, ReplicaFetch, ReplicaEpochEnd, ReplyChannel,

@@ -14,7 +14,8 @@ Commits carried by pulls are not answered on their own: they are set at once and
 together by ``flush_pending`` (the broker calls it every ``offsets_journal_ms``, 100 ms, and
 before any explicit commit), one record per changed queue, so a consumer committing on every
 pull does not pay a log write per pull. A consumer re-sends its finished offsets after a
-reconnect, which covers the interval a crash may lose.
+reconnect, which covers the interval a crash may lose. A deleted group's offsets go with
+a deletion record of their own, replayed in its place.
 
 ``ConsumerOffsets`` holds the table; it writes its journal records through the append
 function it is handed (a put to ``%OFFSETS%``) and reads them back at open through the read
@@ -30,11 +31,12 @@ from typing import TYPE_CHECKING
 
 from ..log.offset_record import (
     OFFSETS_TOPIC,
+    GroupDeleted,
     OffsetCommit,
     OffsetRecordError,
     Offsets,
     commit_part,
-    decode_commit,
+    decode_offset_record,
     decode_snapshot,
     encode_snapshot,
 )
@@ -151,6 +153,20 @@ class ConsumerOffsets:
                                 exc.message)
             return 0
         return self.last_end
+
+    def delete_group(self, group: str) -> tuple[int, int]:
+        """Forget every offset of ``group`` (a later commit starts it again): a deletion
+        record is journaled first, so that a restart or a new leader replays it; returns
+        (queues forgotten, the commit-log position it is durable at once fsynced). Raises
+        the store's error when the record cannot be written (the group then stays)."""
+        check_name("group", group)
+        self.flush_pending()  # (commits of before: the deletion comes after them)
+        self.gate.check_writable()
+        self.last_end = self.append([commit_part(GroupDeleted(group),
+                                                 int(self.clock() * 1000))])
+        topics = self.groups.pop(group, {})
+        self.dirty = True
+        return sum(len(qs) for qs in topics.values()), self.last_end
 
     def _set(self, group: str, topic: str, queue_id: int, offset: int) -> None:
         self.groups.setdefault(group, {}).setdefault(topic, {})[str(queue_id)] = offset
@@ -277,9 +293,13 @@ class ConsumerOffsets:
 
     def _apply(self, body: bytes, position: int, journal_offset: int) -> None:
         try:
-            c = decode_commit(body)
+            c = decode_offset_record(body)
         except OffsetRecordError as exc:
             log.error("offsets: journal record %d: %s; skipped", journal_offset, exc)
+            return
+        if isinstance(c, GroupDeleted):
+            self.groups.pop(c.group, None)
+            self.replayed += 1
             return
         t = self.topics.get(c.topic)
         if t is None or position < t.created_position or c.queue_id >= t.queues:

@@ -238,6 +238,11 @@ class MessageStore:
         is fsynced up to it (see ``ConsumerOffsets.commit``)."""
         return self.offsets.commit(group, topic, queue_id, offset)
 
+    def delete_group(self, group: str) -> tuple[int, int]:
+        """Forget a consumer group's offsets: (queues forgotten, the commit-log position
+        it is durable at) (see ``ConsumerOffsets.delete_group``)."""
+        return self.offsets.delete_group(group)
+
     def get_offset(self, group: str, topic: str, queue_id: int) -> int:
         """The committed offset, or -1 when the group has none for this queue."""
         return self.offsets.get(group, topic, queue_id)
