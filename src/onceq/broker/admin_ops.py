@@ -120,12 +120,13 @@ class AdminOps:
                            cluster=None if self.cluster_status is None
                            else self.cluster_status(),
                            fuse=None if self.fuse is None else self.fuse.summary(),
-                           counts=self._counts())
+                           counts=self._counts() if req.counts else None)
 
     def _counts(self) -> dict[str, int]:
         """Messages ever stored in the user topics and the sum of the consumer groups'
         committed offsets on them: two reads give write and consume rates (``onceq
-        cluster status``, the console). One pass over the queues and the offsets table."""
+        cluster status``, the console). One pass over the queues and the offsets table:
+        only when asked (not for the clients' leader lookups)."""
         store = self.store
         messages = sum(cq.max_offset for (topic, _), cq in list(store.topics.queues.items())
                        if not topic.startswith(SYSTEM_PREFIX))

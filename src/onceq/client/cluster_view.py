@@ -39,7 +39,7 @@ async def read_status(address: str, security: ClientSecurity | None = None,
     except (OnceqError, OSError):
         return time.monotonic(), None
     try:
-        reply: StatusReply = await call(conn, BrokerStatus(), timeout)
+        reply: StatusReply = await call(conn, BrokerStatus(counts=True), timeout)
     except (OnceqError, OSError, TimeoutError):
         return time.monotonic(), None
     finally:

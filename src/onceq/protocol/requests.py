@@ -346,7 +346,7 @@ class Ping(Message):
 
 @message(RequestCode.BROKER_STATUS)
 class BrokerStatus(Message):
-    pass
+    counts: bool = False  # also count the messages stored and consumed (every queue read)
 
 
 @message(RequestCode.QUERY_MESSAGE)
