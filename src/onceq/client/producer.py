@@ -106,18 +106,6 @@ class Producer(BrokerClient):
             self._queues_until[topic] = time.monotonic() + self.queue_refresh_s
         return n
 
-    async def _dedup_queues(self, topic: str, key: str) -> list[int] | None:
-        """Of a topic spread over several broker groups, the queues of the group that
-        ``key`` (a unique key) belongs to, by its hash: every send of the key, a retry or
-        the sender's own after a lost reply, reaches that group's dedup window (a window
-        is a group's; round robin over all queues could store it once on each group)."""
-        route = await self.links.route(topic)
-        if route is None:
-            return None
-        groups = sorted(set(route.placement))
-        group = groups[zlib.crc32(key.encode()) % len(groups)]
-        return [q for q, g in enumerate(route.placement) if g == group]
-
     def _pick_queue(self, topic: str, n: int, sharding_key: str | None, queue: int | None,
                     selector: QueueSelector | None = None, first: Any = None,
                     among: list[int] | None = None) -> int:
@@ -171,7 +159,7 @@ class Producer(BrokerClient):
             try:
                 n = await self.queue_count(topic, refresh=attempt > 1 and not pinned)
                 if qid is None or not pinned:
-                    among = None if pinned else await self._dedup_queues(topic, keys[0])
+                    among = None if pinned else await self.links.key_queues(topic, keys[0])
                     qid = self._pick_queue(topic, n, sharding_key, queue, selector,
                                            messages[0], among)
                 link = await self.links.link(topic, qid)  # its group's (routes.py)

@@ -14,6 +14,7 @@ one address never asks for routes.
 from __future__ import annotations
 
 import time
+import zlib
 from typing import TYPE_CHECKING, Any
 
 from ..protocol.errors import ErrorCode, OnceqError
@@ -44,6 +45,8 @@ class GroupLinks:
         self.ttl_s = ttl_s
         self._routes: dict[str, tuple[RouteInfo | None, float]] = {}
         self._links: dict[str, BrokerClient] = {}
+        # a spread topic's route and its queues per group, in the groups' order
+        self._group_queues: dict[str, tuple[RouteInfo, list[list[int]]]] = {}
         self.fetched = 0  # GET_ROUTE requests made (stats)
         self.home: str | None = None  # the group of the broker the owner talks to
         self.clustered = False  # a WRONG_GROUP answer was seen
@@ -79,6 +82,23 @@ class GroupLinks:
             self.home = info.here
         self._routes[topic] = (route := routed(info), now + self.ttl_s)
         return route
+
+    async def key_queues(self, topic: str, key: str) -> list[int] | None:
+        """Of a topic spread over several broker groups, the queues of the group ``key``
+        (a unique key) belongs to, by its hash (None: not spread): every send of the key,
+        a retry or the sender's own after a lost reply, reaches that group's dedup window
+        (a window is a group's; round robin over all queues could store it once on each
+        group). The queues of each group are kept with the route they came from."""
+        route = await self.route(topic)
+        if route is None:
+            return None
+        kept = self._group_queues.get(topic)
+        if kept is None or kept[0] is not route:
+            groups = sorted(set(route.placement))
+            kept = self._group_queues[topic] = (route, [
+                [q for q, g in enumerate(route.placement) if g == group] for group in groups])
+        by_group = kept[1]
+        return by_group[zlib.crc32(key.encode()) % len(by_group)]
 
     async def queue_count(self, topic: str, written: bool = False) -> int:
         """The topic's queue count: its route's when spread over groups, else the topic's
