@@ -241,22 +241,73 @@ async def group_trace(group: str, state: str | None, broker: str) -> None:
 # ---------------------------------------------------------------- group delete
 @click.command("delete")
 @click.argument("group")
+@click.option("--cluster", "endpoints", default=None, envvar="ONCEQ_CLUSTER",
+              help="etcd endpoints (etcd://host:port[,...]): delete the group on every "
+                   "broker group of the cluster, instead of on --broker's.")
+@click.option("--cluster-name", default="onceq", show_default=True,
+              envvar="ONCEQ_CLUSTER_NAME", help="Name of the cluster in etcd.")
 @json_option
 @broker_option
 @async_command
-async def group_delete(group: str, as_json: bool, broker: str) -> None:
+async def group_delete(group: str, endpoints: str | None, cluster_name: str, as_json: bool,
+                       broker: str) -> None:
     """Forget GROUP's committed offsets (the group is gone from `onceq group list`).
 
     Refused while the group has live members (GROUP_ACTIVE: stop them first). A member
     joining later starts the group afresh, from its consume_from. The group's retry and
-    dead-letter topics stay. In a cluster of several broker groups, run it against a
-    broker of each group holding the group's offsets."""
-    async with Admin(broker) as admin:
-        queues = await admin.delete_group(group)
+    dead-letter topics stay. In a cluster of several broker groups a consumer group has
+    offsets on each group holding its queues: give --cluster to delete it on all."""
+    if endpoints is None:
+        async with Admin(broker) as admin:
+            queues = {"": await admin.delete_group(group)}
+    else:
+        queues = await _delete_everywhere(endpoints, cluster_name, group)
+    total = sum(queues.values())
     if as_json:
-        click.echo(json.dumps({"group": group, "deleted": True, "queues": queues}))
+        doc: dict[str, Any] = {"group": group, "deleted": True, "queues": total}
+        if endpoints is not None:
+            doc["broker_groups"] = queues
+        click.echo(json.dumps(doc))
         return
-    click.echo(f"group {group} deleted: {queues} committed offset(s) forgotten")
+    where = "" if endpoints is None else f" on broker group(s) {', '.join(sorted(queues))}"
+    click.echo(f"group {group} deleted{where}: {total} committed offset(s) forgotten")
+
+
+async def _delete_everywhere(endpoints: str, cluster_name: str, group: str
+                             ) -> dict[str, int]:
+    """Delete ``group`` on every broker group of the cluster that knows it (queues
+    forgotten per broker group), after checking that none has a live member of it."""
+    from ..cluster import EtcdClient, EtcdError, read_directory
+    from ..protocol.errors import ErrorCode, OnceqError
+
+    try:
+        directory = await read_directory(EtcdClient(endpoints), cluster_name)
+    except (EtcdError, ValueError) as exc:
+        fail(f"etcd at {endpoints}: {exc}")
+    admins = {g: Admin(",".join(m)) for g, m in sorted(directory.members.items()) if m}
+    try:
+        knowing = []
+        for name, admin in admins.items():  # first: a live member anywhere refuses it all
+            try:
+                live = await admin.group_members(group)  # (restored lock holders too)
+            except OnceqError as exc:
+                if exc.code != ErrorCode.GROUP_NOT_EXIST:
+                    raise
+                continue
+            if live:
+                raise OnceqError(ErrorCode.GROUP_ACTIVE, (
+                    f"group {group!r} has {len(live)} live member(s) on broker group "
+                    f"{name!r} ({', '.join(m['client'] for m in live[:5])}): stop them "
+                    "first"))
+            knowing.append(name)
+        if not knowing:
+            raise OnceqError(ErrorCode.GROUP_NOT_EXIST, (
+                f"consumer group {group!r} is unknown to every broker group of cluster "
+                f"{cluster_name!r} ({', '.join(admins) or 'none registered'})"))
+        return {name: await admins[name].delete_group(group) for name in knowing}
+    finally:
+        for admin in admins.values():
+            await admin.close()
 
 
 def register(main: click.Group) -> None:
