@@ -2,7 +2,8 @@
 another group"): on the new group a queue starts at the first offset its old group still
 holds, with the same messages at the same offsets, and a queue with no message left
 starts at its next offset; the group's follower takes the restart from the log (it
-serves the same offsets after its leader is SIGKILLed)."""
+serves the same offsets after its leader is SIGKILLed); a producer retry of a copied
+message is a duplicate on the new group."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 from onceq.client.admin import Admin
 from onceq.client.connection import BrokerConnection, call
+from onceq.client.message import Message
 from onceq.client.producer import Producer
 from onceq.client.pull import PullConsumer
 from onceq.client.reassign import reassign
@@ -71,8 +73,8 @@ def test_queues_past_retention_move_with_their_offsets(tmp_path: Path, etcd_endp
         async with Producer(bootstrap) as p:
             await p.send_batch(TOPIC, [BODY.replace(b"r", b"q")] * 10, queue=1)
             for i in range(6):
-                await p.send_batch(TOPIC, [BODY[:-2] + b"%02d" % (i * 10 + j)
-                                           for j in range(10)], queue=0)
+                last = await p.send_batch(TOPIC, [BODY[:-2] + b"%02d" % (i * 10 + j)
+                                                  for j in range(10)], queue=0)
         # retention removes the head of queue 0 and all of queue 1 on g1
         await wait_until(lambda: _past(source), 20, "retention on g1")
         lo, hi, _ = await _state(source, 0)
@@ -85,11 +87,16 @@ def test_queues_past_retention_move_with_their_offsets(tmp_path: Path, etcd_endp
         on_g2 = {q: await _state(leader.address, q) for q in (0, 1)}
         async with Producer(bootstrap) as p:  # the route says g2 now
             sent = [(await p.send(TOPIC, b"after", queue=q)).offset for q in (0, 1)]
+            # a producer retry of a message sent before the move: a duplicate on g2 too
+            retried = await p.send(TOPIC, Message(BODY[:-2] + b"59",
+                                                  unique_key=last[-1].unique_key), queue=0)
         copied = await _read(leader.address, 0, lo)
         leader.kill()  # its follower takes over with the restart it took from the log
         new = await leader_of([n for n in g2 if n is not leader], timeout=20)
         return {"lo": lo, "hi": hi, "before": before, "moves": moves, "on_g2": on_g2,
-                "sent": sent, "copied": copied, "after_kill": {
+                "sent": sent, "retried": (retried.duplicate, retried.offset,
+                                          last[-1].offset),
+                "copied": copied, "after_kill": {
                     q: await _state(new.address, q) for q in (0, 1)},
                 "read_after_kill": await _read(new.address, 0, lo)}
 
@@ -109,6 +116,7 @@ def test_queues_past_retention_move_with_their_offsets(tmp_path: Path, etcd_endp
     # queue 1 held nothing: it goes on at its next offset
     assert out["on_g2"][1][:2] == (10, 10)
     assert out["sent"] == [hi, 10]
+    assert out["retried"] == (True, hi - 1, hi - 1)  # the copy's key known to g2's window
     # the follower serves the same offsets after its leader's SIGKILL
     assert out["after_kill"][0][:2] == (lo, hi + 1) and out["after_kill"][1][:2] == (10, 11)
     assert out["read_after_kill"] == out["copied"]

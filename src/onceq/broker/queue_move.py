@@ -81,7 +81,8 @@ class QueueMoves:
             end = req.start
         if req.payload and req.start == end:
             parts = split_parts(req.payload)
-            res = self.store.put(topic, queue, parts, dedup=False)
+            # every copy stored (offsets kept), and its unique key known to the window
+            res = self.store.put(topic, queue, parts, dedup=False, register=True)
             last = res.end_position
         for group, offset in (req.offsets or {}).items():
             if not isinstance(offset, int) or offset < 0:

@@ -90,11 +90,15 @@ class Appender:
         self.last_store_ms = 0  # store times never go backwards (search_offset bisects them)
 
     def put(self, topic: str, queue_id: int, parts: Sequence[bytes | memoryview],
-            dedup: bool = True, space: bool = True) -> PutResult:
+            dedup: bool = True, space: bool = True, register: bool = False) -> PutResult:
         """Store message parts in one queue; all or nothing on validation errors.
 
         ``dedup``: apply the producer-retry dedup window (internal re-puts may opt out).
-        ``space``: refuse the write above the disk usage limit (offset commits do not)."""
+        ``space``: refuse the write above the disk usage limit (offset commits do not).
+        ``register`` (without ``dedup``): store every part, and let the window know their
+        unique keys (a queue's messages copied here from another broker group: a producer
+        retry of one of them is then a duplicate here too, as after a restart, when the
+        window is read back from the log)."""
         cq = self.topics.queue(topic, queue_id)
         self.gate.check_writable(space)
         tb = topic.encode()
@@ -169,6 +173,9 @@ class Appender:
             dedup.add_found(topic, looked_up, batch_idx, queue_id, list(batch_keys.values()),
                             now_ms)
             dedup.expire(now_ms)
+        elif register and not use_dedup and dedup.enabled:
+            dedup.add_many((topic, key, queue_id, start_offset + i, now_ms)
+                           for i, (key, _) in enumerate(metas) if key)
         return PutResult(queue_id, offsets, dups, dup_queues, log_.end)
 
     def put_batch(self, topic: str, queue_id: int, batch: bytes,

@@ -178,9 +178,9 @@ class MessageStore:
 
     # ================================================================ messages
     def put(self, topic: str, queue_id: int, parts: Sequence[bytes | memoryview],
-            dedup: bool = True, space: bool = True) -> PutResult:
+            dedup: bool = True, space: bool = True, register: bool = False) -> PutResult:
         """Store message parts in one queue; all or nothing (see ``Appender.put``)."""
-        return self.appender.put(topic, queue_id, parts, dedup, space)
+        return self.appender.put(topic, queue_id, parts, dedup, space, register)
 
     def put_batch(self, topic: str, queue_id: int, batch: bytes,
                   checked: CheckedBatch | None = None
