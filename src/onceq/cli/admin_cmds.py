@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..client.admin import Admin
+from ..protocol.errors import ErrorCode, OnceqError
 from .common import async_command, broker_option, fail
 from .offsets_cmds import offsets_reset, parse_time
 
@@ -278,7 +279,6 @@ async def _delete_everywhere(endpoints: str, cluster_name: str, group: str
     """Delete ``group`` on every broker group of the cluster that knows it (queues
     forgotten per broker group), after checking that none has a live member of it."""
     from ..cluster import EtcdClient, EtcdError, read_directory
-    from ..protocol.errors import ErrorCode, OnceqError
 
     try:
         directory = await read_directory(EtcdClient(endpoints), cluster_name)
