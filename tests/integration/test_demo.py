@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -116,6 +117,10 @@ def test_html_report_renders_charts(demo_run):
     assert colours[red] > 800, colours.most_common(10)
     from onceq.cli.demo.svg import PALETTE
     drawn = [c for c in PALETTE if colours[bytes.fromhex(c[1:])] > 40]
-    # the lag chart: a line per queue and the total, some of which may coincide or stay
-    # too short to count (how many depends on the run's timing): several colours drawn
-    assert len(drawn) >= 4, drawn
+    # the lag chart: a line per queue and the total, in colours of their own; lines that
+    # coincide or stay too short are hidden on the screen (how many depends on the run's
+    # timing): each has its line in the page, and more than the two above are seen
+    strokes = set(re.findall(r'<polyline [^>]*stroke="(#[0-9a-f]{6})"[^>]*class="series"',
+                             page))
+    assert len(strokes) >= 4 and strokes <= set(PALETTE), strokes
+    assert len(drawn) >= 3, drawn
