@@ -27,6 +27,14 @@ class Seen:
             self.offsets += [m.queue_offset for m in msgs]
 
 
+async def _member(addr: str, seen: Seen) -> PushConsumer:
+    """A member of group ``billing`` on topic ``T``, started, from the first offsets."""
+    member = PushConsumer(addr, "billing", seen, consume_from="FIRST", commit_interval_s=0.1)
+    member.subscribe("T")
+    await member.start()
+    return member
+
+
 async def test_a_group_is_deleted_once_its_members_are_gone(tmp_path):
     data = str(tmp_path / "data")
     async with running_broker(data) as broker:
@@ -37,10 +45,7 @@ async def test_a_group_is_deleted_once_its_members_are_gone(tmp_path):
             for q in (0, 1):
                 await p.send_batch("T", [Message(b"m%d" % i) for i in range(5)], queue=q)
         seen = Seen()
-        member = PushConsumer(addr, "billing", seen, consume_from="FIRST",
-                              commit_interval_s=0.1)
-        member.subscribe("T")
-        await member.start()
+        member = await _member(addr, seen)
         try:
             await wait_until(lambda: len(seen.offsets) == 10, 10, "first consumption")
             async with Admin(addr) as admin:
@@ -63,10 +68,7 @@ async def test_a_group_is_deleted_once_its_members_are_gone(tmp_path):
             assert err.value.code == ErrorCode.INVALID_NAME
         # a member of the group again: from the first message (no offset left)
         again = Seen()
-        member = PushConsumer(addr, "billing", again, consume_from="FIRST",
-                              commit_interval_s=0.1)
-        member.subscribe("T")
-        await member.start()
+        member = await _member(addr, again)
         try:
             await wait_until(lambda: len(again.offsets) == 10, 10, "consumed afresh")
         finally:
