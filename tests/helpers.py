@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -43,10 +44,20 @@ async def running_broker(data_dir: str, store_kw: dict[str, Any] | None = None,
         await broker.stop()
 
 
+_HANDED_OUT: deque[int] = deque(maxlen=1024)  # ports free_port gave lately
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on loopback now, and not one this process was given lately: two picks
+    in a row may get the same free port (a broker binds it only later), as once happened
+    to two brokers of one group."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.append(port)
+            return port
 
 
 def with_fd_limit(argv: list[str], fd_limit: int | None) -> list[str]:
