@@ -6,7 +6,8 @@ protocol descriptors cannot share a process with onceq's).
 
 prints one JSON object on its last stdout line. Commands: ``produce``, ``produce_unknown``,
 ``resend`` (one SendMessage request sent twice, as a retry after a lost answer; with
-``deliver_at_s``, a delayed message),
+``deliver_at_s``, a delayed message), ``receive`` (a SimpleConsumer acknowledging what
+it receives, with each message's delivery timestamp and arrival time),
 ``simple`` (a SimpleConsumer: receive, change invisible duration, ack, redelivery),
 ``push`` (a PushConsumer for a while), ``simple_hold`` (a SimpleConsumer
 acknowledging with handles received before a broker restart), ``push_live`` (a
@@ -21,7 +22,8 @@ nothing: each delivery and its attempt), ``forward`` (a SimpleConsumer forwardin
 messages to the dead-letter queue with ``ForwardMessageToDeadLetterQueue``).
 
 ``produce`` takes per message ``group`` (a FIFO message of that message group) and
-``deliver_at_s`` (a delayed message: refused by onceq; the error is reported).
+``delay_s`` (a delayed message, its delivery timestamp that many whole seconds ahead:
+its receipt with ``deliver_at_s``, the timestamp in seconds, or its error).
 
 Options of every command (in its JSON arguments): ``ak`` and ``sk``, the client's
 ``Credentials`` (signed requests, for a broker with acl on); ``tls``, the client connects
@@ -81,12 +83,16 @@ def produce(endpoint: str, args: dict[str, Any]) -> dict[str, Any]:
                 msg.add_property(k, v)
             if m.get("group"):
                 msg.message_group = m["group"]
-            if m.get("deliver_at_s"):
-                msg.delivery_timestamp = int(time.time()) + m["deliver_at_s"]
+            if m.get("delay_s"):  # whole seconds, as the client takes them
+                at = int(time.time()) + m["delay_s"]
+                msg.delivery_timestamp = at
                 try:
-                    producer.send(msg)
+                    receipt = producer.send(msg)
                 except Exception as exc:
                     out.append({"error": str(exc), "type": type(exc).__name__})
+                    continue
+                out.append({"message_id": receipt.message_id, "offset": receipt.offset,
+                            "deliver_at_s": at, "sent_at": time.time()})
                 continue
             if args.get("async"):
                 receipt = producer.send_async(msg).result(timeout=10)
@@ -141,6 +147,27 @@ def resend(endpoint: str, args: dict[str, Any]) -> dict[str, Any]:
             out.append({"code": res.status.code, "message_id": e.message_id,
                         "offset": e.offset, "message": res.status.message})
     return {"answers": out}
+
+
+def receive(endpoint: str, args: dict[str, Any]) -> dict[str, Any]:
+    """A SimpleConsumer of ``group`` acknowledging what it receives within ``wait_s``:
+    each message with its delivery timestamp, properties and arrival time."""
+    consumer = SimpleConsumer(config(endpoint, args), args["group"],
+                              {args["topic"]: FilterExpression()}, tls_enable=tls(args))
+    consumer.startup()
+    try:
+        got: list[dict[str, Any]] = []
+        deadline = time.time() + args["wait_s"]
+        while len(got) < args["count"] and time.time() < deadline:
+            for m in consumer.receive(16, 10):
+                got.append({"body": m.body.decode(), "message_id": m.message_id,
+                            "delivery_timestamp": m.delivery_timestamp,
+                            "properties": dict(m.properties or {}),
+                            "received_at": time.time()})
+                consumer.ack(m)
+        return {"received": got}
+    finally:
+        consumer.shutdown()
 
 
 def signed(endpoint: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -453,7 +480,7 @@ def forward(endpoint: str, args: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     endpoint, command, raw = sys.argv[1], sys.argv[2], sys.argv[3]
     fn = {"produce": produce, "produce_unknown": produce_unknown, "resend": resend,
-          "simple": simple, "push": push, "push_live": push_live,
+          "receive": receive, "simple": simple, "push": push, "push_live": push_live,
           "simple_hold": simple_hold, "signed": signed, "fifo_simple": fifo_simple,
           "fifo_push": fifo_push, "never_ack": never_ack, "forward": forward}[command]
     print(json.dumps(fn(endpoint, json.loads(raw))), flush=True)

@@ -1,16 +1,11 @@
 """Delayed messages of RocketMQ 5 clients: the mapping of ``delivery_timestamp`` (pure),
 and the official client's delayed messages accepted by onceq's gRPC endpoint and
-delivered at their time (``rmq_delay_proc.py``)."""
+delivered at their time (``rmq_proc.py``)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,7 +21,6 @@ from onceq.rocketmq.mapping import RmqError, route, to_part, to_pb, to_send
 
 from .conftest import RmqBroker
 
-PROC = Path(__file__).with_name("rmq_delay_proc.py")
 T_MS = 1_700_000_000_000
 
 
@@ -92,20 +86,6 @@ def test_routes_accept_delay_messages():
     assert list(q.accept_message_types) == [pb.NORMAL, pb.FIFO, pb.DELAY]
 
 
-def _client(rmq: RmqBroker, command: str, timeout: float = 60, **args: Any) -> dict[str, Any]:
-    p = subprocess.Popen([sys.executable, str(PROC), rmq.endpoint, command, json.dumps(args)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "HOME": str(rmq.home)})
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out, err = p.communicate()
-        raise AssertionError(f"rmq_delay_proc timed out:\n{err[-3000:]}") from None
-    assert p.returncode == 0, err[-3000:]
-    return json.loads(out.strip().splitlines()[-1])
-
-
 async def _read(addr: str, topic: str) -> list[Any]:
     async with PullConsumer(addr, "reader") as c:
         r = await c.pull(topic, 0, 0, 64, suspend=0)
@@ -117,14 +97,14 @@ def test_the_official_client_s_delayed_message_is_delivered_at_its_time(rmq: Rmq
         async with Admin(rmq.addr) as a:
             await a.create_topic("delayed-rmq", 1)
     asyncio.run(topic())
-    out = _client(rmq, "produce_delayed", topic="delayed-rmq",
-                  messages=[{"body": "later", "delay_s": 2, "props": {"p": "v"}}])
+    out = rmq.client("produce", topic="delayed-rmq",
+                     messages=[{"body": "later", "delay_s": 2, "props": {"p": "v"}}])
     [sent] = out["sent"]
     assert "error" not in sent, sent
     if time.time() < sent["deliver_at_s"] - 0.2:  # not visible before its time
         assert asyncio.run(_read(rmq.addr, "delayed-rmq")) == []
-    got = _client(rmq, "receive", topic="delayed-rmq", group="delayed-g", count=1,
-                  wait_s=15)["received"]
+    got = rmq.client("receive", topic="delayed-rmq", group="delayed-g", count=1,
+                     wait_s=15)["received"]
     assert [(m["body"], m["message_id"]) for m in got] == [("later", sent["message_id"])]
     assert got[0]["properties"] == {"p": "v"}
     assert got[0]["delivery_timestamp"] == sent["deliver_at_s"] * 1000
